@@ -1,0 +1,1 @@
+"""Own MLX model implementations, one module per Hugging Face `model_type`."""

@@ -1,0 +1,118 @@
+"""What every model module shares: the forward's output record, the model
+protocol the pipeline binds to, attention masks for per-row offsets, RoPE.
+
+A forward takes ids `[B, L]` and each row's start position (`offsets`, host
+ints). Rows may sit at different positions (rows accept different numbers of
+drafts); the mask and RoPE then take per-row offsets. When every row starts at
+the same position the fast paths apply: no mask for one token, MLX's causal
+mask for a window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from attrs import frozen
+
+from models.cache import KVCache
+from schemas.hf import DecoderArgs, RopeConfig
+
+
+@frozen
+class ModelOutput:
+    logits: mx.array  # [B, L, V]
+    hidden: mx.array  # [B, L, H], the last layer's output before the final norm
+
+
+class CausalLM(Protocol):
+    """The graph a pipeline drives. Implemented by every module in `models/`."""
+
+    args: DecoderArgs
+
+    def __call__(self, ids: mx.array, cache: KVCache, offsets: Sequence[int]) -> ModelOutput: ...
+
+    def make_cache(self, batch: int) -> KVCache: ...
+
+    def embed(self, ids: mx.array) -> mx.array: ...
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        """Final norm + vocabulary projection: `[..., H]` -> `[..., V]`."""
+        ...
+
+
+Mask = mx.array | str | None
+
+
+def attention_mask(offsets: Sequence[int], length: int) -> Mask:
+    """The mask for a window of `length` queries at per-row `offsets`.
+
+    Query i of row b sits at position offsets[b] + i and may see keys
+    j <= offsets[b] + i. Returns None (one query per row, equal offsets),
+    "causal" (equal offsets), or a boolean `[B, 1, L, S]` array.
+    """
+    first = offsets[0]
+    if all(o == first for o in offsets):
+        return None if length == 1 else "causal"
+    span = max(offsets) + length
+    starts = mx.array(list(offsets), dtype=mx.int32)[:, None, None, None]
+    query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
+    key = mx.arange(span, dtype=mx.int32)[None, None, None, :]
+    return key <= starts + query
+
+
+def rope_offset(offsets: Sequence[int]) -> int | mx.array:
+    first = offsets[0]
+    if all(o == first for o in offsets):
+        return first
+    return mx.array(list(offsets), dtype=mx.int32)
+
+
+class RoPE(nn.Module):
+    """Rotary embedding with default / linear / llama3 frequency schedules."""
+
+    def __init__(self, dims: int, config: RopeConfig) -> None:
+        super().__init__()
+        self.dims = dims
+        self.traditional = config.traditional
+        self.base: float | None = config.theta
+        self.scale = 1.0
+        self._freqs: mx.array | None = None
+        if config.rope_type == "linear":
+            self.scale = 1.0 / config.factor
+        elif config.rope_type == "llama3":
+            self._freqs = _llama3_freqs(dims, config)
+            self.base = None
+        elif config.rope_type not in ("default",):
+            raise ValueError(f"unsupported rope_type {config.rope_type!r}")
+
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self._freqs,
+        )
+
+
+def _llama3_freqs(dims: int, config: RopeConfig) -> mx.array:
+    # https://github.com/meta-llama/llama-models (apply_scaling): wavelengths
+    # longer than low_freq_wavelen are divided by `factor`, shorter than
+    # high_freq_wavelen kept, and the band between interpolated smoothly.
+    freqs = config.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    old = config.original_max_position_embeddings
+    low_wavelen = old / config.low_freq_factor
+    high_wavelen = old / config.high_freq_factor
+    wavelens = 2 * mx.pi * freqs
+    freqs = mx.where(wavelens > low_wavelen, freqs * config.factor, freqs)
+    is_medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (old / wavelens - config.low_freq_factor) / (
+        config.high_freq_factor - config.low_freq_factor
+    )
+    smoothed = freqs / ((1 - smooth) / config.factor + smooth)
+    return mx.where(is_medium, smoothed, freqs)

@@ -1,0 +1,113 @@
+"""Position-indexed key/value storage shared by the attention layers of a model.
+
+The storage is an arena of per-layer buffers `[B, Hkv, C, D]`. What a row has
+*committed* is not stored here: it is the row's length, a host integer the
+pipeline keeps in its immutable row state. A forward writes the keys/values of
+its window at positions `offsets[b] .. offsets[b] + L - 1`, all at or beyond the
+row's committed length, so the committed prefix of every buffer is never
+written while a round is prepared. That is what makes attention rollback free:
+rejecting positions means keeping the old length; the next window overwrites
+them. (Recurrent layers cannot do this; they carry per-position states.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+_STEP = 256
+
+
+class KVCache:
+    """Per-layer key/value buffers for B rows; grows in steps of 256 positions."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+    ) -> None:
+        self.num_layers = num_layers
+        self.batch = batch
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.capacity = 0
+        self.keys: list[mx.array] = []  # per layer [B, Hkv, C, D]
+        self.values: list[mx.array] = []  # per layer [B, Hkv, C, D]
+
+    def reserve(self, end: int) -> None:
+        """Make room for positions `< end` in every layer (copies on growth)."""
+        if end <= self.capacity:
+            return
+        new_capacity = ((end + _STEP - 1) // _STEP) * _STEP
+        shape = (self.batch, self.kv_heads, new_capacity - self.capacity, self.head_dim)
+        if not self.keys:
+            self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        else:
+            grow = mx.zeros(shape, self.dtype)
+            self.keys = [mx.concatenate([k, grow], axis=2) for k in self.keys]
+            self.values = [mx.concatenate([v, grow], axis=2) for v in self.values]
+        self.capacity = new_capacity
+
+    def write(
+        self,
+        layer: int,
+        keys: mx.array,  # [B, Hkv, L, D]
+        values: mx.array,  # [B, Hkv, L, D]
+        offsets: Sequence[int],
+    ) -> tuple[mx.array, mx.array]:
+        """Store a window at each row's offset; return keys/values `[B, Hkv, S, D]`
+        with S = max(offsets) + L, the span the window's queries may attend to."""
+        length = keys.shape[2]
+        end = max(offsets) + length
+        assert end <= self.capacity, "reserve() before write()"
+        k_buf, v_buf = self.keys[layer], self.values[layer]
+        if all(o == offsets[0] for o in offsets):
+            start = offsets[0]
+            k_buf[:, :, start : start + length, :] = keys
+            v_buf[:, :, start : start + length, :] = values
+        else:
+            for row, start in enumerate(offsets):
+                k_buf[row, :, start : start + length, :] = keys[row]
+                v_buf[row, :, start : start + length, :] = values[row]
+        return k_buf[:, :, :end, :], v_buf[:, :, :end, :]
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.keys, *self.values]
+
+    def take_rows(self, rows: Sequence[int]) -> KVCache:
+        """A new cache holding the given rows, in that order (a copy)."""
+        out = KVCache(self.num_layers, len(rows), self.kv_heads, self.head_dim, self.dtype)
+        out.capacity = self.capacity
+        if self.keys:
+            index = mx.array(list(rows), dtype=mx.int32)
+            out.keys = [mx.take(k, index, axis=0) for k in self.keys]
+            out.values = [mx.take(v, index, axis=0) for v in self.values]
+        return out
+
+    @staticmethod
+    def concat_rows(caches: Sequence[KVCache]) -> KVCache:
+        """Stack the rows of several caches of one model into one (a copy)."""
+        first = caches[0]
+        capacity = max(c.capacity for c in caches)
+        for c in caches:
+            c.reserve(capacity)
+        out = KVCache(
+            first.num_layers,
+            sum(c.batch for c in caches),
+            first.kv_heads,
+            first.head_dim,
+            first.dtype,
+        )
+        out.reserve(capacity)
+        if capacity:
+            out.keys = [mx.concatenate([c.keys[i] for c in caches]) for i in range(first.num_layers)]
+            out.values = [
+                mx.concatenate([c.values[i] for c in caches]) for i in range(first.num_layers)
+            ]
+        return out

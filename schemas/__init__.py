@@ -1,0 +1,1 @@
+"""attrs records for configs, artifacts and requests, and their cattrs converters."""

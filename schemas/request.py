@@ -1,0 +1,105 @@
+"""Records for generation requests: sampling parameters and per-request limits.
+
+Named constructors validate and return `Result`; the records themselves are
+plain frozen values.
+"""
+
+from __future__ import annotations
+
+import math
+
+from attrs import field, frozen
+from returns.result import Failure, Result, Success
+
+from schemas.errors import RequestError
+
+
+@frozen(kw_only=True)
+class SamplingParams:
+    """How the target picks each token. temperature 0 means greedy (argmax).
+
+    Filters apply in this order: repetition penalty, temperature, top-k,
+    top-p, min-p. Every random draw uses the step key of (seed, step).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context: int = 20
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context: int = 20,
+        seed: int = 0,
+    ) -> Result[SamplingParams, RequestError]:
+        problems: list[str] = []
+        if not math.isfinite(temperature) or temperature < 0:
+            problems.append(
+                f"temperature must be >= 0 (0 = greedy), got {temperature}"
+            )
+        if not (0.0 < top_p <= 1.0) or math.isnan(top_p):
+            problems.append(f"top-p must be in (0, 1] (1 = off), got {top_p}")
+        if top_k < 0:
+            problems.append(f"top-k must be >= 0 (0 = off), got {top_k}")
+        if not (0.0 <= min_p < 1.0) or math.isnan(min_p):
+            problems.append(f"min-p must be in [0, 1) (0 = off), got {min_p}")
+        if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+            problems.append(
+                f"repetition penalty must be > 0 (1 = off), got {repetition_penalty}"
+            )
+        if repetition_context < 1:
+            problems.append(
+                f"repetition context must be >= 1 token, got {repetition_context}"
+            )
+        if not (0 <= seed < 2**32):
+            problems.append(f"seed must be in [0, 2**32), got {seed}")
+        if problems:
+            return Failure(RequestError("; ".join(problems)))
+        return Success(
+            cls(
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                min_p=float(min_p),
+                repetition_penalty=float(repetition_penalty),
+                repetition_context=int(repetition_context),
+                seed=int(seed),
+            )
+        )
+
+
+@frozen(kw_only=True)
+class GenerationLimits:
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default=(), converter=tuple)
+    logprobs: bool = False
+
+    @classmethod
+    def create(
+        cls, *, max_tokens: int = 256, stop: tuple[str, ...] = (), logprobs: bool = False
+    ) -> Result[GenerationLimits, RequestError]:
+        if max_tokens <= 0:
+            return Failure(
+                RequestError(f"max-tokens must be a positive number, got {max_tokens}")
+            )
+        if any(s == "" for s in stop):
+            return Failure(RequestError("stop strings must not be empty"))
+        return Success(cls(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs))

@@ -1,0 +1,3 @@
+from specpipe.cli import main
+
+main()

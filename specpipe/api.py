@@ -1,0 +1,285 @@
+"""The Python API: load a pipeline, generate (one prompt or a batch of rows),
+stream text. Boundary errors come back as `Result` failures."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from attrs import field, frozen
+from returns.result import Failure, Result, Success
+
+from bindings.kinds import default_registry
+from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
+from schemas.errors import LoadError, RequestError, SpecpipeError
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.load import LoadedModel
+from specpipe.load import load as load_model
+from specpipe.loop import RoundOptions, RowRequest, RowResult, generate_rows
+from specpipe.output import TextSink
+from specpipe.policy import DraftPolicy
+
+Prompt = str | Sequence[int]
+
+
+@frozen
+class GenerationStats:
+    tokens_per_second: float
+    prompt_seconds: float
+    decode_seconds: float
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_length: float
+    draft: str
+    per_position: tuple[float, ...] = ()
+    ms_per_round: float = 0.0
+    draft_errors: tuple[str, ...] = ()
+
+
+@frozen
+class GenerationResult:
+    text: str
+    tokens: tuple[int, ...]
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    stats: GenerationStats
+    logprobs: tuple[float, ...] | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "finish_reason": self.finish_reason,
+            "stats": {
+                "tokens_per_second": self.stats.tokens_per_second,
+                "prompt_seconds": self.stats.prompt_seconds,
+                "decode_seconds": self.stats.decode_seconds,
+                "rounds": self.stats.rounds,
+                "drafted": self.stats.drafted,
+                "accepted": self.stats.accepted,
+                "acceptance_length": self.stats.acceptance_length,
+                "draft": self.stats.draft,
+                "per_position_acceptance": list(self.stats.per_position),
+                "ms_per_round": self.stats.ms_per_round,
+            },
+        }
+        if self.stats.draft_errors:
+            out["stats"]["draft_errors"] = list(self.stats.draft_errors)
+        if self.logprobs is not None:
+            out["logprobs"] = list(self.logprobs)
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+@frozen
+class Pipeline:
+    target: LoadedModel
+    draft: LoadedDraft | None = None
+    device_round: bool = True
+    registry: DraftRegistry = field(factory=default_registry)
+
+    @property
+    def draft_kind(self) -> str:
+        return self.draft.kind if self.draft is not None else "none"
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> Result[tuple[int, ...], RequestError]:
+        tok = self.target.tokenizer
+        if not isinstance(prompt, str):
+            ids = tuple(int(t) for t in prompt)
+        else:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            ids = tuple(tok.encode(text, add_special_tokens=not chat))
+        if not ids:
+            bos = tok.bos_token_id
+            if bos is None:
+                return Failure(RequestError("the prompt is empty and the model has no BOS token; give a prompt"))
+            ids = (bos,)
+        context = self.target.args.max_position_embeddings
+        if len(ids) >= context:
+            return Failure(
+                RequestError(
+                    f"the prompt has {len(ids)} tokens but the model's context is {context}; "
+                    "shorten the prompt"
+                )
+            )
+        return Success(ids)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | None = None,
+        limits: GenerationLimits | None = None,
+        chat: bool = False,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> Result[list[GenerationResult], RequestError]:
+        sampling = sampling or SamplingParams()
+        limits = limits or GenerationLimits()
+        encoded: list[tuple[int, ...]] = []
+        for prompt in prompts:
+            result = self.encode(prompt, chat)
+            if not isinstance(result, Success):
+                return Failure(result.failure())
+            encoded.append(result.unwrap())
+        if not encoded:
+            return Failure(RequestError("no prompts given"))
+        context = self.target.args.max_position_embeddings
+        sinks = [
+            TextSink(
+                self.target.tokenizer.detokenizer(),
+                limits.stop,
+                (lambda text, i=i: on_text(i, text)) if on_text is not None else None,
+            )
+            for i in range(len(encoded))
+        ]
+        requests = [
+            RowRequest(ids, sampling, min(limits.max_tokens, context - len(ids)), sink, limits.logprobs)
+            for ids, sink in zip(encoded, sinks, strict=True)
+        ]
+        options = RoundOptions(
+            depth=self.draft.width if self.draft is not None else 0,
+            device_round=self.device_round,
+        )
+        rows = generate_rows(
+            self.target.model,
+            requests,
+            self.target.tokenizer.eos_token_ids,
+            self.draft.drafter if self.draft is not None else None,
+            options,
+        )
+        out = []
+        for ids, sink, row in zip(encoded, sinks, rows, strict=True):
+            sink.close()
+            out.append(self._result(ids, sink, row))
+        return Success(out)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        limits: GenerationLimits | None = None,
+        chat: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Result[GenerationResult, RequestError]:
+        callback = (lambda _i, text: on_text(text)) if on_text is not None else None
+        return self.generate_batch([prompt], sampling, limits, chat, callback).map(lambda r: r[0])
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        limits: GenerationLimits | None = None,
+        chat: bool = False,
+    ) -> Iterator[str]:
+        """Text pieces as they are generated. Raises the boundary error, if any."""
+        pieces: queue.Queue[str | None] = queue.Queue()
+        outcome: list[Result[GenerationResult, RequestError]] = []
+
+        def run() -> None:
+            try:
+                outcome.append(self.generate(prompt, sampling, limits, chat, pieces.put))
+            finally:
+                pieces.put(None)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        while (piece := pieces.get()) is not None:
+            yield piece
+        worker.join()
+        if outcome and not isinstance(outcome[0], Success):
+            raise ValueError(outcome[0].failure().message)
+
+    def _result(self, ids: tuple[int, ...], sink: TextSink, row: RowResult) -> GenerationResult:
+        m = row.metrics
+        generated = len(sink.tokens)
+        decode = row.decode_seconds
+        stats = GenerationStats(
+            tokens_per_second=generated / decode if decode > 0 else 0.0,
+            prompt_seconds=row.prompt_seconds,
+            decode_seconds=decode,
+            rounds=m.rounds,
+            drafted=m.drafted,
+            accepted=m.accepted,
+            acceptance_length=m.acceptance_length,
+            draft=self.draft_kind,
+            per_position=tuple(m.per_position()),
+            ms_per_round=sum(row.round_ms) / len(row.round_ms) if row.round_ms else 0.0,
+            draft_errors=tuple(m.draft_errors),
+        )
+        return GenerationResult(
+            text=sink.text,
+            tokens=tuple(sink.tokens),
+            prompt_tokens=len(ids),
+            generated_tokens=generated,
+            finish_reason=row.finish,
+            stats=stats,
+            logprobs=tuple(sink.logprobs) if sink.logprobs else None,
+            error=row.error,
+        )
+
+
+def load(
+    ref: str | None = None,
+    *,
+    draft: str | None = None,
+    num_draft_tokens: int | None = None,
+    dtype: str | None = None,
+    ngram_min: int | None = None,
+    ngram_max: int | None = None,
+    policy: DraftPolicy | None = None,
+    device_round: bool = True,
+    registry: DraftRegistry | None = None,
+) -> Result[Pipeline, SpecpipeError]:
+    """Load a target (default: the embedded default model) and, optionally, a
+    draft: "none", "ngram", "auto" (a companion the target bundles, else
+    ngram), a registered kind name, or any model reference the loader takes."""
+    registry = registry or default_registry()
+    if num_draft_tokens is not None and num_draft_tokens <= 0:
+        return Failure(RequestError(f"num-draft-tokens must be >= 1, got {num_draft_tokens}"))
+    loaded = load_model(ref, dtype)
+    if not isinstance(loaded, Success):
+        return Failure(loaded.failure())
+    target = loaded.unwrap()
+    if draft is None or draft == "none":
+        return Success(Pipeline(target, None, device_round, registry))
+    request = DraftLoadRequest(
+        target=target, width=num_draft_tokens, ngram_min=ngram_min, ngram_max=ngram_max,
+        policy=policy or DraftPolicy(),
+    )
+    result = _resolve_draft(registry, draft, target, request)
+    if not isinstance(result, Success):
+        return Failure(result.failure())
+    return Success(Pipeline(target, result.unwrap(), device_round, registry))
+
+
+def _resolve_draft(
+    registry: DraftRegistry, draft: str, target: LoadedModel, request: DraftLoadRequest
+) -> Result[LoadedDraft, SpecpipeError]:
+    from attrs import evolve
+
+    entry = registry.get(draft)
+    if entry is not None and not entry.artifact:
+        return registry.load(draft, request)
+    if draft == "auto":
+        bundled = registry.companion(target.folder)
+        if bundled is not None:
+            kind, folder = bundled
+            return registry.load(kind, evolve(request, source=str(folder)))
+        return registry.load("ngram", request)
+    path = Path(draft).expanduser()
+    if path.is_dir():
+        kind_result = registry.detect(path)
+        if not isinstance(kind_result, Success):
+            return Failure(kind_result.failure())
+        return registry.load(kind_result.unwrap(), evolve(request, source=str(path)))
+    if entry is not None:
+        return Failure(LoadError(f"draft kind {draft!r} needs an artifact folder; pass its path"))
+    return registry.load("two-model", evolve(request, source=draft))

@@ -1,0 +1,170 @@
+"""The `specpipe` command line: generate, convert."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from returns.result import Success
+
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.api import load
+from specpipe.load import DEFAULT_MODEL, save_folder
+from specpipe.load import load as load_model
+from specpipe.policy import DraftPolicy
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"specpipe: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _unwrap(result: Any) -> Any:
+    if not isinstance(result, Success):
+        _fail(str(result.failure()))
+    return result.unwrap()
+
+
+def _read_prompts(path: str) -> list[dict[str, Any]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        _fail(f"{path}: cannot read the prompts file ({exc.strerror})")
+    prompts: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            _fail(f"{path}:{number}: not valid JSON ({exc.msg})")
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            _fail(f'{path}:{number}: expected an object with a "prompt" string')
+        prompts.append(item)
+    if not prompts:
+        _fail(f"{path}: no prompts in the file")
+    return prompts
+
+
+def _generate(args: argparse.Namespace) -> None:
+    sampling = _unwrap(
+        SamplingParams.create(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+        )
+    )
+    limits = _unwrap(
+        GenerationLimits.create(max_tokens=args.max_tokens, stop=tuple(args.stop or ()), logprobs=args.logprobs)
+    )
+    if args.prompts_file:
+        if args.prompt is not None:
+            _fail("give either PROMPT or --prompts-file, not both")
+        prompts = [item["prompt"] for item in _read_prompts(args.prompts_file)]
+    elif args.prompt is not None:
+        prompts = [args.prompt]
+    elif not sys.stdin.isatty():
+        prompts = [sys.stdin.read()]
+    else:
+        _fail('no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")')
+    policy = DraftPolicy(greedy=args.greedy_draft, temperature=args.draft_temperature, drop_filters=args.draft_drop_filters)
+    pipeline = _unwrap(
+        load(
+            args.model,
+            draft=args.draft,
+            num_draft_tokens=args.num_draft_tokens,
+            dtype=args.dtype,
+            ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max,
+            policy=policy,
+            device_round=not args.host_round,
+        )
+    )
+    streaming = not args.json and not args.prompts_file
+
+    def on_text(_row: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    results = _unwrap(
+        pipeline.generate_batch(prompts, sampling, limits, args.chat, on_text if streaming else None)
+    )
+    if streaming:
+        sys.stdout.write("\n")
+    elif args.prompts_file:
+        for result in results:
+            print(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        print(json.dumps(results[0].to_json(), ensure_ascii=False))
+    failed = [r for r in results if r.finish_reason == "failed"]
+    if failed:
+        _fail(failed[0].error or "generation failed", code=1)
+
+
+def _convert(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        _fail(f"{out} exists and is not empty; pass --force to replace it")
+    quantize = None if args.quantize == "none" else int(args.quantize)
+    loaded = _unwrap(load_model(args.src, args.dtype))
+    path = _unwrap(save_folder(loaded, out, quantize, args.group_size))
+    print(f"specpipe: wrote {path}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpipe", description="Lossless speculative decoding on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text (plain or speculative)")
+    gen.add_argument("prompt", nargs="?", help="the prompt (or pipe it on stdin)")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help=f"folder, .gguf, fixture name or hub id (default {DEFAULT_MODEL})")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--logprobs", action="store_true", help="include each token's log-probability (with --json)")
+    gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    gen.add_argument("--draft", default="none", help="none | ngram | auto | a draft model reference")
+    gen.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens per round (default per kind)")
+    gen.add_argument("--ngram-min", type=int, default=None)
+    gen.add_argument("--ngram-max", type=int, default=None)
+    gen.add_argument("--greedy-draft", action="store_true", help="argmax drafts (drops the coupled draw)")
+    gen.add_argument("--draft-temperature", type=float, default=None)
+    gen.add_argument("--draft-drop-filters", action="store_true")
+    gen.add_argument("--host-round", action="store_true", help="read drafts back before building the verify graph")
+    gen.add_argument("--prompts-file", help="JSONL, one prompt object per line, run as one batch")
+    gen.set_defaults(func=_generate)
+
+    conv = sub.add_parser("convert", help="write an HF-layout MLX folder from any model reference")
+    conv.add_argument("src", help="folder, .gguf, fixture name or hub id")
+    conv.add_argument("out", help="output folder")
+    conv.add_argument("--quantize", choices=["4", "8", "none"], default="none")
+    conv.add_argument("--group-size", type=int, default=64)
+    conv.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    conv.add_argument("--force", action="store_true")
+    conv.set_defaults(func=_convert)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

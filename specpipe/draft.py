@@ -1,0 +1,67 @@
+"""The draft stage: what a drafter offers the round, and the protocol it keeps.
+
+A drafter proposes 0..depth tokens per row, either as host lists (model-free
+drafters such as prompt lookup) or left on the device as `[B, depth]` ids (a
+draft model), so the round can build the verify graph before anything is read
+back. After the walk, the drafter turns each row's accepted count into a
+prepared change of its own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import mlx.core as mx
+from attrs import frozen
+
+from models.base import ModelOutput
+from specpipe.state import RowState
+from specpipe.transaction import Prepared
+
+
+@frozen
+class Proposal:
+    depth: int
+    host: tuple[tuple[int, ...], ...] | None = None  # per row, 0..depth ids
+    device: mx.array | None = None  # [B, depth] int32
+
+    @classmethod
+    def empty(cls, rows: int) -> Proposal:
+        return cls(0, host=tuple(() for _ in range(rows)))
+
+    def resolve(self, read: Sequence[int] | None) -> tuple[tuple[int, ...], ...]:
+        """Host drafts per row; `read` is the host copy of `device`, row-major."""
+        if self.host is not None:
+            return self.host
+        assert read is not None and self.device is not None
+        rows = self.device.shape[0]
+        d = self.depth
+        return tuple(tuple(read[r * d : (r + 1) * d]) for r in range(rows))
+
+
+class DraftRows(Protocol):
+    """A drafter's state for the rows of one batch, between rounds."""
+
+    def propose(self, rows: Sequence[RowState], depth: int) -> Proposal: ...
+
+    def prepare_commit(
+        self,
+        rows: Sequence[RowState],
+        proposal: Proposal,
+        drafts: Sequence[tuple[int, ...]],
+        accepted: Sequence[int],
+        verified: ModelOutput,
+    ) -> Prepared[DraftRows]:
+        """The state after each row kept `accepted[b]` of its drafts."""
+        ...
+
+    def take_rows(self, keep: Sequence[int]) -> DraftRows: ...
+
+
+class Drafter(Protocol):
+    """A loaded draft provider: opens row state for a batch of prompts."""
+
+    kind: str
+
+    def open(self, rows: Sequence[RowState]) -> DraftRows: ...

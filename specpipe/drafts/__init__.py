@@ -1,0 +1,1 @@
+"""Draft providers: model-free prompt lookup and a second model."""

@@ -1,0 +1,95 @@
+"""Two-model drafting: a second, smaller model with the target's tokenizer.
+
+The draft keeps its own KV state and, per row, how many of the row's tokens it
+has processed. Each round it first feeds the tokens it has not seen yet (the
+pending token, plus the last accepted draft after a fully accepted window),
+then drafts `depth` tokens autoregressively, all as one lazy device graph.
+Each draft is sampled with the step key of the target position it predicts,
+so the draft and the target read the same point of their CDFs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+from attrs import evolve, frozen
+
+from models.base import CausalLM, ModelOutput
+from models.cache import KVCache
+from schemas.request import SamplingParams
+from specpipe.draft import DraftRows, Proposal
+from specpipe.policy import DraftPolicy
+from specpipe.prefill import prefill
+from specpipe.sample_window import sample_window
+from specpipe.state import RowState
+from specpipe.transaction import Prepared
+
+
+@frozen
+class TwoModelRows:
+    model: CausalLM
+    cache: KVCache
+    lengths: tuple[int, ...]  # per row, tokens the draft has processed
+    policy: DraftPolicy
+
+    def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
+        tails = [row.tokens[n:] for row, n in zip(rows, self.lengths, strict=True)]
+        width = max(len(t) for t in tails)
+        grid = [list(t) + [t[-1]] * (width - len(t)) for t in tails]
+        ids = mx.array(grid, dtype=mx.int32)
+        params = [self.policy.draft_params(row.sampling) for row in rows]
+        out = self.model(ids, self.cache, list(self.lengths))
+        last = mx.array([len(t) - 1 for t in tails], dtype=mx.int32)[:, None, None]
+        logits = mx.take_along_axis(out.logits, last, axis=1)  # [B, 1, V]
+        drafted = [_draw(logits, rows, params, 0)]
+        offsets = [n + len(t) for n, t in zip(self.lengths, tails, strict=True)]
+        for i in range(1, depth):
+            out = self.model(drafted[-1][:, None], self.cache, [o + i - 1 for o in offsets])
+            drafted.append(_draw(out.logits, rows, params, i))
+        return Proposal(depth, device=mx.stack(drafted, axis=1))
+
+    def prepare_commit(
+        self,
+        rows: Sequence[RowState],
+        proposal: Proposal,
+        drafts: Sequence[tuple[int, ...]],
+        accepted: Sequence[int],
+        verified: ModelOutput,
+    ) -> Prepared[DraftRows]:
+        processed_drafts = max(proposal.depth - 1, 0)
+        lengths = tuple(
+            row.length + 1 + min(a, processed_drafts)
+            for row, a in zip(rows, accepted, strict=True)
+        )
+        # `row.length + 1` covers the tail the draft fed (through the pending token).
+        return Prepared(lambda: evolve(self, lengths=lengths))
+
+    def take_rows(self, keep: Sequence[int]) -> DraftRows:
+        return evolve(
+            self,
+            cache=self.cache.take_rows(keep),
+            lengths=tuple(self.lengths[i] for i in keep),
+        )
+
+
+def _draw(
+    logits: mx.array,  # [B, 1, V]
+    rows: Sequence[RowState],
+    params: Sequence[SamplingParams],
+    ahead: int,
+) -> mx.array:
+    shifted = [evolve(row, step=row.step + ahead) for row in rows]
+    return sample_window(logits, None, shifted, params)[:, 0]
+
+
+@frozen
+class TwoModelDrafter:
+    model: CausalLM
+    policy: DraftPolicy = DraftPolicy()
+    kind: str = "two-model"
+
+    def open(self, rows: Sequence[RowState]) -> DraftRows:
+        cache = self.model.make_cache(len(rows))
+        prefill(self.model, cache, rows)
+        return TwoModelRows(self.model, cache, tuple(row.length for row in rows), self.policy)

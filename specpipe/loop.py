@@ -1,0 +1,301 @@
+"""The generation loop: the one module that synchronises with the device.
+
+It composes the stages of a round, draft -> verify -> sample_window -> (one
+host read) -> walk -> deliver -> commit, and drives rounds until every row
+finishes. Plain decoding (no drafter) is the same forward and the same sampler
+at window width 1, pipelined: the next step's graph is built from the device
+token before the current one is read back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+from attrs import define, evolve, field, frozen
+
+from models.base import CausalLM
+from models.cache import KVCache
+from schemas.request import SamplingParams
+from specpipe.draft import DraftRows, Drafter, Proposal
+from specpipe.metrics import PhaseTimes, RowMetrics
+from specpipe.prefill import prefill
+from specpipe.output import Delivered, FinishReason, TokenSink, deliver
+from specpipe.sample_window import sample_window
+from specpipe.sampling import token_logprobs
+from specpipe.state import RowState
+from specpipe.transaction import Prepared, apply_all, ready
+from specpipe.verify import build_window, verify
+from specpipe.walk import Acceptance, walk
+
+@frozen
+class RowRequest:
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    sink: TokenSink
+    logprobs: bool = False
+    cancelled: Callable[[], bool] | None = None
+
+
+@define
+class RowResult:
+    finish: FinishReason
+    metrics: RowMetrics
+    prompt_seconds: float
+    decode_seconds: float = 0.0
+    error: str | None = None
+    round_ms: list[float] = field(factory=list)
+
+
+@frozen
+class RoundOptions:
+    depth: int = 0
+    device_round: bool = True  # drafts stay on device until the one host read
+    phase_timing: bool = False
+
+
+@define
+class _Batch:
+    """The live rows of a run and the state of every participant."""
+
+    model: CausalLM
+    cache: KVCache
+    rows: list[RowState]
+    slots: list[int]  # request index of each live row
+    draft: DraftRows | None
+    eos: frozenset[int]
+
+    def retire(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.slots = [self.slots[i] for i in keep]
+        if keep:
+            self.cache = self.cache.take_rows(keep)
+            if self.draft is not None:
+                self.draft = self.draft.take_rows(keep)
+
+
+def generate_rows(
+    model: CausalLM,
+    requests: Sequence[RowRequest],
+    eos_ids: Sequence[int],
+    drafter: Drafter | None = None,
+    options: RoundOptions | None = None,
+) -> list[RowResult]:
+    """Generate every request as one batch of rows; results in request order."""
+    options = options or RoundOptions()
+    start = time.perf_counter()
+    rows = [RowState.start(r.prompt, r.max_tokens, r.sampling) for r in requests]
+    cache = model.make_cache(len(rows))
+    prefill(model, cache, rows)
+    draft_rows = drafter.open(rows) if drafter is not None and options.depth > 0 else None
+    prompt_seconds = time.perf_counter() - start
+    results: list[RowResult | None] = [None] * len(requests)
+    metrics = [RowMetrics() for _ in requests]
+    round_ms: list[list[float]] = [[] for _ in requests]
+    batch = _Batch(model, cache, rows, list(range(len(rows))), draft_rows, frozenset(eos_ids))
+    decode_start = time.perf_counter()
+
+    def finish(slot: int, reason: FinishReason, error: str | None = None) -> None:
+        results[slot] = RowResult(
+            reason, metrics[slot], prompt_seconds, time.perf_counter() - decode_start,
+            error, round_ms[slot],
+        )
+
+    phases = PhaseTimes() if options.phase_timing else None
+    while batch.rows:
+        if batch.draft is None and options.device_round and not _needs_history(batch):
+            _plain_pipelined(batch, requests, metrics, round_ms, finish)
+            break
+        t0 = time.perf_counter()
+        try:
+            outcome = _speculative_round(batch, requests, options, metrics, phases)
+        except Exception as exc:
+            message = f"target forward failed: {type(exc).__name__}: {exc}"
+            for slot in batch.slots:
+                finish(slot, "failed", message)
+            break
+        elapsed = (time.perf_counter() - t0) * 1000.0
+        keep: list[int] = []
+        for i, (slot, delivered) in enumerate(zip(batch.slots, outcome, strict=True)):
+            round_ms[slot].append(elapsed)
+            if delivered.finish is None:
+                keep.append(i)
+            else:
+                finish(slot, delivered.finish, delivered.error)
+        batch.retire(keep)
+    done = [r for r in results if r is not None]
+    assert len(done) == len(requests)
+    if phases is not None:
+        for r in done:
+            r.metrics.phase_ms = phases  # type: ignore[attr-defined]
+    return done
+
+
+def _needs_history(batch: _Batch) -> bool:
+    return any(row.sampling.needs_history for row in batch.rows)
+
+
+def _speculative_round(
+    batch: _Batch,
+    requests: Sequence[RowRequest],
+    options: RoundOptions,
+    metrics: list[RowMetrics],
+    phases: PhaseTimes | None,
+) -> list[Delivered]:
+    rows = batch.rows
+    mark = time.perf_counter()
+
+    def lap() -> float:
+        nonlocal mark
+        now = time.perf_counter()
+        elapsed, mark = (now - mark) * 1000.0, now
+        return elapsed
+
+    proposal = Proposal.empty(len(rows))
+    if batch.draft is not None:
+        try:
+            proposal = batch.draft.propose(rows, options.depth)
+            if proposal.device is not None and (not options.device_round or phases is not None):
+                read = proposal.device.reshape(-1).tolist()
+                assert isinstance(read, list)
+                proposal = Proposal(proposal.depth, host=proposal.resolve(read))
+        except Exception as exc:
+            _disable_draft(batch, metrics, exc)
+            proposal = Proposal.empty(len(rows))
+    if phases is not None:
+        phases.draft += lap()
+    window = build_window(rows, proposal)
+    verified = verify(batch.model, batch.cache, window)
+    if phases is not None:
+        mx.eval(verified.logits)
+        phases.verify += lap()
+    samples = sample_window(verified.logits, window.ids, rows)  # [B, W]
+    B, W = samples.shape
+    wants_logprobs = any(requests[s].logprobs for s in batch.slots)
+    reads: list[mx.array] = []
+    if proposal.device is not None:
+        reads.append(proposal.device.reshape(-1).astype(mx.int32))
+    reads.append(samples.reshape(-1))
+    host = mx.concatenate(reads).tolist() if len(reads) > 1 else reads[0].tolist()
+    assert isinstance(host, list)
+    lps: list[Any] | None = None
+    if wants_logprobs:
+        lp = token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1))
+        lps = lp.tolist()  # type: ignore[assignment]
+    drafted_flat = host[: len(host) - B * W]
+    tokens = host[len(host) - B * W :]
+    drafts = proposal.resolve(drafted_flat if proposal.device is not None else None)
+    if phases is not None:
+        phases.sample += lap()
+    acceptances: list[Acceptance] = []
+    delivered: list[Delivered] = []
+    for b, (row, slot) in enumerate(zip(rows, batch.slots, strict=True)):
+        acc = walk(drafts[b], tokens[b * W : b * W + len(drafts[b]) + 1], row.remaining, batch.eos)
+        acceptances.append(acc)
+        row_lps = lps[b * W : (b + 1) * W] if lps is not None and requests[slot].logprobs else None
+        delivered.append(deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled))
+        metrics[slot].record(len(drafts[b]), acc.accepted, delivered[-1].published)
+    _commit(batch, proposal, drafts, acceptances, delivered, verified, metrics)
+    if phases is not None:
+        phases.commit += lap()
+    return delivered
+
+
+def _commit(
+    batch: _Batch,
+    proposal: Proposal,
+    drafts: tuple[tuple[int, ...], ...],
+    acceptances: list[Acceptance],
+    delivered: list[Delivered],
+    verified: Any,
+    metrics: list[RowMetrics],
+) -> None:
+    rows = batch.rows
+    next_rows = [
+        row.advanced(acc.emitted) if d.finish is None else row
+        for row, acc, d in zip(rows, acceptances, delivered, strict=True)
+    ]
+    accepted = [acc.accepted for acc in acceptances]
+
+    def target() -> Prepared[list[RowState]]:
+        return ready(next_rows)
+
+    preparers: list[Callable[[], Prepared[Any]]] = [target]
+    draft = batch.draft
+    if draft is not None:
+        preparers.append(lambda: draft.prepare_commit(rows, proposal, drafts, accepted, verified))
+    try:
+        committed = apply_all(preparers)
+    except Exception as exc:
+        _disable_draft(batch, metrics, exc)
+        committed = apply_all([target])
+    batch.rows = committed[0]
+    if len(committed) > 1:
+        batch.draft = committed[1]
+
+
+def _disable_draft(batch: _Batch, metrics: list[RowMetrics], exc: Exception) -> None:
+    note = f"drafter disabled after {type(exc).__name__}: {exc}"
+    for slot in batch.slots:
+        metrics[slot].draft_errors.append(note)
+    batch.draft = None
+
+
+def _plain_pipelined(
+    batch: _Batch,
+    requests: Sequence[RowRequest],
+    metrics: list[RowMetrics],
+    round_ms: list[list[float]],
+    finish: Callable[[int, FinishReason, str | None], None],
+) -> None:
+    """Plain decoding; step k+1 is queued on the device before step k is read."""
+
+    def step(ids: mx.array, rows: Sequence[RowState], ahead: int) -> tuple[mx.array, mx.array | None]:
+        ahead_rows = [evolve(r, step=r.step + ahead) for r in rows]
+        out = batch.model(ids, batch.cache, [r.length + ahead for r in rows])
+        logits = out.logits[:, -1:, :]
+        tokens = sample_window(logits, ids, ahead_rows)[:, 0]
+        lp = None
+        if any(requests[s].logprobs for s in batch.slots):
+            lp = token_logprobs(logits[:, 0, :], tokens)
+        return tokens, lp
+
+    pending = mx.array([[r.pending] for r in batch.rows], dtype=mx.int32)
+    current = step(pending, batch.rows, 0)
+    mx.async_eval(*[a for a in current if a is not None])
+    last = time.perf_counter()
+    while batch.rows:
+        upcoming = step(current[0][:, None], batch.rows, 1)
+        mx.async_eval(*[a for a in upcoming if a is not None])
+        tokens = current[0].tolist()
+        assert isinstance(tokens, list)
+        lps = current[1].tolist() if current[1] is not None else None
+        now = time.perf_counter()
+        elapsed, last = (now - last) * 1000.0, now
+        keep: list[int] = []
+        next_rows: list[RowState] = []
+        for b, (row, slot) in enumerate(zip(batch.rows, batch.slots, strict=True)):
+            acc = walk((), (tokens[b],), row.remaining, batch.eos)
+            row_lp = [lps[b]] if lps is not None and requests[slot].logprobs else None  # type: ignore[index]
+            d = deliver(acc, requests[slot].sink, row_lp, requests[slot].cancelled)
+            metrics[slot].record(0, 0, d.published)
+            round_ms[slot].append(elapsed)
+            if d.finish is None:
+                keep.append(b)
+                next_rows.append(row.advanced(acc.emitted))
+            else:
+                finish(slot, d.finish, d.error)
+        batch.rows = next_rows
+        batch.slots = [batch.slots[i] for i in keep]
+        if not keep:
+            return
+        if len(keep) < len(tokens):
+            index = mx.array(keep)
+            batch.cache = batch.cache.take_rows(keep)
+            upcoming = (upcoming[0][index], None if upcoming[1] is None else upcoming[1][index])
+        current = upcoming

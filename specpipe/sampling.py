@@ -1,0 +1,116 @@
+"""Token sampling on device, keyed by (seed, step).
+
+Every draw is an inverse-CDF draw in token-id order from ONE uniform that is a
+pure function of (seed, step), where step is the index of the generated token:
+
+    u = hash(seed, step) in (0, 1);  token = min{ i : cdf(i) >= u * cdf(V-1) }
+
+so the target at a window position, plain decoding at the same step, and a
+draft predicting that position all read the same point of their own CDFs. The
+draft and the target then agree far more often than independent draws would
+(a coupled draw), and the target's token at a step never depends on what was
+drafted: speculation cannot change the output.
+
+The uniform comes from an integer hash evaluated on device (Wellons'
+"lowbias32" finaliser, https://nullprogram.com/blog/2018/07/31/), so one call
+draws for every row and window position at once, each with its own key.
+Filters apply in the order repetition penalty, temperature, top-k, top-p,
+min-p; tokens they remove get zero mass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from schemas.request import SamplingParams
+
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B
+
+
+def _mix(x: mx.array) -> mx.array:  # uint32, any shape
+    x = x ^ (x >> 16)
+    x = x * mx.array(_M1, dtype=mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(_M2, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+def step_uniforms(seeds: mx.array, steps: mx.array) -> mx.array:
+    """Uniforms in (0, 1) for keys (seed, step): `[N]` uint32 each -> `[N]` f32."""
+    h = _mix(_mix(seeds ^ mx.array(0x9E3779B9, dtype=mx.uint32)) + steps)
+    h = _mix(h ^ mx.array(0x85EBCA6B, dtype=mx.uint32))
+    return ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def key_arrays(seeds: Sequence[int], steps: Sequence[int]) -> tuple[mx.array, mx.array]:
+    return mx.array(list(seeds), dtype=mx.uint32), mx.array(list(steps), dtype=mx.uint32)
+
+
+def apply_repetition_penalty(
+    logits: mx.array,  # [N, V] f32
+    history: mx.array,  # [N, C] int32
+    penalty: float,
+) -> mx.array:
+    picked = mx.take_along_axis(logits, history, axis=-1)
+    picked = mx.where(picked > 0, picked / penalty, picked * penalty)
+    return mx.put_along_axis(logits, history, picked, axis=-1)
+
+
+def filtered_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """`[N, V]` logits (f32, already penalised) -> `[N, V]` unnormalised
+    probabilities with the top-k / top-p / min-p filters applied."""
+    scaled = logits * (1.0 / params.temperature)
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = mx.min(mx.topk(scaled, params.top_k, axis=-1), axis=-1, keepdims=True)
+        scaled = mx.where(scaled < kth, -mx.inf, scaled)
+    probs = mx.softmax(scaled, axis=-1)
+    if params.top_p < 1.0:
+        ordered = -mx.sort(-probs, axis=-1)
+        before = mx.cumsum(ordered, axis=-1) - ordered
+        # The smallest kept probability: tokens whose preceding mass is < top_p.
+        kept = mx.where(before < params.top_p, ordered, mx.inf)
+        cutoff = mx.min(kept, axis=-1, keepdims=True)
+        probs = mx.where(probs < cutoff, 0.0, probs)
+    if params.min_p > 0.0:
+        top = mx.max(probs, axis=-1, keepdims=True)
+        probs = mx.where(probs < params.min_p * top, 0.0, probs)
+    return probs
+
+
+def inverse_cdf(probs: mx.array, uniforms: mx.array) -> mx.array:
+    """`[N, V]` non-negative mass, `[N]` uniforms -> `[N]` int32 token ids."""
+    cdf = mx.cumsum(probs, axis=-1)
+    target = uniforms[:, None] * cdf[:, -1:]
+    index = mx.sum(cdf < target, axis=-1).astype(mx.int32)
+    return mx.minimum(index, probs.shape[-1] - 1)
+
+
+def sample(
+    logits: mx.array,  # [N, V]
+    params: SamplingParams,
+    seeds: mx.array,  # [N] uint32
+    steps: mx.array,  # [N] uint32
+    history: mx.array | None = None,  # [N, C] int32, needed for a repetition penalty
+) -> mx.array:
+    """One token per row, `[N]` int32, from `[N, V]` logits."""
+    scores = logits.astype(mx.float32)
+    if params.needs_history:
+        assert history is not None, "a repetition penalty needs the token history"
+        scores = apply_repetition_penalty(scores, history, params.repetition_penalty)
+    if params.greedy:
+        return mx.argmax(scores, axis=-1).astype(mx.int32)
+    return inverse_cdf(filtered_probs(scores, params), step_uniforms(seeds, steps))
+
+
+def token_logprobs(
+    logits: mx.array,  # [N, V]
+    tokens: mx.array,  # [N] int32
+) -> mx.array:
+    """The model's own log-probability of each chosen token, `[N]` f32."""
+    scores = logits.astype(mx.float32)
+    norm = mx.logsumexp(scores, axis=-1)
+    return mx.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - norm
