@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from attrs import define, evolve, field, frozen
@@ -29,6 +29,18 @@ from specpipe.state import RowState
 from specpipe.transaction import Prepared, apply_all, ready
 from specpipe.verify import build_window, verify
 from specpipe.walk import Acceptance, walk
+
+_async_eval = cast(Callable[..., None], mx.async_eval)
+
+
+def _ints(array: mx.array) -> list[int]:
+    """The host read of an integer array (a synchronisation point)."""
+    return cast(list[int], array.tolist())
+
+
+def _floats(array: mx.array) -> list[float]:
+    return cast(list[float], array.tolist())
+
 
 @frozen
 class RowRequest:
@@ -48,6 +60,7 @@ class RowResult:
     decode_seconds: float = 0.0
     error: str | None = None
     round_ms: list[float] = field(factory=list)
+    phase_ms: PhaseTimes | None = None
 
 
 @frozen
@@ -132,7 +145,7 @@ def generate_rows(
     assert len(done) == len(requests)
     if phases is not None:
         for r in done:
-            r.metrics.phase_ms = phases  # type: ignore[attr-defined]
+            r.phase_ms = phases
     return done
 
 
@@ -157,12 +170,13 @@ def _speculative_round(
         return elapsed
 
     proposal = Proposal.empty(len(rows))
-    if batch.draft is not None:
+    # Drafts past every row's budget could never be published.
+    depth = min(options.depth, max(row.remaining for row in rows) - 1)
+    if batch.draft is not None and depth > 0:
         try:
-            proposal = batch.draft.propose(rows, options.depth)
+            proposal = batch.draft.propose(rows, depth)
             if proposal.device is not None and (not options.device_round or phases is not None):
-                read = proposal.device.reshape(-1).tolist()
-                assert isinstance(read, list)
+                read = _ints(proposal.device.reshape(-1))
                 proposal = Proposal(proposal.depth, host=proposal.resolve(read))
         except Exception as exc:
             _disable_draft(batch, metrics, exc)
@@ -181,12 +195,10 @@ def _speculative_round(
     if proposal.device is not None:
         reads.append(proposal.device.reshape(-1).astype(mx.int32))
     reads.append(samples.reshape(-1))
-    host = mx.concatenate(reads).tolist() if len(reads) > 1 else reads[0].tolist()
-    assert isinstance(host, list)
-    lps: list[Any] | None = None
+    host = _ints(mx.concatenate(reads) if len(reads) > 1 else reads[0])
+    lps: list[float] | None = None
     if wants_logprobs:
-        lp = token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1))
-        lps = lp.tolist()  # type: ignore[assignment]
+        lps = _floats(token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1)))
     drafted_flat = host[: len(host) - B * W]
     tokens = host[len(host) - B * W :]
     drafts = proposal.resolve(drafted_flat if proposal.device is not None else None)
@@ -227,7 +239,7 @@ def _commit(
 
     preparers: list[Callable[[], Prepared[Any]]] = [target]
     draft = batch.draft
-    if draft is not None:
+    if draft is not None and proposal.depth > 0:
         preparers.append(lambda: draft.prepare_commit(rows, proposal, drafts, accepted, verified))
     try:
         committed = apply_all(preparers)
@@ -267,21 +279,20 @@ def _plain_pipelined(
 
     pending = mx.array([[r.pending] for r in batch.rows], dtype=mx.int32)
     current = step(pending, batch.rows, 0)
-    mx.async_eval(*[a for a in current if a is not None])
+    _async_eval(*[a for a in current if a is not None])
     last = time.perf_counter()
     while batch.rows:
         upcoming = step(current[0][:, None], batch.rows, 1)
-        mx.async_eval(*[a for a in upcoming if a is not None])
-        tokens = current[0].tolist()
-        assert isinstance(tokens, list)
-        lps = current[1].tolist() if current[1] is not None else None
+        _async_eval(*[a for a in upcoming if a is not None])
+        tokens = _ints(current[0])
+        lps = _floats(current[1]) if current[1] is not None else None
         now = time.perf_counter()
         elapsed, last = (now - last) * 1000.0, now
         keep: list[int] = []
         next_rows: list[RowState] = []
         for b, (row, slot) in enumerate(zip(batch.rows, batch.slots, strict=True)):
             acc = walk((), (tokens[b],), row.remaining, batch.eos)
-            row_lp = [lps[b]] if lps is not None and requests[slot].logprobs else None  # type: ignore[index]
+            row_lp = [lps[b]] if lps is not None and requests[slot].logprobs else None
             d = deliver(acc, requests[slot].sink, row_lp, requests[slot].cancelled)
             metrics[slot].record(0, 0, d.published)
             round_ms[slot].append(elapsed)
