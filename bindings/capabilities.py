@@ -57,7 +57,9 @@ class GraphCapabilities:
             model_type=args.model_type,
             vocab_size=args.vocab_size,
             hidden_size=args.hidden_size,
-            layers=tuple(LayerCapability("attention", "position_overwrite") for _ in range(n)),
+            layers=tuple(
+                LayerCapability("attention", "position_overwrite") for _ in range(n)
+            ),
             tap_layers=tuple(range(n)),
             quantized_head=args.quantization is not None,
         )
@@ -69,7 +71,9 @@ class DraftNeeds:
     default_width: int
     max_width: int | None = None
     vocab_size: int | None = None  # the draft's own vocabulary (must fit the target's)
-    hidden_size: int | None = None  # set when the draft reads the target's hidden states
+    hidden_size: int | None = (
+        None  # set when the draft reads the target's hidden states
+    )
     tap_layers: tuple[int, ...] = ()
     shares: frozenset[str] = field(factory=frozenset)  # "embedding", "lm_head"
     namespace: str = ""
@@ -98,16 +102,22 @@ def bind(
         )
     missing = sorted(set(needs.tap_layers) - set(target.tap_layers))
     if missing:
-        problems.append(f"the draft taps layers {missing}, which the target does not expose")
+        problems.append(
+            f"the draft taps layers {missing}, which the target does not expose"
+        )
     stuck = [i for i, layer in enumerate(target.layers) if layer.rollback == "none"]
     if stuck:
         problems.append(f"target layers {stuck[:5]} cannot roll back rejected drafts")
     if width is not None and width <= 0:
         problems.append(f"num-draft-tokens must be >= 1, got {width}")
     if problems:
-        return Failure(BindingError(f"cannot bind {needs.kind} draft: " + "; ".join(problems)))
-    chosen = width if width is not None else dict(target.adaptive_widths).get(
-        needs.kind, needs.default_width
+        return Failure(
+            BindingError(f"cannot bind {needs.kind} draft: " + "; ".join(problems))
+        )
+    chosen = (
+        width
+        if width is not None
+        else dict(target.adaptive_widths).get(needs.kind, needs.default_width)
     )
     if needs.max_width is not None:
         chosen = min(chosen, needs.max_width)

@@ -22,7 +22,11 @@ def _load_ngram(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
     min_n = request.ngram_min if request.ngram_min is not None else 2
     max_n = request.ngram_max if request.ngram_max is not None else 4
     if not (1 <= min_n <= max_n):
-        return Failure(BindingError(f"ngram sizes need 1 <= min <= max, got min={min_n} max={max_n}"))
+        return Failure(
+            BindingError(
+                f"ngram sizes need 1 <= min <= max, got min={min_n} max={max_n}"
+            )
+        )
     graph = GraphCapabilities.for_decoder(request.target.args)
     needs = DraftNeeds(kind="ngram", default_width=10)
     return bind(graph, needs, request.width).map(
@@ -48,9 +52,13 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
             )
         )
     graph = GraphCapabilities.for_decoder(target.args)
-    needs = DraftNeeds(kind="two-model", default_width=3, vocab_size=draft.args.vocab_size)
+    needs = DraftNeeds(
+        kind="two-model", default_width=3, vocab_size=draft.args.vocab_size
+    )
     return bind(graph, needs, request.width).map(
-        lambda b: LoadedDraft(TwoModelDrafter(draft.model, request.policy), b.width, "two-model")
+        lambda b: LoadedDraft(
+            TwoModelDrafter(draft.model, request.policy), b.width, "two-model"
+        )
     )
 
 

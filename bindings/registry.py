@@ -45,7 +45,9 @@ class DraftArtifact:
 
 @frozen(kw_only=True)
 class DraftLoadRequest:
-    target: Any  # specpipe.load.LoadedModel (kept loose: bindings never import MLX models)
+    target: (
+        Any  # specpipe.load.LoadedModel (kept loose: bindings never import MLX models)
+    )
     source: str | None = None  # the artifact reference; None for model-free kinds
     width: int | None = None
     ngram_min: int | None = None
@@ -101,13 +103,20 @@ class DraftRegistry:
     def detect(self, folder: Path) -> Result[str, BindingError]:
         artifact = DraftArtifact(folder)
         asked = [k for k in self.kinds if k.detect is not None]
-        for k in [*(k for k in asked if not k.fallback), *(k for k in asked if k.fallback)]:
+        for k in [
+            *(k for k in asked if not k.fallback),
+            *(k for k in asked if k.fallback),
+        ]:
             assert k.detect is not None
             if k.detect(artifact):
                 return Success(k.kind)
-        return Failure(BindingError(f"{folder}: no registered draft kind recognises this artifact"))
+        return Failure(
+            BindingError(f"{folder}: no registered draft kind recognises this artifact")
+        )
 
-    def load(self, kind: str, request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+    def load(
+        self, kind: str, request: DraftLoadRequest
+    ) -> Result[LoadedDraft, BindingError]:
         entry = self.get(kind)
         if entry is None:
             return Failure(
@@ -126,13 +135,17 @@ class DraftRegistry:
                 return k.kind, target_folder / k.bundled_companion
         return None
 
-    def native(self, graph: GraphCapabilities, target: Any) -> Result[LoadedDraft, BindingError] | None:
+    def native(
+        self, graph: GraphCapabilities, target: Any
+    ) -> Result[LoadedDraft, BindingError] | None:
         declared = graph.native_draft
         if declared is None:
             return None
         entry = next((k for k in self.natives if k.kind == declared.kind), None)
         if entry is None:
             return Failure(
-                BindingError(f"the graph declares native draft {declared.kind}, which no kind is registered for")
+                BindingError(
+                    f"the graph declares native draft {declared.kind}, which no kind is registered for"
+                )
             )
         return entry.create(target)

@@ -11,30 +11,59 @@ mask for a window.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 from attrs import frozen
 
-from models.cache import KVCache
 from schemas.hf import DecoderArgs, RopeConfig
+
+
+class StateDelta(Protocol):
+    """States a window produced for layers that cannot roll back by position
+    (recurrent layers): one per window position, none of them adopted yet."""
+
+    def commit(self, kept: Sequence[int]) -> None:
+        """Adopt, for row b, the state after its first `kept[b]` window
+        positions (0 keeps the state from before the window)."""
+        ...
 
 
 @frozen
 class ModelOutput:
     logits: mx.array  # [B, L, V]
     hidden: mx.array  # [B, L, H], the last layer's output before the final norm
+    # None for attention-only graphs: their KV needs no commit (see models/cache.py)
+    delta: StateDelta | None = None
+
+
+class ModelCache(Protocol):
+    """A model's per-row state storage (KV arena, recurrent states, ...)."""
+
+    def reserve(self, end: int) -> None: ...
+
+    def arrays(self) -> list[mx.array]: ...
+
+    def take_rows(self, rows: Sequence[int]) -> ModelCache: ...
 
 
 class CausalLM(Protocol):
-    """The graph a pipeline drives. Implemented by every module in `models/`."""
+    """The graph a pipeline drives. Implemented by every module in `models/`.
+
+    `padding_safe` says whether rows of different lengths may be prefilled
+    right-padded in one batch (attention: padded positions are overwritten
+    later; recurrent layers would fold the padding into their state).
+    """
 
     args: DecoderArgs
+    padding_safe: bool
 
-    def __call__(self, ids: mx.array, cache: KVCache, offsets: Sequence[int]) -> ModelOutput: ...
+    def __call__(
+        self, ids: mx.array, cache: Any, offsets: Sequence[int]
+    ) -> ModelOutput: ...
 
-    def make_cache(self, batch: int) -> KVCache: ...
+    def make_cache(self, batch: int) -> Any: ...
 
     def embed(self, ids: mx.array) -> mx.array: ...
 

@@ -82,7 +82,9 @@ class KVCache:
 
     def take_rows(self, rows: Sequence[int]) -> KVCache:
         """A new cache holding the given rows, in that order (a copy)."""
-        out = KVCache(self.num_layers, len(rows), self.kv_heads, self.head_dim, self.dtype)
+        out = KVCache(
+            self.num_layers, len(rows), self.kv_heads, self.head_dim, self.dtype
+        )
         out.capacity = self.capacity
         if self.keys:
             index = mx.array(list(rows), dtype=mx.int32)
@@ -106,8 +108,12 @@ class KVCache:
         )
         out.reserve(capacity)
         if capacity:
-            out.keys = [mx.concatenate([c.keys[i] for c in caches]) for i in range(first.num_layers)]
+            out.keys = [
+                mx.concatenate([c.keys[i] for c in caches])
+                for i in range(first.num_layers)
+            ]
             out.values = [
-                mx.concatenate([c.values[i] for c in caches]) for i in range(first.num_layers)
+                mx.concatenate([c.values[i] for c in caches])
+                for i in range(first.num_layers)
             ]
         return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from attrs import field, frozen
+from attrs import frozen
 from returns.result import Failure, Result, Success
 
 from schemas.errors import RequestError
@@ -52,9 +52,7 @@ class SamplingParams:
     ) -> Result[SamplingParams, RequestError]:
         problems: list[str] = []
         if not math.isfinite(temperature) or temperature < 0:
-            problems.append(
-                f"temperature must be >= 0 (0 = greedy), got {temperature}"
-            )
+            problems.append(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         if not (0.0 < top_p <= 1.0) or math.isnan(top_p):
             problems.append(f"top-p must be in (0, 1] (1 = off), got {top_p}")
         if top_k < 0:
@@ -89,12 +87,16 @@ class SamplingParams:
 @frozen(kw_only=True)
 class GenerationLimits:
     max_tokens: int = 256
-    stop: tuple[str, ...] = field(default=(), converter=tuple)
+    stop: tuple[str, ...] = ()
     logprobs: bool = False
 
     @classmethod
     def create(
-        cls, *, max_tokens: int = 256, stop: tuple[str, ...] = (), logprobs: bool = False
+        cls,
+        *,
+        max_tokens: int = 256,
+        stop: tuple[str, ...] = (),
+        logprobs: bool = False,
     ) -> Result[GenerationLimits, RequestError]:
         if max_tokens <= 0:
             return Failure(

@@ -91,17 +91,27 @@ class Pipeline:
     def draft_kind(self) -> str:
         return self.draft.kind if self.draft is not None else "none"
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> Result[tuple[int, ...], RequestError]:
+    def encode(
+        self, prompt: Prompt, chat: bool = False
+    ) -> Result[tuple[int, ...], RequestError]:
         tok = self.target.tokenizer
         if not isinstance(prompt, str):
             ids = tuple(int(t) for t in prompt)
         else:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            text = (
+                tok.apply_chat_template([{"role": "user", "content": prompt}])
+                if chat
+                else prompt
+            )
             ids = tuple(tok.encode(text, add_special_tokens=not chat))
         if not ids:
             bos = tok.bos_token_id
             if bos is None:
-                return Failure(RequestError("the prompt is empty and the model has no BOS token; give a prompt"))
+                return Failure(
+                    RequestError(
+                        "the prompt is empty and the model has no BOS token; give a prompt"
+                    )
+                )
             ids = (bos,)
         context = self.target.args.max_position_embeddings
         if len(ids) >= context:
@@ -134,14 +144,18 @@ class Pipeline:
         context = self.target.args.max_position_embeddings
         sinks = [
             TextSink(
-                self.target.tokenizer.detokenizer(),
-                limits.stop,
-                (lambda text, i=i: on_text(i, text)) if on_text is not None else None,
+                self.target.tokenizer.detokenizer(), limits.stop, _row_text(on_text, i)
             )
             for i in range(len(encoded))
         ]
         requests = [
-            RowRequest(ids, sampling, min(limits.max_tokens, context - len(ids)), sink, limits.logprobs)
+            RowRequest(
+                ids,
+                sampling,
+                min(limits.max_tokens, context - len(ids)),
+                sink,
+                limits.logprobs,
+            )
             for ids, sink in zip(encoded, sinks, strict=True)
         ]
         options = RoundOptions(
@@ -169,8 +183,16 @@ class Pipeline:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
     ) -> Result[GenerationResult, RequestError]:
-        callback = (lambda _i, text: on_text(text)) if on_text is not None else None
-        return self.generate_batch([prompt], sampling, limits, chat, callback).map(lambda r: r[0])
+        callback: Callable[[int, str], None] | None = None
+        if on_text is not None:
+            sink_text = on_text
+
+            def callback(_row: int, text: str) -> None:
+                sink_text(text)
+
+        return self.generate_batch([prompt], sampling, limits, chat, callback).map(
+            lambda r: r[0]
+        )
 
     def stream(
         self,
@@ -185,7 +207,9 @@ class Pipeline:
 
         def run() -> None:
             try:
-                outcome.append(self.generate(prompt, sampling, limits, chat, pieces.put))
+                outcome.append(
+                    self.generate(prompt, sampling, limits, chat, pieces.put)
+                )
             finally:
                 pieces.put(None)
 
@@ -197,7 +221,9 @@ class Pipeline:
         if outcome and not isinstance(outcome[0], Success):
             raise ValueError(outcome[0].failure().message)
 
-    def _result(self, ids: tuple[int, ...], sink: TextSink, row: RowResult) -> GenerationResult:
+    def _result(
+        self, ids: tuple[int, ...], sink: TextSink, row: RowResult
+    ) -> GenerationResult:
         m = row.metrics
         generated = len(sink.tokens)
         decode = row.decode_seconds
@@ -226,6 +252,19 @@ class Pipeline:
         )
 
 
+def _row_text(
+    on_text: Callable[[int, str], None] | None, row: int
+) -> Callable[[str], None] | None:
+    if on_text is None:
+        return None
+    report = on_text
+
+    def forward(text: str) -> None:
+        report(row, text)
+
+    return forward
+
+
 def load(
     ref: str | None = None,
     *,
@@ -243,7 +282,9 @@ def load(
     ngram), a registered kind name, or any model reference the loader takes."""
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
-        return Failure(RequestError(f"num-draft-tokens must be >= 1, got {num_draft_tokens}"))
+        return Failure(
+            RequestError(f"num-draft-tokens must be >= 1, got {num_draft_tokens}")
+        )
     loaded = load_model(ref, dtype)
     if not isinstance(loaded, Success):
         return Failure(loaded.failure())
@@ -251,7 +292,10 @@ def load(
     if draft is None or draft == "none":
         return Success(Pipeline(target, None, device_round, registry))
     request = DraftLoadRequest(
-        target=target, width=num_draft_tokens, ngram_min=ngram_min, ngram_max=ngram_max,
+        target=target,
+        width=num_draft_tokens,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
         policy=policy or DraftPolicy(),
     )
     result = _resolve_draft(registry, draft, target, request)
@@ -281,5 +325,7 @@ def _resolve_draft(
             return Failure(kind_result.failure())
         return registry.load(kind_result.unwrap(), evolve(request, source=str(path)))
     if entry is not None:
-        return Failure(LoadError(f"draft kind {draft!r} needs an artifact folder; pass its path"))
+        return Failure(
+            LoadError(f"draft kind {draft!r} needs an artifact folder; pass its path")
+        )
     return registry.load("two-model", evolve(request, source=draft))

@@ -64,7 +64,11 @@ def _generate(args: argparse.Namespace) -> None:
         )
     )
     limits = _unwrap(
-        GenerationLimits.create(max_tokens=args.max_tokens, stop=tuple(args.stop or ()), logprobs=args.logprobs)
+        GenerationLimits.create(
+            max_tokens=args.max_tokens,
+            stop=tuple(args.stop or ()),
+            logprobs=args.logprobs,
+        )
     )
     if args.prompts_file:
         if args.prompt is not None:
@@ -75,8 +79,14 @@ def _generate(args: argparse.Namespace) -> None:
     elif not sys.stdin.isatty():
         prompts = [sys.stdin.read()]
     else:
-        _fail('no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")')
-    policy = DraftPolicy(greedy=args.greedy_draft, temperature=args.draft_temperature, drop_filters=args.draft_drop_filters)
+        _fail(
+            'no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")'
+        )
+    policy = DraftPolicy(
+        greedy=args.greedy_draft,
+        temperature=args.draft_temperature,
+        drop_filters=args.draft_drop_filters,
+    )
     pipeline = _unwrap(
         load(
             args.model,
@@ -96,7 +106,9 @@ def _generate(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
     results = _unwrap(
-        pipeline.generate_batch(prompts, sampling, limits, args.chat, on_text if streaming else None)
+        pipeline.generate_batch(
+            prompts, sampling, limits, args.chat, on_text if streaming else None
+        )
     )
     if streaming:
         sys.stdout.write("\n")
@@ -121,41 +133,82 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specpipe", description="Lossless speculative decoding on MLX.")
+    parser = argparse.ArgumentParser(
+        prog="specpipe", description="Lossless speculative decoding on MLX."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text (plain or speculative)")
     gen.add_argument("prompt", nargs="?", help="the prompt (or pipe it on stdin)")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help=f"folder, .gguf, fixture name or hub id (default {DEFAULT_MODEL})")
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"folder, .gguf, fixture name or hub id (default {DEFAULT_MODEL})",
+    )
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default)"
+    )
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--logprobs", action="store_true", help="include each token's log-probability (with --json)")
-    gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    gen.add_argument("--draft", default="none", help="none | ngram | auto | a draft model reference")
-    gen.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens per round (default per kind)")
+    gen.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template"
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead of streaming text",
+    )
+    gen.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="include each token's log-probability (with --json)",
+    )
+    gen.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16"], default=None
+    )
+    gen.add_argument(
+        "--draft", default="none", help="none | ngram | auto | a draft model reference"
+    )
+    gen.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="draft tokens per round (default per kind)",
+    )
     gen.add_argument("--ngram-min", type=int, default=None)
     gen.add_argument("--ngram-max", type=int, default=None)
-    gen.add_argument("--greedy-draft", action="store_true", help="argmax drafts (drops the coupled draw)")
+    gen.add_argument(
+        "--greedy-draft",
+        action="store_true",
+        help="argmax drafts (drops the coupled draw)",
+    )
     gen.add_argument("--draft-temperature", type=float, default=None)
     gen.add_argument("--draft-drop-filters", action="store_true")
-    gen.add_argument("--host-round", action="store_true", help="read drafts back before building the verify graph")
-    gen.add_argument("--prompts-file", help="JSONL, one prompt object per line, run as one batch")
+    gen.add_argument(
+        "--host-round",
+        action="store_true",
+        help="read drafts back before building the verify graph",
+    )
+    gen.add_argument(
+        "--prompts-file", help="JSONL, one prompt object per line, run as one batch"
+    )
     gen.set_defaults(func=_generate)
 
-    conv = sub.add_parser("convert", help="write an HF-layout MLX folder from any model reference")
+    conv = sub.add_parser(
+        "convert", help="write an HF-layout MLX folder from any model reference"
+    )
     conv.add_argument("src", help="folder, .gguf, fixture name or hub id")
     conv.add_argument("out", help="output folder")
     conv.add_argument("--quantize", choices=["4", "8", "none"], default="none")
     conv.add_argument("--group-size", type=int, default=64)
-    conv.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    conv.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16"], default=None
+    )
     conv.add_argument("--force", action="store_true")
     conv.set_defaults(func=_convert)
     return parser

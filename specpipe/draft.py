@@ -62,6 +62,7 @@ class DraftRows(Protocol):
 class Drafter(Protocol):
     """A loaded draft provider: opens row state for a batch of prompts."""
 
-    kind: str
+    @property
+    def kind(self) -> str: ...
 
     def open(self, rows: Sequence[RowState]) -> DraftRows: ...

@@ -58,7 +58,9 @@ def parse_dtype(name: str | None) -> Result[mx.Dtype | None, LoadError]:
     return Success(_DTYPES[name])
 
 
-def load(ref: str | None = None, dtype: str | None = None) -> Result[LoadedModel, LoadError]:
+def load(
+    ref: str | None = None, dtype: str | None = None
+) -> Result[LoadedModel, LoadError]:
     """Load a model reference (default: the embedded default model)."""
     ref = ref or DEFAULT_MODEL
     return parse_dtype(dtype).bind(lambda dt: _load(ref, dt))
@@ -94,7 +96,9 @@ def _load(ref: str, dtype: mx.Dtype | None) -> Result[LoadedModel, LoadError]:
 def read_config(folder: Path) -> Result[DecoderArgs, LoadError]:
     config_path = folder / "config.json"
     if not config_path.is_file():
-        return Failure(LoadError(f"{folder}: missing config.json; is this a model folder?"))
+        return Failure(
+            LoadError(f"{folder}: missing config.json; is this a model folder?")
+        )
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -128,7 +132,9 @@ def read_safetensors(folder: Path) -> Result[dict[str, mx.array], LoadError]:
             loaded = mx.load(str(file))
         except Exception as exc:  # mlx raises RuntimeError/ValueError for bad files
             return Failure(
-                LoadError(f"{file}: cannot read weights ({exc}); the file is corrupt or truncated")
+                LoadError(
+                    f"{file}: cannot read weights ({exc}); the file is corrupt or truncated"
+                )
             )
         assert isinstance(loaded, dict)
         weights.update(loaded)
@@ -145,7 +151,10 @@ def _cast(weights: dict[str, mx.array], dtype: mx.Dtype | None) -> dict[str, mx.
 
 
 def assemble(
-    args: DecoderArgs, weights: dict[str, mx.array], tokenizer: Tokenizer, source: str,
+    args: DecoderArgs,
+    weights: dict[str, mx.array],
+    tokenizer: Tokenizer,
+    source: str,
     folder: Path | None,
 ) -> Result[LoadedModel, LoadError]:
     def finish(model: Any) -> Result[LoadedModel, LoadError]:
@@ -170,13 +179,15 @@ def load_folder(
     )
 
 
-def load_gguf(path: Path, dtype: mx.Dtype | None = None) -> Result[LoadedModel, LoadError]:
+def load_gguf(
+    path: Path, dtype: mx.Dtype | None = None
+) -> Result[LoadedModel, LoadError]:
     from models.gguf import read_gguf
 
     def build(g: Any) -> Result[LoadedModel, LoadError]:
         return args_from_config(g.config, str(path)).bind(
-            lambda args: Tokenizer.from_gguf(g).bind(
-                lambda tok: assemble(args, _cast(g.weights, dtype), tok, str(path), None)
+            lambda args: assemble(
+                args, _cast(g.weights, dtype), Tokenizer.from_gguf(g), str(path), None
             )
         )
 
@@ -215,7 +226,9 @@ def save_folder(
                 str(staging / "model.safetensors"), weights, metadata={"format": "mlx"}
             )
             (staging / "config.json").write_text(
-                json.dumps(config_dict(loaded.args, quantize, group_size, weights), indent=2)
+                json.dumps(
+                    config_dict(loaded.args, quantize, group_size, weights), indent=2
+                )
             )
             loaded.tokenizer.save(staging)
     except OSError as exc:
@@ -224,12 +237,13 @@ def save_folder(
 
 
 def config_dict(
-    args: DecoderArgs, quantize: int | None, group_size: int, weights: dict[str, mx.array]
+    args: DecoderArgs,
+    quantize: int | None,
+    group_size: int,
+    weights: dict[str, mx.array],
 ) -> dict[str, Any]:
     dtypes = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
-    dtype_name = next(
-        (name for name, dt in _DTYPES.items() if dt in dtypes), "float32"
-    )
+    dtype_name = next((name for name, dt in _DTYPES.items() if dt in dtypes), "float32")
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[args.model_type]],
         "model_type": args.model_type,
@@ -284,7 +298,9 @@ def fixture_folder(name: str) -> Result[Path, LoadError]:
         return Success(folder)
 
     def convert(gguf_path: Path) -> Result[Path, LoadError]:
-        print(f"specpipe: converting {name} to an MLX folder (once) ...", file=sys.stderr)
+        print(
+            f"specpipe: converting {name} to an MLX folder (once) ...", file=sys.stderr
+        )
         return load_gguf(gguf_path).bind(lambda loaded: save_folder(loaded, folder))
 
     return install_fixture(name).bind(convert)
@@ -295,7 +311,13 @@ def hub_folder(repo_id: str) -> Result[Path, LoadError]:
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
     try:
-        return Success(Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)))
+        return Success(
+            Path(
+                snapshot_download(
+                    repo_id, allow_patterns=patterns, local_files_only=True
+                )
+            )
+        )
     except Exception:
         pass
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")

@@ -17,12 +17,11 @@ import mlx.core as mx
 from attrs import define, evolve, field, frozen
 
 from models.base import CausalLM
-from models.cache import KVCache
 from schemas.request import SamplingParams
-from specpipe.draft import DraftRows, Drafter, Proposal
+from specpipe.draft import Drafter, DraftRows, Proposal
 from specpipe.metrics import PhaseTimes, RowMetrics
-from specpipe.prefill import prefill
 from specpipe.output import Delivered, FinishReason, TokenSink, deliver
+from specpipe.prefill import prefill_rows
 from specpipe.sample_window import sample_window
 from specpipe.sampling import token_logprobs
 from specpipe.state import RowState
@@ -75,7 +74,7 @@ class _Batch:
     """The live rows of a run and the state of every participant."""
 
     model: CausalLM
-    cache: KVCache
+    cache: Any  # the model's ModelCache
     rows: list[RowState]
     slots: list[int]  # request index of each live row
     draft: DraftRows | None
@@ -103,20 +102,27 @@ def generate_rows(
     options = options or RoundOptions()
     start = time.perf_counter()
     rows = [RowState.start(r.prompt, r.max_tokens, r.sampling) for r in requests]
-    cache = model.make_cache(len(rows))
-    prefill(model, cache, rows)
-    draft_rows = drafter.open(rows) if drafter is not None and options.depth > 0 else None
+    cache = prefill_rows(model, rows)
+    draft_rows = (
+        drafter.open(rows) if drafter is not None and options.depth > 0 else None
+    )
     prompt_seconds = time.perf_counter() - start
     results: list[RowResult | None] = [None] * len(requests)
     metrics = [RowMetrics() for _ in requests]
     round_ms: list[list[float]] = [[] for _ in requests]
-    batch = _Batch(model, cache, rows, list(range(len(rows))), draft_rows, frozenset(eos_ids))
+    batch = _Batch(
+        model, cache, rows, list(range(len(rows))), draft_rows, frozenset(eos_ids)
+    )
     decode_start = time.perf_counter()
 
     def finish(slot: int, reason: FinishReason, error: str | None = None) -> None:
         results[slot] = RowResult(
-            reason, metrics[slot], prompt_seconds, time.perf_counter() - decode_start,
-            error, round_ms[slot],
+            reason,
+            metrics[slot],
+            prompt_seconds,
+            time.perf_counter() - decode_start,
+            error,
+            round_ms[slot],
         )
 
     phases = PhaseTimes() if options.phase_timing else None
@@ -175,7 +181,9 @@ def _speculative_round(
     if batch.draft is not None and depth > 0:
         try:
             proposal = batch.draft.propose(rows, depth)
-            if proposal.device is not None and (not options.device_round or phases is not None):
+            if proposal.device is not None and (
+                not options.device_round or phases is not None
+            ):
                 read = _ints(proposal.device.reshape(-1))
                 proposal = Proposal(proposal.depth, host=proposal.resolve(read))
         except Exception as exc:
@@ -198,7 +206,9 @@ def _speculative_round(
     host = _ints(mx.concatenate(reads) if len(reads) > 1 else reads[0])
     lps: list[float] | None = None
     if wants_logprobs:
-        lps = _floats(token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1)))
+        lps = _floats(
+            token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1))
+        )
     drafted_flat = host[: len(host) - B * W]
     tokens = host[len(host) - B * W :]
     drafts = proposal.resolve(drafted_flat if proposal.device is not None else None)
@@ -207,10 +217,21 @@ def _speculative_round(
     acceptances: list[Acceptance] = []
     delivered: list[Delivered] = []
     for b, (row, slot) in enumerate(zip(rows, batch.slots, strict=True)):
-        acc = walk(drafts[b], tokens[b * W : b * W + len(drafts[b]) + 1], row.remaining, batch.eos)
+        acc = walk(
+            drafts[b],
+            tokens[b * W : b * W + len(drafts[b]) + 1],
+            row.remaining,
+            batch.eos,
+        )
         acceptances.append(acc)
-        row_lps = lps[b * W : (b + 1) * W] if lps is not None and requests[slot].logprobs else None
-        delivered.append(deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled))
+        row_lps = (
+            lps[b * W : (b + 1) * W]
+            if lps is not None and requests[slot].logprobs
+            else None
+        )
+        delivered.append(
+            deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled)
+        )
         metrics[slot].record(len(drafts[b]), acc.accepted, delivered[-1].published)
     _commit(batch, proposal, drafts, acceptances, delivered, verified, metrics)
     if phases is not None:
@@ -234,13 +255,28 @@ def _commit(
     ]
     accepted = [acc.accepted for acc in acceptances]
 
+    delta = verified.delta
+    kept = [
+        len(acc.emitted) if d.finish is None else 0
+        for acc, d in zip(acceptances, delivered, strict=True)
+    ]
+
     def target() -> Prepared[list[RowState]]:
-        return ready(next_rows)
+        if delta is None:
+            return ready(next_rows)
+
+        def adopt() -> list[RowState]:
+            delta.commit(kept)
+            return next_rows
+
+        return Prepared(adopt)
 
     preparers: list[Callable[[], Prepared[Any]]] = [target]
     draft = batch.draft
     if draft is not None and proposal.depth > 0:
-        preparers.append(lambda: draft.prepare_commit(rows, proposal, drafts, accepted, verified))
+        preparers.append(
+            lambda: draft.prepare_commit(rows, proposal, drafts, accepted, verified)
+        )
     try:
         committed = apply_all(preparers)
     except Exception as exc:
@@ -267,9 +303,14 @@ def _plain_pipelined(
 ) -> None:
     """Plain decoding; step k+1 is queued on the device before step k is read."""
 
-    def step(ids: mx.array, rows: Sequence[RowState], ahead: int) -> tuple[mx.array, mx.array | None]:
+    def step(
+        ids: mx.array, rows: Sequence[RowState], ahead: int
+    ) -> tuple[mx.array, mx.array | None]:
         ahead_rows = [evolve(r, step=r.step + ahead) for r in rows]
         out = batch.model(ids, batch.cache, [r.length + ahead for r in rows])
+        if out.delta is not None:
+            # plain decoding keeps its one position in every row
+            out.delta.commit([1] * len(rows))
         logits = out.logits[:, -1:, :]
         tokens = sample_window(logits, ids, ahead_rows)[:, 0]
         lp = None
@@ -308,5 +349,8 @@ def _plain_pipelined(
         if len(keep) < len(tokens):
             index = mx.array(keep)
             batch.cache = batch.cache.take_rows(keep)
-            upcoming = (upcoming[0][index], None if upcoming[1] is None else upcoming[1][index])
+            upcoming = (
+                upcoming[0][index],
+                None if upcoming[1] is None else upcoming[1][index],
+            )
         current = upcoming

@@ -39,7 +39,10 @@ class RowMetrics:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_at, self.drafted_at, strict=True)
+        ]
 
 
 @define

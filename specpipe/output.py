@@ -42,7 +42,9 @@ def deliver(
         for token in acceptance.emitted:
             if cancelled is not None and cancelled():
                 return Delivered(published, "cancelled")
-            more = sink.push(token, logprobs[published] if logprobs is not None else None)
+            more = sink.push(
+                token, logprobs[published] if logprobs is not None else None
+            )
             published += 1
             if not more:
                 return Delivered(published, "stop")
@@ -56,7 +58,7 @@ def deliver(
 class Detokenizer(Protocol):
     def add(self, token: int) -> str: ...
 
-    def flush(self) -> str: ...
+    def finish(self) -> str: ...
 
 
 @define
@@ -81,7 +83,9 @@ class TextSink:
             self.logprobs.append(logprob)
         self.text += self.detokenizer.add(token)
         if self.stop:
-            hit = min((i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1)
+            hit = min(
+                (i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1
+            )
             if hit >= 0:
                 self.text = self.text[:hit]
                 self.stopped = True
@@ -95,7 +99,7 @@ class TextSink:
 
     def close(self) -> None:
         if not self.stopped:
-            self.text += self.detokenizer.flush()
+            self.text += self.detokenizer.finish()
         self._emit(len(self.text))
 
     def _emit(self, upto: int) -> None:

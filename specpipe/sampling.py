@@ -46,7 +46,9 @@ def step_uniforms(seeds: mx.array, steps: mx.array) -> mx.array:
 
 
 def key_arrays(seeds: Sequence[int], steps: Sequence[int]) -> tuple[mx.array, mx.array]:
-    return mx.array(list(seeds), dtype=mx.uint32), mx.array(list(steps), dtype=mx.uint32)
+    return mx.array(list(seeds), dtype=mx.uint32), mx.array(
+        list(steps), dtype=mx.uint32
+    )
 
 
 def apply_repetition_penalty(

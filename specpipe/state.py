@@ -44,6 +44,9 @@ class RowState:
         cls, prompt: tuple[int, ...], max_tokens: int, sampling: SamplingParams
     ) -> RowState:
         return cls(
-            tokens=prompt, prompt_len=len(prompt), step=0, remaining=max_tokens,
+            tokens=prompt,
+            prompt_len=len(prompt),
+            step=0,
+            remaining=max_tokens,
             sampling=sampling,
         )

@@ -18,7 +18,9 @@ from specpipe.state import RowState
 from specpipe.transaction import Prepared, ready
 
 
-def lookup(tokens: Sequence[int], depth: int, min_n: int, max_n: int) -> tuple[int, ...]:
+def lookup(
+    tokens: Sequence[int], depth: int, min_n: int, max_n: int
+) -> tuple[int, ...]:
     """The continuation of the latest earlier match of the longest suffix n-gram."""
     size = len(tokens)
     for n in range(min(max_n, size - 1), min_n - 1, -1):

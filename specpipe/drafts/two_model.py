@@ -11,16 +11,16 @@ so the draft and the target read the same point of their CDFs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
-from attrs import evolve, frozen
+from attrs import evolve, field, frozen
 
 from models.base import CausalLM, ModelOutput
-from models.cache import KVCache
 from schemas.request import SamplingParams
 from specpipe.draft import DraftRows, Proposal
 from specpipe.policy import DraftPolicy
-from specpipe.prefill import prefill
+from specpipe.prefill import prefill_rows
 from specpipe.sample_window import sample_window
 from specpipe.state import RowState
 from specpipe.transaction import Prepared
@@ -29,7 +29,7 @@ from specpipe.transaction import Prepared
 @frozen
 class TwoModelRows:
     model: CausalLM
-    cache: KVCache
+    cache: Any  # the draft model's ModelCache
     lengths: tuple[int, ...]  # per row, tokens the draft has processed
     policy: DraftPolicy
 
@@ -45,7 +45,9 @@ class TwoModelRows:
         drafted = [_draw(logits, rows, params, 0)]
         offsets = [n + len(t) for n, t in zip(self.lengths, tails, strict=True)]
         for i in range(1, depth):
-            out = self.model(drafted[-1][:, None], self.cache, [o + i - 1 for o in offsets])
+            out = self.model(
+                drafted[-1][:, None], self.cache, [o + i - 1 for o in offsets]
+            )
             drafted.append(_draw(out.logits, rows, params, i))
         return Proposal(depth, device=mx.stack(drafted, axis=1))
 
@@ -86,10 +88,11 @@ def _draw(
 @frozen
 class TwoModelDrafter:
     model: CausalLM
-    policy: DraftPolicy = DraftPolicy()
+    policy: DraftPolicy = field(factory=DraftPolicy)
     kind: str = "two-model"
 
     def open(self, rows: Sequence[RowState]) -> DraftRows:
-        cache = self.model.make_cache(len(rows))
-        prefill(self.model, cache, rows)
-        return TwoModelRows(self.model, cache, tuple(row.length for row in rows), self.policy)
+        cache = prefill_rows(self.model, rows)
+        return TwoModelRows(
+            self.model, cache, tuple(row.length for row in rows), self.policy
+        )

@@ -27,7 +27,11 @@ TEMPLATE = (
 
 
 def write_tiny_model(
-    folder: Path, vocab: int = 320, seed: int = 0, model_type: str = "qwen2", context: int = 256,
+    folder: Path,
+    vocab: int = 320,
+    seed: int = 0,
+    model_type: str = "qwen2",
+    context: int = 256,
     tokenizer_vocab: int = 300,
 ) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -61,7 +65,9 @@ def write_tiny_model(
     args = structure(hf, normalize_hf_config(config), DecoderArgs, "tiny").unwrap()
     mx.random.seed(seed)
     model = build_model(args).unwrap()
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(
+        str(folder / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
     return folder
 
 

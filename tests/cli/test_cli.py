@@ -32,49 +32,116 @@ def fails_with(capsys: pytest.CaptureFixture[str], needle: str, *argv: str) -> s
 
 
 def test_json_contract(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "generate", "def fib", "--model", str(tiny_model), "--max-tokens", "7", "--json")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "def fib",
+        "--model",
+        str(tiny_model),
+        "--max-tokens",
+        "7",
+        "--json",
+    )
     assert code == 0
     result = json.loads(out)
-    assert set(result) >= {"text", "tokens", "prompt_tokens", "generated_tokens", "finish_reason", "stats"}
+    assert set(result) >= {
+        "text",
+        "tokens",
+        "prompt_tokens",
+        "generated_tokens",
+        "finish_reason",
+        "stats",
+    }
     assert result["generated_tokens"] == len(result["tokens"]) == 7
     assert result["finish_reason"] == "length"
     assert set(result["stats"]) >= {
-        "tokens_per_second", "prompt_seconds", "decode_seconds",
-        "rounds", "drafted", "accepted", "acceptance_length", "draft",
+        "tokens_per_second",
+        "prompt_seconds",
+        "decode_seconds",
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_length",
+        "draft",
     }
     assert result["stats"]["draft"] == "none"
 
 
-def test_streaming_text_equals_json_text(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _, streamed, _ = run(capsys, "generate", "for i in", "--model", str(tiny_model), "--max-tokens", "9")
-    _, out, _ = run(capsys, "generate", "for i in", "--model", str(tiny_model), "--max-tokens", "9", "--json")
+def test_streaming_text_equals_json_text(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, streamed, _ = run(
+        capsys, "generate", "for i in", "--model", str(tiny_model), "--max-tokens", "9"
+    )
+    _, out, _ = run(
+        capsys,
+        "generate",
+        "for i in",
+        "--model",
+        str(tiny_model),
+        "--max-tokens",
+        "9",
+        "--json",
+    )
     assert streamed == json.loads(out)["text"] + "\n"
 
 
 def test_draft_stats_and_same_tokens(
     tiny_model: Path, tiny_draft: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["generate", "def fib", "--model", str(tiny_model), "--max-tokens", "12", "--json"]
+    base = [
+        "generate",
+        "def fib",
+        "--model",
+        str(tiny_model),
+        "--max-tokens",
+        "12",
+        "--json",
+    ]
     _, plain, _ = run(capsys, *base)
     for draft in (str(tiny_draft), str(tiny_model), "ngram"):
         code, out, _ = run(capsys, *base, "--draft", draft, "--num-draft-tokens", "3")
         assert code == 0
         result = json.loads(out)
         assert result["tokens"] == json.loads(plain)["tokens"]
-        assert result["stats"]["draft"] == ("ngram" if draft == "ngram" else "two-model")
+        assert result["stats"]["draft"] == (
+            "ngram" if draft == "ngram" else "two-model"
+        )
         assert result["stats"]["rounds"] <= 12
 
 
-def test_prompts_file_batch(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prompts_file_batch(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prompts = ["def fib", "Hello world", "for i in range(10):"]
     file = tmp_path / "p.jsonl"
     file.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n")
-    code, out, _ = run(capsys, "generate", "--model", str(tiny_model), "--prompts-file", str(file), "--max-tokens", "6", "--draft", str(tiny_model))
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_model),
+        "--prompts-file",
+        str(file),
+        "--max-tokens",
+        "6",
+        "--draft",
+        str(tiny_model),
+    )
     assert code == 0
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 3
     for prompt, line in zip(prompts, lines, strict=True):
-        _, single, _ = run(capsys, "generate", prompt, "--model", str(tiny_model), "--max-tokens", "6", "--json")
+        _, single, _ = run(
+            capsys,
+            "generate",
+            prompt,
+            "--model",
+            str(tiny_model),
+            "--max-tokens",
+            "6",
+            "--json",
+        )
         assert line["tokens"] == json.loads(single)["tokens"]
 
 
@@ -91,20 +158,51 @@ def test_prompts_file_batch(tiny_model: Path, tmp_path: Path, capsys: pytest.Cap
     ],
 )
 def test_invalid_values(
-    tiny_model: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, needle: str
+    tiny_model: Path,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    value: str,
+    needle: str,
 ) -> None:
-    fails_with(capsys, needle, "generate", "x", "--model", str(tiny_model), "--draft", "ngram", flag, value)
+    fails_with(
+        capsys,
+        needle,
+        "generate",
+        "x",
+        "--model",
+        str(tiny_model),
+        "--draft",
+        "ngram",
+        flag,
+        value,
+    )
 
 
 def test_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fails_with(capsys, "no such folder or file", "generate", "x", "--model", str(tmp_path / "nope"))
+    fails_with(
+        capsys,
+        "no such folder or file",
+        "generate",
+        "x",
+        "--model",
+        str(tmp_path / "nope"),
+    )
 
 
 def test_missing_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fails_with(capsys, "no such GGUF file", "generate", "x", "--model", str(tmp_path / "m.gguf"))
+    fails_with(
+        capsys,
+        "no such GGUF file",
+        "generate",
+        "x",
+        "--model",
+        str(tmp_path / "m.gguf"),
+    )
 
 
-def test_corrupt_safetensors(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_corrupt_safetensors(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model, broken)
     data = (broken / "model.safetensors").read_bytes()
@@ -112,7 +210,9 @@ def test_corrupt_safetensors(tiny_model: Path, tmp_path: Path, capsys: pytest.Ca
     fails_with(capsys, "model.safetensors", "generate", "x", "--model", str(broken))
 
 
-def test_config_missing_keys(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_missing_keys(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     broken = tmp_path / "nokeys"
     shutil.copytree(tiny_model, broken)
     config = json.loads((broken / "config.json").read_text())
@@ -121,50 +221,140 @@ def test_config_missing_keys(tiny_model: Path, tmp_path: Path, capsys: pytest.Ca
     fails_with(capsys, "hidden_size", "generate", "x", "--model", str(broken))
 
 
-def test_unknown_model_type(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_model_type(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     broken = tmp_path / "unknown"
     shutil.copytree(tiny_model, broken)
     config = json.loads((broken / "config.json").read_text())
     config["model_type"] = "mamba9"
     (broken / "config.json").write_text(json.dumps(config))
-    fails_with(capsys, "unsupported model_type 'mamba9'", "generate", "x", "--model", str(broken))
+    fails_with(
+        capsys,
+        "unsupported model_type 'mamba9'",
+        "generate",
+        "x",
+        "--model",
+        str(broken),
+    )
 
 
-def test_prompt_past_context(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fails_with(capsys, "context is 256", "generate", "hello world " * 300, "--model", str(tiny_model))
+def test_prompt_past_context(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fails_with(
+        capsys,
+        "context is 256",
+        "generate",
+        "hello world " * 300,
+        "--model",
+        str(tiny_model),
+    )
 
 
-def test_draft_with_other_tokenizer(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_draft_with_other_tokenizer(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     other = write_tiny_model(tmp_path / "other", tokenizer_vocab=280)
-    fails_with(capsys, "tokenizer differs", "generate", "x", "--model", str(tiny_model), "--draft", str(other))
+    fails_with(
+        capsys,
+        "tokenizer differs",
+        "generate",
+        "x",
+        "--model",
+        str(tiny_model),
+        "--draft",
+        str(other),
+    )
 
 
-def test_draft_vocab_too_large(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_draft_vocab_too_large(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     wide = write_tiny_model(tmp_path / "wide", vocab=400)
-    fails_with(capsys, "does not fit", "generate", "x", "--model", str(tiny_model), "--draft", str(wide))
+    fails_with(
+        capsys,
+        "does not fit",
+        "generate",
+        "x",
+        "--model",
+        str(tiny_model),
+        "--draft",
+        str(wide),
+    )
 
 
-def test_draft_not_a_model(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_draft_not_a_model(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    fails_with(capsys, "missing config.json", "generate", "x", "--model", str(tiny_model), "--draft", str(empty))
+    fails_with(
+        capsys,
+        "missing config.json",
+        "generate",
+        "x",
+        "--model",
+        str(tiny_model),
+        "--draft",
+        str(empty),
+    )
 
 
-def test_unknown_draft_kind(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fails_with(capsys, "no such folder or file", "generate", "x", "--model", str(tiny_model), "--draft", "eagle7")
+def test_unknown_draft_kind(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fails_with(
+        capsys,
+        "no such folder or file",
+        "generate",
+        "x",
+        "--model",
+        str(tiny_model),
+        "--draft",
+        "eagle7",
+    )
 
 
 def test_convert_roundtrip_and_no_half_written_output(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "converted"
-    code, _, _ = run(capsys, "convert", str(tiny_model), str(out), "--quantize", "8", "--group-size", "32")
+    code, _, _ = run(
+        capsys,
+        "convert",
+        str(tiny_model),
+        str(out),
+        "--quantize",
+        "8",
+        "--group-size",
+        "32",
+    )
     assert code == 0
-    assert {p.name for p in out.iterdir()} >= {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"}
-    assert json.loads((out / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 8}
-    code, text, _ = run(capsys, "generate", "def fib", "--model", str(out), "--max-tokens", "4", "--json")
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    }
+    assert json.loads((out / "config.json").read_text())["quantization"] == {
+        "group_size": 32,
+        "bits": 8,
+    }
+    code, text, _ = run(
+        capsys,
+        "generate",
+        "def fib",
+        "--model",
+        str(out),
+        "--max-tokens",
+        "4",
+        "--json",
+    )
     assert code == 0 and json.loads(text)["generated_tokens"] == 4
     missing = tmp_path / "never"
-    fails_with(capsys, "no such folder", "convert", str(tmp_path / "nope"), str(missing))
+    fails_with(
+        capsys, "no such folder", "convert", str(tmp_path / "nope"), str(missing)
+    )
     assert not missing.exists()
     assert not any(p.name.startswith(".never") for p in tmp_path.iterdir())

@@ -1,0 +1,179 @@
+"""Build a model from its `DecoderArgs` and load a checkpoint's weights into it.
+
+Loading is strict: after `sanitize`, the checkpoint's names and shapes must
+equal the model's parameters exactly; any difference is a `LoadError` that
+names the weights. Quantized checkpoints (MLX affine, `*.scales` / `*.biases`
+beside a packed `*.weight`) turn the matching layers into quantized layers
+first. Bits and group size are read per layer from the packed shapes, so
+mixed-precision checkpoints load too; `args.quantization` only marks a
+checkpoint as quantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import mlx.core as mx
+import mlx.nn as nn
+from attrs import evolve
+from mlx.utils import tree_unflatten
+from returns.result import Failure, Result, Success
+
+from models import llama, qwen2, qwen3
+from models.base import CausalLM
+from models.layers import flat_parameters, model_dtype
+from schemas.errors import ConfigError, LoadError
+from schemas.hf import DecoderArgs, QuantizationConfig
+
+__all__ = ["Model", "build_model", "load_weights", "model_dtype", "quantize_model"]
+
+Model: TypeAlias = llama.Model | qwen2.Model | qwen3.Model
+
+_MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
+    "llama": llama.Model,
+    "qwen2": qwen2.Model,
+    "qwen3": qwen3.Model,
+}
+
+# mypy proves here that every model satisfies the pipeline's protocol.
+_AS_CAUSAL_LM: Callable[[DecoderArgs], CausalLM] = llama.Model
+
+_AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+_SHOWN = 5
+
+
+def build_model(args: DecoderArgs) -> Result[Model, ConfigError]:
+    """A model with random (lazy, never evaluated) weights; load them next."""
+    make = _MODELS.get(args.model_type)
+    if make is None:
+        supported = ", ".join(sorted(_MODELS))
+        return Failure(
+            ConfigError(
+                f"model_type {args.model_type!r} is not supported; supported: {supported}"
+            )
+        )
+    try:
+        return Success(make(args))
+    except ValueError as exc:  # e.g. an unknown rope_type
+        return Failure(ConfigError(f"model_type {args.model_type!r}: {exc}"))
+
+
+def load_weights(
+    model: Model, weights: Mapping[str, mx.array], args: DecoderArgs
+) -> Result[None, LoadError]:
+    """Sanitize, quantize the layers the checkpoint has quantized, load strictly."""
+    named = model.sanitize(weights)
+    return (
+        _quantize_like(model, named, args)
+        .bind(lambda _: _check_names_and_shapes(model, named, args))
+        .map(lambda _: _assign(model, named))
+    )
+
+
+def quantize_model(model: Model, bits: int, group_size: int) -> None:
+    """Quantize (MLX affine) every Linear / Embedding whose input width is a
+    multiple of `group_size`; others stay in float. For conversion; updates
+    `model.args.quantization` so a saved config records it.
+
+    `bits` must be one of 2, 3, 4, 5, 6, 8 and `group_size` one of 32, 64, 128.
+    """
+    assert bits in _AFFINE_BITS, f"bits must be one of {_AFFINE_BITS}"
+    assert group_size in (32, 64, 128), "group_size must be 32, 64 or 128"
+
+    def eligible(_path: str, module: nn.Module) -> bool:
+        return (
+            isinstance(module, nn.Linear | nn.Embedding)
+            and module.weight.shape[-1] % group_size == 0
+        )
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=eligible)
+    model.args = evolve(
+        model.args, quantization=QuantizationConfig(group_size=group_size, bits=bits)
+    )
+
+
+def _quantize_like(
+    model: Model, weights: Mapping[str, mx.array], args: DecoderArgs
+) -> Result[None, LoadError]:
+    if args.quantization is None and not any(k.endswith(".scales") for k in weights):
+        return Success(None)
+    settings: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for path, module in model.named_modules():
+        if f"{path}.scales" not in weights or not isinstance(
+            module, nn.Linear | nn.Embedding
+        ):
+            continue
+        found = _quantized_shape(path, module.weight.shape[-1], weights)
+        if isinstance(found, str):
+            problems.append(found)
+        else:
+            settings[path] = found
+    if problems:
+        return Failure(LoadError(f"{args.model_type}: " + "; ".join(problems[:_SHOWN])))
+    nn.quantize(model, class_predicate=lambda path, _module: settings.get(path, False))
+    return Success(None)
+
+
+def _quantized_shape(
+    path: str, in_dims: int, weights: Mapping[str, mx.array]
+) -> dict[str, Any] | str:
+    """`to_quantized` arguments read from the packed shapes, or a problem.
+
+    MLX affine packs a row of `in_dims` values into `in_dims * bits / 32`
+    uint32 words with one scale and one bias per `group_size` values.
+    """
+    packed = weights.get(f"{path}.weight")
+    if packed is None:
+        return f"{path}.weight is missing beside {path}.scales"
+    words = packed.shape[-1]
+    groups = weights[f"{path}.scales"].shape[-1]
+    bits, bits_rest = divmod(words * 32, in_dims)
+    group_size, group_rest = divmod(in_dims, groups) if groups else (0, 1)
+    if bits_rest or group_rest or bits not in _AFFINE_BITS:
+        return (
+            f"{path}: packed weight width {words} and {groups} scale groups do not fit "
+            f"an affine quantization of {in_dims} inputs"
+        )
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def _check_names_and_shapes(
+    model: Model, weights: Mapping[str, mx.array], args: DecoderArgs
+) -> Result[None, LoadError]:
+    expected = flat_parameters(model)
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    mismatched = [
+        f"{k} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
+        for k in sorted(expected.keys() & weights.keys())
+        if weights[k].shape != expected[k].shape
+    ]
+    problems = [
+        _listing(what, names)
+        for what, names in (
+            ("missing weights", missing),
+            ("unexpected weights", unexpected),
+            ("weights of the wrong shape", mismatched),
+        )
+        if names
+    ]
+    if not problems:
+        return Success(None)
+    return Failure(
+        LoadError(
+            f"the checkpoint does not match a {args.model_type} model with this config: "
+            + "; ".join(problems)
+        )
+    )
+
+
+def _listing(what: str, names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return f"{len(names)} {what}: {shown}{more}"
+
+
+def _assign(model: Model, weights: Mapping[str, mx.array]) -> None:
+    model.update(tree_unflatten(list(weights.items())))

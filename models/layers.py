@@ -1,0 +1,115 @@
+"""Layers shared by the llama-family decoders (llama, qwen2, qwen3).
+
+The three families differ only in which projections carry a bias and in
+whether q and k are RMS-normalised per head before RoPE (qwen3). `BlockSpec`
+states those choices as data, so a model file declares its differences
+instead of repeating the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from attrs import frozen
+from mlx.utils import tree_flatten
+
+from models.base import Mask, RoPE
+from models.cache import KVCache
+from schemas.hf import DecoderArgs
+
+
+@frozen
+class BlockSpec:
+    """The optional parameters of one decoder block."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # RMSNorm over head_dim on q and k, before RoPE (qwen3)
+    qk_norm: bool = False
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:  # [B, L, H] -> [B, L, H]
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the shared KV cache.
+
+    Keys and values of the window are written at each row's offset; the
+    queries then attend to the row's span `[0, max(offsets) + L)` under the
+    mask from `models.base.attention_mask` (positions a row has not reached
+    hold stale values and are masked out).
+    """
+
+    def __init__(self, args: DecoderArgs, layer: int, spec: BlockSpec) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads = args.num_attention_heads
+        self.kv_heads = args.num_key_value_heads
+        self.head_dim = args.dim_per_head
+        self.scale = self.head_dim**-0.5
+        hidden = args.hidden_size
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(
+            hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias
+        )
+        self.v_proj = nn.Linear(
+            hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=spec.o_bias)
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if spec.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = RoPE(self.head_dim, args.rope)
+
+    def __call__(
+        self,
+        x: mx.array,  # [B, L, H]
+        cache: KVCache,
+        offsets: Sequence[int],
+        mask: Mask,  # None, "causal" or [B, 1, L, S]
+        rope_at: int | mx.array,  # scalar or [B]
+    ) -> mx.array:  # [B, L, H]
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = self.rope(q.transpose(0, 2, 1, 3), rope_at)  # [B, Hq, L, D]
+        k = self.rope(k.transpose(0, 2, 1, 3), rope_at)  # [B, Hkv, L, D]
+        keys, values = cache.write(self.layer, k, v.transpose(0, 2, 1, 3), offsets)
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=self.scale, mask=mask
+        )  # [B, Hq, L, D]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+def flat_parameters(module: nn.Module) -> dict[str, mx.array]:
+    """Parameters by dotted name, as in safetensors files (`model.norm.weight`)."""
+    flat: dict[str, mx.array] = {}
+    tree_flatten(module.parameters(), destination=flat)
+    return flat
+
+
+def model_dtype(module: nn.Module) -> mx.Dtype:
+    """The floating dtype the module computes in (quantized layers: their scales')."""
+    for value in flat_parameters(module).values():
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32

@@ -1,0 +1,133 @@
+"""Llama (SmolLM2, Llama 3.x): the base of the llama-family decoders.
+
+Pre-norm blocks of grouped-query attention and a SwiGLU MLP. Optional biases
+follow `attention_bias` (q/k/v/o) and `mlp_bias`. qwen2 and qwen3 reuse this
+block, backbone and model with a different `BlockSpec`.
+Reference: transformers `models/llama/modeling_llama.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models.base import Mask, ModelOutput, attention_mask, rope_offset
+from models.cache import KVCache
+from models.layers import MLP, Attention, BlockSpec, model_dtype
+from schemas.hf import DecoderArgs
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: DecoderArgs, layer: int, spec: BlockSpec) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer, spec)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, spec.mlp_bias)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            args.hidden_size, eps=args.rms_norm_eps
+        )
+
+    def __call__(
+        self,
+        x: mx.array,  # [B, L, H]
+        cache: KVCache,
+        offsets: Sequence[int],
+        mask: Mask,  # None, "causal" or [B, 1, L, S]
+        rope_at: int | mx.array,  # scalar or [B]
+    ) -> mx.array:  # [B, L, H]
+        h = x + self.self_attn(self.input_layernorm(x), cache, offsets, mask, rope_at)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, blocks and the final norm (applied by `Model.lm_head`)."""
+
+    def __init__(self, args: DecoderArgs, spec: BlockSpec) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = nn.Embedding(
+            args.vocab_size, args.hidden_size
+        )
+        self.layers = [
+            TransformerBlock(args, i, spec) for i in range(args.num_hidden_layers)
+        ]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self,
+        ids: mx.array,  # [B, L] int32
+        cache: KVCache,
+        offsets: Sequence[int],
+    ) -> mx.array:  # [B, L, H], before the final norm
+        batch, length = ids.shape
+        assert len(offsets) == batch, "one offset per row"
+        cache.reserve(max(offsets) + length)
+        mask = attention_mask(offsets, length)
+        rope_at = rope_offset(offsets)
+        h = self.embed_tokens(ids)
+        for block in self.layers:
+            h = block(h, cache, offsets, mask, rope_at)
+        return h
+
+
+class Model(nn.Module):
+    """The causal LM: implements `models.base.CausalLM`."""
+
+    padding_safe = True
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, self.block_spec(args))
+        if not args.tie_word_embeddings:
+            # `lm_head` is also the name of the protocol method, so the
+            # projection lives only under the module's dict key; that key is
+            # what parameter names use, so `lm_head.weight` loads unchanged.
+            self["lm_head"] = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @staticmethod
+    def block_spec(args: DecoderArgs) -> BlockSpec:
+        return BlockSpec(
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+            mlp_bias=args.mlp_bias,
+        )
+
+    def __call__(
+        self,
+        ids: mx.array,  # [B, L] int32
+        cache: KVCache,
+        offsets: Sequence[int],
+    ) -> ModelOutput:
+        hidden = self.model(ids, cache, offsets)
+        return ModelOutput(logits=self.lm_head(hidden), hidden=hidden)
+
+    def make_cache(self, batch: int) -> KVCache:
+        return KVCache(
+            self.args.num_hidden_layers,
+            batch,
+            self.args.num_key_value_heads,
+            self.args.dim_per_head,
+            model_dtype(self),
+        )
+
+    def embed(self, ids: mx.array) -> mx.array:  # [B, L] -> [B, L, H]
+        return self.model.embed_tokens(ids)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
+        normed = self.model.norm(hidden)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(normed)
+        projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
+        return projection(normed)
+
+    def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
+        """HF / MLX checkpoint names -> this model's parameter names."""
+        kept = {
+            k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")
+        }
+        if self.args.tie_word_embeddings:
+            # HF state dicts of tied models still list the shared tensor.
+            kept = {k: v for k, v in kept.items() if not k.startswith("lm_head.")}
+        return kept

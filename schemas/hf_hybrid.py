@@ -1,0 +1,145 @@
+"""Records for upstream `config.json` files of hybrid (attention + linear
+recurrent) decoders: Qwen3-Next (`model_type` `qwen3_next`).
+
+`HybridArgs` extends `DecoderArgs`, so every field the pipeline reads on
+`args` (model_type, hidden_size, vocab_size, num_hidden_layers,
+max_position_embeddings, eos/bos ids, tie_word_embeddings, quantization) means
+the same as for the dense decoders, and the model satisfies
+`models.base.CausalLM` unchanged. RoPE is read from both `rope_theta` /
+`rope_scaling` and `rope_parameters` (through `normalize_hf_config`); the
+partial rotary factor from `rope_parameters` or the top level.
+Reference: transformers `models/qwen3_next/configuration_qwen3_next.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import field, frozen
+from returns.result import Failure, Result
+
+from schemas.converter import hf, structure
+from schemas.errors import ConfigError
+from schemas.hf import DecoderArgs, normalize_hf_config
+
+HYBRID_MODEL_TYPES = ("qwen3_next",)
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+LAYER_KINDS = (LINEAR_ATTENTION, FULL_ATTENTION)
+
+# transformers' Qwen3NextConfig defaults for keys a config.json may omit
+_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+}
+
+
+def _check_layer_kinds(
+    _instance: object, _attribute: object, value: tuple[str, ...]
+) -> None:
+    unknown = sorted({kind for kind in value if kind not in LAYER_KINDS})
+    if unknown:
+        raise ValueError(
+            f"layer_types: unknown kinds {unknown}; expected {', '.join(LAYER_KINDS)}"
+        )
+
+
+@frozen(kw_only=True)
+class HybridArgs(DecoderArgs):
+    """Qwen3-Next: gated full-attention layers interleaved with GatedDeltaNet
+    linear-attention layers, each followed by a sparse MoE block (shared
+    expert included) or a dense MLP."""
+
+    # one kind per layer: "linear_attention" or "full_attention"
+    layer_types: tuple[str, ...] = field(validator=_check_layer_kinds)
+    # fraction of head_dim that RoPE rotates (the rest passes through)
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # MTP layers a checkpoint may carry (`mtp.layers.{i}`); vLLM's default is 1
+    num_nextn_predict_layers: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                "linear_num_value_heads must be a multiple of linear_num_key_heads"
+            )
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(
+            i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION
+        )
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(
+            i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION
+        )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a MoE block (else a dense MLP)."""
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def normalize_hybrid_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fold the upstream key variants into the shape `HybridArgs` expects."""
+    cfg = normalize_hf_config(raw)
+    params = raw.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    cfg["partial_rotary_factor"] = float(
+        factor if factor is not None else _DEFAULTS["partial_rotary_factor"]
+    )
+    if cfg.get("head_dim") is None:
+        cfg["head_dim"] = _DEFAULTS["head_dim"]
+    layers = cfg.get("num_hidden_layers")
+    if cfg.get("layer_types") is None and isinstance(layers, int):
+        interval = cfg.get("full_attention_interval") or _DEFAULTS[
+            "full_attention_interval"
+        ]
+        cfg["layer_types"] = [
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(layers)
+        ]
+    if cfg.get("mlp_only_layers") is None:
+        cfg["mlp_only_layers"] = []
+    return cfg
+
+
+def hybrid_args(raw: dict[str, Any], where: str) -> Result[HybridArgs, ConfigError]:
+    """An upstream config dict -> `HybridArgs`, or a `ConfigError` naming `where`."""
+    model_type = raw.get("model_type")
+    if model_type not in HYBRID_MODEL_TYPES:
+        return Failure(
+            ConfigError(
+                f"{where}: model_type {model_type!r} is not a hybrid model; "
+                f"supported: {', '.join(HYBRID_MODEL_TYPES)}"
+            )
+        )
+    return structure(hf, normalize_hybrid_config(raw), HybridArgs, where)
