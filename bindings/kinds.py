@@ -35,6 +35,7 @@ def _load_ngram(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
 
 
 def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+    from specpipe.draft_vocab import configured
     from specpipe.drafts.two_model import TwoModelDrafter
     from specpipe.load import load
 
@@ -51,14 +52,26 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
                 "encodes differently); speculation needs the same tokenizer family"
             )
         )
+    if not draft.model.padding_safe:
+        return Failure(
+            BindingError(
+                "a two-model draft must be an attention-only model (recurrent drafts are not supported)"
+            )
+        )
+    vocab = configured(
+        request.draft_vocab,
+        min(target.args.vocab_size, draft.args.vocab_size),
+        draft.folder,
+    )
+    if not isinstance(vocab, Success):
+        return Failure(BindingError(f"draft vocabulary: {vocab.failure().message}"))
     graph = GraphCapabilities.for_decoder(target.args)
     needs = DraftNeeds(
         kind="two-model", default_width=3, vocab_size=draft.args.vocab_size
     )
+    drafter = TwoModelDrafter(draft.model, request.policy, vocab.unwrap())
     return bind(graph, needs, request.width).map(
-        lambda b: LoadedDraft(
-            TwoModelDrafter(draft.model, request.policy), b.width, "two-model"
-        )
+        lambda b: LoadedDraft(drafter, b.width, "two-model")
     )
 
 

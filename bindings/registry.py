@@ -53,6 +53,8 @@ class DraftLoadRequest:
     ngram_min: int | None = None
     ngram_max: int | None = None
     policy: DraftPolicy = field(factory=DraftPolicy)
+    # FR-Spec list: None = the companion's draft_vocab.json if any, "off", or a path
+    draft_vocab: str | None = None
 
 
 @frozen

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from attrs import frozen
 
+from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs, RopeConfig
 
 
@@ -69,6 +70,12 @@ class CausalLM(Protocol):
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         """Final norm + vocabulary projection: `[..., H]` -> `[..., V]`."""
+        ...
+
+    def final_norm(self, hidden: mx.array) -> mx.array: ...
+
+    def head_weights(self) -> HeadWeights:
+        """The vocabulary projection as arrays (for subset heads, FR-Spec)."""
         ...
 
 

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from models.base import Mask, ModelOutput, attention_mask, rope_offset
 from models.cache import KVCache
 from models.layers import MLP, Attention, BlockSpec, model_dtype
+from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 
 
@@ -121,6 +122,15 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(normed)
         projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
         return projection(normed)
+
+    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
+        return self.model.norm(hidden)
+
+    def head_weights(self) -> HeadWeights:
+        """The vocabulary projection (the embedding when tied) as arrays."""
+        if self.args.tie_word_embeddings:
+            return HeadWeights.of(self.model.embed_tokens)
+        return HeadWeights.of(self["lm_head"])
 
     def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """HF / MLX checkpoint names -> this model's parameter names."""

@@ -276,10 +276,13 @@ def load(
     policy: DraftPolicy | None = None,
     device_round: bool = True,
     registry: DraftRegistry | None = None,
+    draft_vocab: str | None = None,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
-    ngram), a registered kind name, or any model reference the loader takes."""
+    ngram), a registered kind name, or any model reference the loader takes.
+    `draft_vocab`: an FR-Spec id list (path), "off", or None for the list the
+    draft ships as draft_vocab.json."""
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
         return Failure(
@@ -297,6 +300,7 @@ def load(
         ngram_min=ngram_min,
         ngram_max=ngram_max,
         policy=policy or DraftPolicy(),
+        draft_vocab=draft_vocab,
     )
     result = _resolve_draft(registry, draft, target, request)
     if not isinstance(result, Success):

@@ -97,6 +97,7 @@ def _generate(args: argparse.Namespace) -> None:
             ngram_max=args.ngram_max,
             policy=policy,
             device_round=not args.host_round,
+            draft_vocab=args.draft_vocab,
         )
     )
     streaming = not args.json and not args.prompts_file
@@ -211,7 +212,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--force", action="store_true")
     conv.set_defaults(func=_convert)
+    vocab = sub.add_parser(
+        "draft-vocab", help="build an FR-Spec draft vocabulary from token frequencies"
+    )
+    vocab.add_argument(
+        "--model", default=DEFAULT_MODEL, help="the model whose tokenizer counts"
+    )
+    vocab.add_argument(
+        "--corpus", nargs="+", required=True, help="text files to count tokens in"
+    )
+    vocab.add_argument("--size", type=int, required=True, help="number of ids to keep")
+    vocab.add_argument("-o", "--out", required=True, help="output draft_vocab.json")
+    vocab.set_defaults(func=_draft_vocab)
     return parser
+
+
+def _draft_vocab(args: argparse.Namespace) -> None:
+    from collections import Counter
+
+    from specpipe.draft_vocab import DraftVocabulary
+
+    loaded = _unwrap(load_model(args.model))
+    counts: Counter[int] = Counter()
+    for name in args.corpus:
+        try:
+            text = Path(name).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            _fail(f"{name}: cannot read the corpus file ({exc.strerror})")
+        counts.update(loaded.tokenizer.encode(text, add_special_tokens=False))
+    if not counts:
+        _fail("the corpus has no tokens")
+    vocab_size = loaded.args.vocab_size
+    result = _unwrap(
+        DraftVocabulary.from_counts(
+            counts, args.size, vocab_size, loaded.tokenizer.eos_token_ids
+        )
+    )
+    result.write(Path(args.out))
+    print(
+        f"specpipe: wrote {args.out}: {result.size} ids covering "
+        f"{sum(counts[i] for i in result.ids) / sum(counts.values()):.1%} of the corpus tokens",
+        file=sys.stderr,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -5,7 +5,8 @@ has processed. Each round it first feeds the tokens it has not seen yet (the
 pending token, plus the last accepted draft after a fully accepted window),
 then drafts `depth` tokens autoregressively, all as one lazy device graph.
 Each draft is sampled with the step key of the target position it predicts,
-so the draft and the target read the same point of their CDFs.
+so the draft and the target read the same point of their CDFs. With a draft
+vocabulary (FR-Spec) the draft projects onto the listed rows only.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import mlx.core as mx
 from attrs import evolve, field, frozen
 
 from models.base import CausalLM, ModelOutput
+from models.vocab_head import HeadWeights
 from schemas.request import SamplingParams
 from specpipe.draft import DraftRows, Proposal
+from specpipe.draft_vocab import DraftVocabulary
 from specpipe.policy import DraftPolicy
 from specpipe.prefill import prefill_rows
 from specpipe.sample_window import sample_window
@@ -27,11 +30,29 @@ from specpipe.transaction import Prepared
 
 
 @frozen
+class SubsetHead:
+    """A draft head over the listed ids only (FR-Spec)."""
+
+    ids: mx.array  # [N] int32, ascending
+    weights: HeadWeights  # the head's rows at `ids`
+
+    @classmethod
+    def of(cls, model: CausalLM, vocab: DraftVocabulary) -> SubsetHead:
+        ids = vocab.array()
+        return cls(ids, model.head_weights().take(ids))
+
+    def logits(self, model: CausalLM, hidden: mx.array) -> mx.array:
+        """`[..., H]` hidden -> `[..., N]` logits over the listed ids."""
+        return self.weights.project(model.final_norm(hidden))
+
+
+@frozen
 class TwoModelRows:
     model: CausalLM
     cache: Any  # the draft model's ModelCache
     lengths: tuple[int, ...]  # per row, tokens the draft has processed
     policy: DraftPolicy
+    vocab: SubsetHead | None = None
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
         tails = [row.tokens[n:] for row, n in zip(rows, self.lengths, strict=True)]
@@ -41,15 +62,30 @@ class TwoModelRows:
         params = [self.policy.draft_params(row.sampling) for row in rows]
         out = self.model(ids, self.cache, list(self.lengths))
         last = mx.array([len(t) - 1 for t in tails], dtype=mx.int32)[:, None, None]
-        logits = mx.take_along_axis(out.logits, last, axis=1)  # [B, 1, V]
-        drafted = [_draw(logits, rows, params, 0)]
+        hidden = mx.take_along_axis(out.hidden, last, axis=1)  # [B, 1, H]
+        drafted = [self._draw(hidden, rows, params, 0)]
         offsets = [n + len(t) for n, t in zip(self.lengths, tails, strict=True)]
         for i in range(1, depth):
             out = self.model(
                 drafted[-1][:, None], self.cache, [o + i - 1 for o in offsets]
             )
-            drafted.append(_draw(out.logits, rows, params, i))
+            drafted.append(self._draw(out.hidden, rows, params, i))
         return Proposal(depth, device=mx.stack(drafted, axis=1))
+
+    def _draw(
+        self,
+        hidden: mx.array,  # [B, 1, H]
+        rows: Sequence[RowState],
+        params: Sequence[SamplingParams],
+        ahead: int,
+    ) -> mx.array:  # [B] int32 token ids
+        shifted = [evolve(row, step=row.step + ahead) for row in rows]
+        if self.vocab is None:
+            logits = self.model.lm_head(hidden)  # [B, 1, V]
+            return sample_window(logits, None, shifted, params)[:, 0]
+        subset = self.vocab.logits(self.model, hidden)  # [B, 1, N]
+        index = sample_window(subset, None, shifted, params)[:, 0]
+        return mx.take(self.vocab.ids, index)
 
     def prepare_commit(
         self,
@@ -59,12 +95,13 @@ class TwoModelRows:
         accepted: Sequence[int],
         verified: ModelOutput,
     ) -> Prepared[DraftRows]:
+        # The draft fed each row's tail through its pending token (row.length + 1
+        # tokens), then drafts d1..d(depth-1); it keeps those that were accepted.
         processed_drafts = max(proposal.depth - 1, 0)
         lengths = tuple(
             row.length + 1 + min(a, processed_drafts)
             for row, a in zip(rows, accepted, strict=True)
         )
-        # `row.length + 1` covers the tail the draft fed (through the pending token).
         return Prepared(lambda: evolve(self, lengths=lengths))
 
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
@@ -75,24 +112,16 @@ class TwoModelRows:
         )
 
 
-def _draw(
-    logits: mx.array,  # [B, 1, V]
-    rows: Sequence[RowState],
-    params: Sequence[SamplingParams],
-    ahead: int,
-) -> mx.array:
-    shifted = [evolve(row, step=row.step + ahead) for row in rows]
-    return sample_window(logits, None, shifted, params)[:, 0]
-
-
 @frozen
 class TwoModelDrafter:
     model: CausalLM
     policy: DraftPolicy = field(factory=DraftPolicy)
+    vocab: DraftVocabulary | None = None
     kind: str = "two-model"
 
     def open(self, rows: Sequence[RowState]) -> DraftRows:
         cache = prefill_rows(self.model, rows)
+        head = SubsetHead.of(self.model, self.vocab) if self.vocab is not None else None
         return TwoModelRows(
-            self.model, cache, tuple(row.length for row in rows), self.policy
+            self.model, cache, tuple(row.length for row in rows), self.policy, head
         )

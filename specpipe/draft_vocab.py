@@ -1,0 +1,129 @@
+"""Frequency-ranked draft vocabulary (FR-Spec, Zhao et al. 2025,
+https://arxiv.org/abs/2502.14856).
+
+A drafter spends much of each step in the vocabulary projection. Drafts only
+need to be likely tokens, so the draft projects onto the N most frequent rows
+of the head. The target still verifies and samples over the full vocabulary,
+so the output is unchanged; a token outside the list simply cannot be drafted.
+
+Coupling is kept. The draw is an inverse CDF in token-id order from one
+uniform of the step key (specpipe/sampling.py); the list is kept in ascending
+id order, so a draw over the listed rows IS the full-vocabulary draw with zero
+mass outside the list: same uniform, same order, same token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import mlx.core as mx
+from attrs import frozen
+from returns.result import Failure, Result, Success
+
+from schemas.errors import ConfigError
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+@frozen
+class DraftVocabulary:
+    ids: tuple[int, ...]  # ascending, unique, all < the target's vocabulary size
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    def array(self) -> mx.array:  # [N] int32
+        return mx.array(list(self.ids), dtype=mx.int32)
+
+    @classmethod
+    def create(
+        cls, ids: Sequence[int], vocab_size: int, where: str = "draft vocabulary"
+    ) -> Result[DraftVocabulary, ConfigError]:
+        values = list(ids)
+        if not values:
+            return Failure(ConfigError(f"{where}: the id list is empty"))
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
+            return Failure(ConfigError(f"{where}: ids must be integers"))
+        outside = [i for i in values if not 0 <= i < vocab_size]
+        if outside:
+            return Failure(
+                ConfigError(
+                    f"{where}: ids {outside[:5]} are outside the vocabulary [0, {vocab_size})"
+                )
+            )
+        if len(set(values)) != len(values):
+            dupes = sorted(i for i, n in Counter(values).items() if n > 1)
+            return Failure(ConfigError(f"{where}: duplicated ids {dupes[:5]}"))
+        if values != sorted(values):
+            return Failure(
+                ConfigError(
+                    f"{where}: ids must be in ascending order (the coupled draw needs token-id order)"
+                )
+            )
+        return Success(cls(tuple(values)))
+
+    @classmethod
+    def read(cls, path: Path, vocab_size: int) -> Result[DraftVocabulary, ConfigError]:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            return Failure(
+                ConfigError(f"{path}: cannot read the draft vocabulary ({exc})")
+            )
+        if (
+            not isinstance(data, dict)
+            or set(data) != {"ids"}
+            or not isinstance(data["ids"], list)
+        ):
+            return Failure(ConfigError(f'{path}: expected exactly {{"ids": [...]}}'))
+        return cls.create(data["ids"], vocab_size, str(path))
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"ids": list(self.ids)}))
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_counts(
+        cls,
+        counts: Counter[int],
+        size: int,
+        vocab_size: int,
+        always: Iterable[int] = (),
+    ) -> Result[DraftVocabulary, ConfigError]:
+        """The `size` most frequent ids (ties by id), plus `always` (e.g. EOS)."""
+        if size <= 0:
+            return Failure(
+                ConfigError(f"the draft vocabulary size must be >= 1, got {size}")
+            )
+        keep = set(always)
+        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        for token, _ in ranked:
+            if len(keep) >= size:
+                break
+            keep.add(token)
+        return cls.create(sorted(keep), vocab_size)
+
+
+def configured(
+    setting: str | None, vocab_size: int, companion: Path | None
+) -> Result[DraftVocabulary | None, ConfigError]:
+    """The draft vocabulary to use. `setting`: None (use the list shipped as
+    `draft_vocab.json` beside the companion, if any), "off", or a path."""
+    if setting == "off":
+        return Success(None)
+    path = Path(setting) if setting else None
+    if (
+        path is None
+        and companion is not None
+        and (companion / DRAFT_VOCAB_FILE).is_file()
+    ):
+        path = companion / DRAFT_VOCAB_FILE
+    if path is None:
+        return Success(None)
+    return DraftVocabulary.read(path, vocab_size)

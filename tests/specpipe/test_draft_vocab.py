@@ -1,0 +1,133 @@
+"""FR-Spec draft vocabulary: validation, coupling, and lossless drafting over a subset."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from schemas.request import SamplingParams
+from specpipe.api import load
+from specpipe.draft_vocab import DRAFT_VOCAB_FILE, DraftVocabulary, configured
+from specpipe.sampling import key_arrays, sample
+from tests.cli.conftest import write_tiny_model
+
+
+@pytest.mark.parametrize(
+    ("ids", "needle"),
+    [
+        ([], "empty"),
+        ([1, 2, 400], "outside the vocabulary"),
+        ([-1, 2], "outside the vocabulary"),
+        ([3, 2, 5], "ascending order"),
+        ([2, 2, 5], "duplicated ids [2]"),
+    ],
+)
+def test_invalid_lists_are_refused(ids: list[int], needle: str) -> None:
+    result = DraftVocabulary.create(ids, 320)
+    assert needle in result.failure().message
+
+
+def test_file_roundtrip_and_strict_shape(tmp_path: Path) -> None:
+    vocab = DraftVocabulary.create([0, 7, 9], 10).unwrap()
+    path = tmp_path / DRAFT_VOCAB_FILE
+    vocab.write(path)
+    assert DraftVocabulary.read(path, 10).unwrap() == vocab
+    path.write_text(json.dumps({"ids": [1, 2], "extra": 1}))
+    assert "expected exactly" in DraftVocabulary.read(path, 10).failure().message
+    assert configured("off", 10, tmp_path).unwrap() is None
+    path.write_text(json.dumps({"ids": [1, 2]}))
+    assert configured(None, 10, tmp_path).unwrap() == DraftVocabulary((1, 2))
+    assert configured(None, 10, None).unwrap() is None
+
+
+def test_from_counts_ranks_and_keeps_eos() -> None:
+    counts = Counter({5: 10, 3: 10, 8: 1, 9: 7})
+    vocab = DraftVocabulary.from_counts(counts, 3, 20, always=[0]).unwrap()
+    assert vocab.ids == (0, 3, 5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0])
+def test_subset_draw_equals_full_draw_with_zero_mass_outside(
+    temperature: float,
+) -> None:
+    mx.random.seed(0)
+    V, N, draws = 500, 64, 400
+    ids = mx.sort(mx.random.permutation(V)[:N]).astype(mx.int32)
+    logits = mx.random.normal((draws, V)) * 3
+    inside = mx.zeros((V,), dtype=mx.bool_).at[ids].add(True)
+    full = mx.where(inside[None, :], logits, -mx.inf)
+    params = SamplingParams(temperature=temperature, top_p=0.9, seed=3)
+    seeds, steps = key_arrays([3] * draws, range(draws))
+    from_full = sample(full, params, seeds, steps)
+    from_subset = mx.take(ids, sample(logits[:, ids], params, seeds, steps))
+    assert mx.array_equal(from_full, from_subset).item()
+
+
+def test_two_model_with_draft_vocabulary_is_lossless(tmp_path: Path) -> None:
+    target = write_tiny_model(tmp_path / "target")
+    draft = write_tiny_model(
+        tmp_path / "draft"
+    )  # same weights: acceptance shows coupling
+    prompts = ["def fibonacci(n):", "Hello world! The quick"]
+    for temperature in (0.0, 0.8):
+        sampling = SamplingParams(temperature=temperature, seed=11)
+        plain = load(str(target)).unwrap().generate_batch(prompts, sampling).unwrap()
+        off = load(str(target), draft=str(draft), num_draft_tokens=3, draft_vocab="off")
+        unlisted = off.unwrap().generate_batch(prompts, sampling).unwrap()
+        assert [r.tokens for r in unlisted] == [r.tokens for r in plain]
+        assert sum(r.stats.accepted for r in unlisted) > 0
+        # a list covering every id drafts exactly what the full head drafts
+        DraftVocabulary.create(range(320), 320).unwrap().write(draft / DRAFT_VOCAB_FILE)
+        full = load(str(target), draft=str(draft), num_draft_tokens=3).unwrap()
+        results = full.generate_batch(prompts, sampling).unwrap()
+        assert [r.tokens for r in results] == [r.tokens for r in plain]
+        assert [(r.stats.drafted, r.stats.accepted) for r in results] == [
+            (r.stats.drafted, r.stats.accepted) for r in unlisted
+        ]
+        # a small list: fewer acceptances, same output
+        DraftVocabulary.create(range(0, 320, 3), 320).unwrap().write(
+            draft / DRAFT_VOCAB_FILE
+        )
+        small = load(str(target), draft=str(draft), num_draft_tokens=3).unwrap()
+        assert [r.tokens for r in small.generate_batch(prompts, sampling).unwrap()] == [
+            r.tokens for r in plain
+        ]
+
+
+def test_bad_list_beside_draft_is_a_clear_error(tmp_path: Path) -> None:
+    target = write_tiny_model(tmp_path / "target")
+    draft = write_tiny_model(tmp_path / "draft")
+    (draft / DRAFT_VOCAB_FILE).write_text(json.dumps({"ids": [5, 1]}))
+    failure = load(str(target), draft=str(draft)).failure()
+    assert "draft vocabulary" in failure.message and "ascending" in failure.message
+
+
+def test_draft_vocab_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specpipe.cli import main
+
+    target = write_tiny_model(tmp_path / "target")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def fibonacci(n):\n    return n\n" * 20)
+    out = tmp_path / DRAFT_VOCAB_FILE
+    main(
+        [
+            "draft-vocab",
+            "--model",
+            str(target),
+            "--corpus",
+            str(corpus),
+            "--size",
+            "12",
+            "-o",
+            str(out),
+        ]
+    )
+    vocab = DraftVocabulary.read(out, 320).unwrap()
+    assert vocab.size == 12
+    assert "covering" in capsys.readouterr().err
