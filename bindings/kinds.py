@@ -71,7 +71,7 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
     )
     drafter = TwoModelDrafter(draft.model, request.policy, vocab.unwrap())
     return bind(graph, needs, request.width).map(
-        lambda b: LoadedDraft(drafter, b.width, "two-model")
+        lambda b: LoadedDraft(drafter, b.width, "two-model", draft.model, draft.source)
     )
 
 

@@ -62,6 +62,9 @@ class LoadedDraft:
     drafter: Drafter
     width: int
     kind: str
+    # the model whose steps a draft round pays for (None: model-free), for calibration
+    model: Any = None
+    source: str | None = None
 
 
 @frozen(kw_only=True)

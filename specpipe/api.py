@@ -16,6 +16,8 @@ from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
 from schemas.errors import LoadError, RequestError, SpecpipeError
 from schemas.request import GenerationLimits, SamplingParams
+from specpipe.adaptive import AdaptivePolicy, CostModel
+from specpipe.calibrate import calibrated
 from specpipe.load import LoadedModel
 from specpipe.load import load as load_model
 from specpipe.loop import RoundOptions, RowRequest, RowResult, generate_rows
@@ -38,6 +40,8 @@ class GenerationStats:
     per_position: tuple[float, ...] = ()
     ms_per_round: float = 0.0
     draft_errors: tuple[str, ...] = ()
+    depths: tuple[tuple[int, int], ...] = ()  # adaptive: (depth, rounds) chosen
+    gated_share: float = 0.0  # adaptive: share of a row's rounds decoded plainly
 
 
 @frozen
@@ -73,6 +77,9 @@ class GenerationResult:
         }
         if self.stats.draft_errors:
             out["stats"]["draft_errors"] = list(self.stats.draft_errors)
+        if self.stats.depths:
+            out["stats"]["depths"] = {str(d): n for d, n in self.stats.depths}
+            out["stats"]["gated_share"] = self.stats.gated_share
         if self.logprobs is not None:
             out["logprobs"] = list(self.logprobs)
         if self.error is not None:
@@ -86,6 +93,7 @@ class Pipeline:
     draft: LoadedDraft | None = None
     device_round: bool = True
     registry: DraftRegistry = field(factory=default_registry)
+    adaptive: AdaptivePolicy | None = None
 
     @property
     def draft_kind(self) -> str:
@@ -161,6 +169,7 @@ class Pipeline:
         options = RoundOptions(
             depth=self.draft.width if self.draft is not None else 0,
             device_round=self.device_round,
+            adaptive=self.adaptive if self.draft is not None else None,
         )
         rows = generate_rows(
             self.target.model,
@@ -239,6 +248,8 @@ class Pipeline:
             per_position=tuple(m.per_position()),
             ms_per_round=sum(row.round_ms) / len(row.round_ms) if row.round_ms else 0.0,
             draft_errors=tuple(m.draft_errors),
+            depths=tuple(sorted((row.depths or {}).items())),
+            gated_share=m.gated / m.rounds if m.rounds else 0.0,
         )
         return GenerationResult(
             text=sink.text,
@@ -277,12 +288,15 @@ def load(
     device_round: bool = True,
     registry: DraftRegistry | None = None,
     draft_vocab: str | None = None,
+    adaptive: bool | CostModel = False,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
     ngram), a registered kind name, or any model reference the loader takes.
     `draft_vocab`: an FR-Spec id list (path), "off", or None for the list the
-    draft ships as draft_vocab.json."""
+    draft ships as draft_vocab.json. `adaptive`: choose each row's depth per
+    round from measured costs (True: the cached calibration, measured on first
+    use; or a ready `CostModel`)."""
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
         return Failure(
@@ -305,7 +319,23 @@ def load(
     result = _resolve_draft(registry, draft, target, request)
     if not isinstance(result, Success):
         return Failure(result.failure())
-    return Success(Pipeline(target, result.unwrap(), device_round, registry))
+    loaded_draft = result.unwrap()
+    policy_adaptive = None
+    if isinstance(adaptive, CostModel):
+        policy_adaptive = AdaptivePolicy(adaptive)
+    elif adaptive:
+        cost = calibrated(
+            target.model,
+            loaded_draft.model,
+            target.source,
+            loaded_draft.source,
+            dtype or "native",
+            max_width=loaded_draft.width + 1,
+        )
+        policy_adaptive = AdaptivePolicy(cost)
+    return Success(
+        Pipeline(target, loaded_draft, device_round, registry, policy_adaptive)
+    )
 
 
 def _resolve_draft(

@@ -98,6 +98,7 @@ def _generate(args: argparse.Namespace) -> None:
             policy=policy,
             device_round=not args.host_round,
             draft_vocab=args.draft_vocab,
+            adaptive=args.adaptive,
         )
     )
     streaming = not args.json and not args.prompts_file
@@ -196,6 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="read drafts back before building the verify graph",
     )
     gen.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="choose each row's draft depth per round from measured costs "
+        "(gates speculation off where it would not pay)",
+    )
+    gen.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="FR-Spec draft vocabulary: a draft_vocab.json path, or 'off' "
+        "(default: the list the draft ships, if any)",
+    )
+    gen.add_argument(
         "--prompts-file", help="JSONL, one prompt object per line, run as one batch"
     )
     gen.set_defaults(func=_generate)
@@ -212,6 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--force", action="store_true")
     conv.set_defaults(func=_convert)
+    cal = sub.add_parser(
+        "calibrate", help="measure round costs on this machine (cached)"
+    )
+    cal.add_argument("--model", default=DEFAULT_MODEL)
+    cal.add_argument(
+        "--draft", default=None, help="a draft model reference (omit for model-free)"
+    )
+    cal.add_argument("--max-width", type=int, default=8)
+    cal.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16"], default=None
+    )
+    cal.set_defaults(func=_calibrate)
+
     vocab = sub.add_parser(
         "draft-vocab", help="build an FR-Spec draft vocabulary from token frequencies"
     )
@@ -225,6 +251,30 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("-o", "--out", required=True, help="output draft_vocab.json")
     vocab.set_defaults(func=_draft_vocab)
     return parser
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    from specpipe.calibrate import calibrated
+
+    if args.max_width < 1:
+        _fail(f"max-width must be >= 1, got {args.max_width}")
+    target = _unwrap(load_model(args.model, args.dtype))
+    draft = _unwrap(load_model(args.draft, args.dtype)) if args.draft else None
+    cost = calibrated(
+        target.model,
+        draft.model if draft is not None else None,
+        target.source,
+        draft.source if draft is not None else None,
+        args.dtype or "native",
+        max_width=args.max_width,
+        refresh=True,
+    )
+    print(
+        json.dumps(
+            {"verify_ms": list(cost.verify_ms), "draft_ms": cost.draft_ms},
+            indent=2,
+        )
+    )
 
 
 def _draft_vocab(args: argparse.Namespace) -> None:

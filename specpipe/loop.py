@@ -18,6 +18,7 @@ from attrs import define, evolve, field, frozen
 
 from models.base import CausalLM
 from schemas.request import SamplingParams
+from specpipe.adaptive import AdaptivePolicy, RowAdaptation
 from specpipe.draft import Drafter, DraftRows, Proposal
 from specpipe.metrics import PhaseTimes, RowMetrics
 from specpipe.output import Delivered, FinishReason, TokenSink, deliver
@@ -60,13 +61,15 @@ class RowResult:
     error: str | None = None
     round_ms: list[float] = field(factory=list)
     phase_ms: PhaseTimes | None = None
+    depths: dict[int, int] | None = None  # adaptive: choices per depth
 
 
 @frozen
 class RoundOptions:
-    depth: int = 0
+    depth: int = 0  # the most drafts a row may be asked for in a round
     device_round: bool = True  # drafts stay on device until the one host read
     phase_timing: bool = False
+    adaptive: AdaptivePolicy | None = None  # per-row depth from measured costs
 
 
 @define
@@ -126,13 +129,25 @@ def generate_rows(
         )
 
     phases = PhaseTimes() if options.phase_timing else None
+    adapt = [RowAdaptation() for _ in requests] if options.adaptive else None
     while batch.rows:
-        if batch.draft is None and options.device_round and not _needs_history(batch):
-            _plain_pipelined(batch, requests, metrics, round_ms, finish)
-            break
+        depths = _choose_depths(batch, options, adapt)
+        pipelined = options.device_round and not _needs_history(batch)
+        if max(depths) == 0 and pipelined:
+            # Plain decoding: no drafter, or every row gated off until its next probe.
+            steps = None
+            if batch.draft is not None and options.adaptive is not None:
+                steps = options.adaptive.probe_every
+            _plain_pipelined(batch, requests, metrics, round_ms, finish, steps)
+            if adapt is not None:
+                for slot in batch.slots:
+                    adapt[slot].probe_next = True
+            continue
         t0 = time.perf_counter()
         try:
-            outcome = _speculative_round(batch, requests, options, metrics, phases)
+            outcome = _speculative_round(
+                batch, requests, depths, options, metrics, phases
+            )
         except Exception as exc:
             message = f"target forward failed: {type(exc).__name__}: {exc}"
             for slot in batch.slots:
@@ -140,8 +155,12 @@ def generate_rows(
             break
         elapsed = (time.perf_counter() - t0) * 1000.0
         keep: list[int] = []
-        for i, (slot, delivered) in enumerate(zip(batch.slots, outcome, strict=True)):
+        for i, (slot, (delivered, drafted, accepted)) in enumerate(
+            zip(batch.slots, outcome, strict=True)
+        ):
             round_ms[slot].append(elapsed)
+            if adapt is not None and options.adaptive is not None:
+                adapt[slot].observe(drafted, accepted, options.adaptive)
             if delivered.finish is None:
                 keep.append(i)
             else:
@@ -149,10 +168,29 @@ def generate_rows(
         batch.retire(keep)
     done = [r for r in results if r is not None]
     assert len(done) == len(requests)
-    if phases is not None:
-        for r in done:
+    for slot, r in enumerate(done):
+        if phases is not None:
             r.phase_ms = phases
+        if adapt is not None:
+            r.depths = dict(adapt[slot].depths)
     return done
+
+
+def _choose_depths(
+    batch: _Batch, options: RoundOptions, adapt: list[RowAdaptation] | None
+) -> list[int]:
+    """Each live row's depth this round (0: plain), capped by its budget."""
+    if batch.draft is None:
+        return [0] * len(batch.rows)
+    depths = []
+    for row, slot in zip(batch.rows, batch.slots, strict=True):
+        depth = options.depth
+        if adapt is not None and options.adaptive is not None:
+            depth = adapt[slot].choose(options.adaptive, options.depth)
+            adapt[slot].record(depth)
+        # Drafts past a row's budget could never be published.
+        depths.append(max(0, min(depth, row.remaining - 1)))
+    return depths
 
 
 def _needs_history(batch: _Batch) -> bool:
@@ -162,10 +200,12 @@ def _needs_history(batch: _Batch) -> bool:
 def _speculative_round(
     batch: _Batch,
     requests: Sequence[RowRequest],
+    depths: Sequence[int],
     options: RoundOptions,
     metrics: list[RowMetrics],
     phases: PhaseTimes | None,
-) -> list[Delivered]:
+) -> list[tuple[Delivered, int, int]]:
+    """One round; per row (delivery, drafts offered, drafts accepted)."""
     rows = batch.rows
     mark = time.perf_counter()
 
@@ -176,8 +216,7 @@ def _speculative_round(
         return elapsed
 
     proposal = Proposal.empty(len(rows))
-    # Drafts past every row's budget could never be published.
-    depth = min(options.depth, max(row.remaining for row in rows) - 1)
+    depth = max(depths)
     if batch.draft is not None and depth > 0:
         try:
             proposal = batch.draft.propose(rows, depth)
@@ -211,7 +250,15 @@ def _speculative_round(
         )
     drafted_flat = host[: len(host) - B * W]
     tokens = host[len(host) - B * W :]
-    drafts = proposal.resolve(drafted_flat if proposal.device is not None else None)
+    # A row asked for fewer drafts than the batch drafted uses their prefix.
+    drafts = tuple(
+        d[:limit]
+        for d, limit in zip(
+            proposal.resolve(drafted_flat if proposal.device is not None else None),
+            depths,
+            strict=True,
+        )
+    )
     if phases is not None:
         phases.sample += lap()
     acceptances: list[Acceptance] = []
@@ -236,7 +283,10 @@ def _speculative_round(
     _commit(batch, proposal, drafts, acceptances, delivered, verified, metrics)
     if phases is not None:
         phases.commit += lap()
-    return delivered
+    return [
+        (d, len(drafted), acc.accepted)
+        for d, drafted, acc in zip(delivered, drafts, acceptances, strict=True)
+    ]
 
 
 def _commit(
@@ -300,8 +350,10 @@ def _plain_pipelined(
     metrics: list[RowMetrics],
     round_ms: list[list[float]],
     finish: Callable[[int, FinishReason, str | None], None],
+    max_steps: int | None = None,
 ) -> None:
-    """Plain decoding; step k+1 is queued on the device before step k is read."""
+    """Plain decoding; step k+1 is queued on the device before step k is read.
+    With `max_steps`, stops after that many steps with no step left queued."""
 
     def step(
         ids: mx.array, rows: Sequence[RowState], ahead: int
@@ -319,38 +371,45 @@ def _plain_pipelined(
         return tokens, lp
 
     pending = mx.array([[r.pending] for r in batch.rows], dtype=mx.int32)
-    current = step(pending, batch.rows, 0)
-    _async_eval(*[a for a in current if a is not None])
+    first = step(pending, batch.rows, 0)
+    _async_eval(*[a for a in first if a is not None])
+    current: tuple[mx.array, mx.array | None] | None = first
     last = time.perf_counter()
-    while batch.rows:
-        upcoming = step(current[0][:, None], batch.rows, 1)
-        _async_eval(*[a for a in upcoming if a is not None])
+    taken = 0
+    while current is not None:
+        taken += 1
+        upcoming = None
+        if max_steps is None or taken < max_steps:
+            upcoming = step(current[0][:, None], batch.rows, 1)
+            _async_eval(*[a for a in upcoming if a is not None])
         tokens = _ints(current[0])
         lps = _floats(current[1]) if current[1] is not None else None
         now = time.perf_counter()
         elapsed, last = (now - last) * 1000.0, now
         keep: list[int] = []
-        next_rows: list[RowState] = []
+        advanced: list[RowState] = []
         for b, (row, slot) in enumerate(zip(batch.rows, batch.slots, strict=True)):
             acc = walk((), (tokens[b],), row.remaining, batch.eos)
             row_lp = [lps[b]] if lps is not None and requests[slot].logprobs else None
             d = deliver(acc, requests[slot].sink, row_lp, requests[slot].cancelled)
             metrics[slot].record(0, 0, d.published)
+            if batch.draft is not None:
+                metrics[slot].gated += 1
             round_ms[slot].append(elapsed)
+            advanced.append(row.advanced(acc.emitted))
             if d.finish is None:
                 keep.append(b)
-                next_rows.append(row.advanced(acc.emitted))
             else:
                 finish(slot, d.finish, d.error)
-        batch.rows = next_rows
-        batch.slots = [batch.slots[i] for i in keep]
+        batch.rows = advanced
         if not keep:
+            batch.rows, batch.slots = [], []
             return
-        if len(keep) < len(tokens):
+        if upcoming is not None and len(keep) < len(tokens):
             index = mx.array(keep)
-            batch.cache = batch.cache.take_rows(keep)
             upcoming = (
                 upcoming[0][index],
                 None if upcoming[1] is None else upcoming[1][index],
             )
+        batch.retire(keep)
         current = upcoming

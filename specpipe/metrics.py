@@ -15,6 +15,7 @@ class RowMetrics:
     drafted_at: list[int] = field(factory=list)
     accepted_at: list[int] = field(factory=list)
     draft_errors: list[str] = field(factory=list)
+    gated: int = 0  # rounds decoded plainly although a drafter was loaded
 
     def record(self, drafts: int, accepted: int, published: int) -> None:
         self.rounds += 1

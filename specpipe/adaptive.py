@@ -1,0 +1,113 @@
+"""Adaptive drafting: each round, each row drafts as deep as pays off here.
+
+A row's drafts are accepted position by position with a probability alpha
+(estimated from the row's own history), so a window of depth d publishes on
+average
+
+    E(d) = 1 + alpha + alpha^2 + ... + alpha^d        tokens,
+
+and costs the target's forward over d + 1 positions plus d draft steps, both
+measured on this machine (`CostModel`, see specpipe/calibrate.py). The row's
+depth maximises E(d) / cost(d). When no depth beats plain decoding (depth 0),
+the row is *gated*: it decodes plainly and re-probes with one cheap draft
+every `probe_every` rounds, so a prompt that turns back into code regains
+speculation. Depth never changes the output: every published token is the
+target's own sample.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from attrs import define, field, frozen
+
+
+@frozen
+class CostModel:
+    """Milliseconds on this machine. `verify_ms[w - 1]`: one target forward over a
+    window of width w; `draft_ms`: one draft step; `draft_fixed_ms`: per round."""
+
+    verify_ms: tuple[float, ...]
+    draft_ms: float = 0.0
+    draft_fixed_ms: float = 0.0
+
+    def verify(self, width: int) -> float:
+        if width <= len(self.verify_ms):
+            return self.verify_ms[width - 1]
+        if len(self.verify_ms) == 1:
+            return self.verify_ms[0]
+        slope = self.verify_ms[-1] - self.verify_ms[-2]
+        return self.verify_ms[-1] + slope * (width - len(self.verify_ms))
+
+    def round_ms(self, depth: int) -> float:
+        if depth == 0:
+            return self.verify(1)
+        return self.verify(depth + 1) + depth * self.draft_ms + self.draft_fixed_ms
+
+
+def expected_tokens(alpha: float, depth: int) -> float:
+    return sum(alpha**i for i in range(depth + 1))
+
+
+def best_depth(alpha: float, cost: CostModel, max_depth: int) -> tuple[int, float]:
+    """The depth with the highest expected tokens per ms, and its speedup over
+    plain decoding (1.0 for depth 0). Ties go to the shallower depth."""
+    plain = 1.0 / cost.round_ms(0)
+    best, best_rate = 0, plain
+    for depth in range(1, max_depth + 1):
+        rate = expected_tokens(alpha, depth) / cost.round_ms(depth)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = depth, rate
+    return best, best_rate / plain
+
+
+@frozen
+class AdaptivePolicy:
+    cost: CostModel
+    prior_alpha: float = 0.5
+    prior_weight: float = 2.0  # pseudo-observations behind the prior
+    decay: float = 0.9  # per round: older evidence fades so a row can change regime
+    probe_every: int = 8
+
+
+@define
+class RowAdaptation:
+    """One row's acceptance estimate and gate."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+    gated_rounds: int = 0  # choices of depth 0 since the row's start
+    probe_next: bool = False  # set after a plain burst: the next choice probes
+    depths: Counter[int] = field(factory=Counter)
+
+    def alpha(self, policy: AdaptivePolicy) -> float:
+        num = self.accepted + policy.prior_alpha * policy.prior_weight
+        return num / (self.trials + policy.prior_weight)
+
+    def choose(self, policy: AdaptivePolicy, max_depth: int) -> int:
+        depth, _gain = best_depth(self.alpha(policy), policy.cost, max_depth)
+        if depth == 0 and max_depth > 0:
+            self.gated_rounds += 1
+            if self.probe_next or self.gated_rounds % policy.probe_every == 0:
+                depth = 1  # re-probe: one cheap draft refreshes the estimate
+        self.probe_next = False
+        return depth
+
+    def observe(self, drafted: int, accepted: int, policy: AdaptivePolicy) -> None:
+        """A round that offered `drafted` drafts, of which the first `accepted`
+        matched: `accepted` successes, plus one failure if the walk met a mismatch."""
+        if drafted == 0:
+            return  # a gated row keeps its evidence until the next probe
+        self.accepted *= policy.decay
+        self.trials *= policy.decay
+        self.accepted += accepted
+        self.trials += accepted + (1 if accepted < drafted else 0)
+
+    def record(self, depth: int) -> None:
+        self.depths[depth] += 1
+
+
+def round_depth(depths: Sequence[int]) -> int:
+    """The batch drafts as deep as its deepest row; shallower rows use a prefix."""
+    return max(depths, default=0)
