@@ -14,15 +14,17 @@ import json
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
 from bindings.capabilities import GraphCapabilities
 from schemas.errors import BindingError
-from specpipe.draft import Drafter
-from specpipe.policy import DraftPolicy
+
+if TYPE_CHECKING:
+    from specpipe.draft import Drafter
+from schemas.request import DraftPolicy
 
 
 class DraftArtifact:

@@ -120,9 +120,9 @@ def normalize_hybrid_config(raw: dict[str, Any]) -> dict[str, Any]:
         cfg["head_dim"] = _DEFAULTS["head_dim"]
     layers = cfg.get("num_hidden_layers")
     if cfg.get("layer_types") is None and isinstance(layers, int):
-        interval = cfg.get("full_attention_interval") or _DEFAULTS[
-            "full_attention_interval"
-        ]
+        interval = (
+            cfg.get("full_attention_interval") or _DEFAULTS["full_attention_interval"]
+        )
         cfg["layer_types"] = [
             FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
             for i in range(layers)
@@ -142,4 +142,33 @@ def hybrid_args(raw: dict[str, Any], where: str) -> Result[HybridArgs, ConfigErr
                 f"supported: {', '.join(HYBRID_MODEL_TYPES)}"
             )
         )
-    return structure(hf, normalize_hybrid_config(raw), HybridArgs, where)
+    cfg = normalize_hybrid_config(raw)
+    problem = _layout_problem(cfg)
+    if problem is not None:
+        return Failure(ConfigError(f"{where}: {problem}"))
+    return structure(hf, cfg, HybridArgs, where)
+
+
+def _layout_problem(cfg: dict[str, Any]) -> str | None:
+    """What `HybridArgs`' own checks would refuse, said with the values (cattrs
+    reports a refusal by `__init__` only as "invalid value")."""
+    kinds = cfg.get("layer_types")
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(kinds, list | tuple):
+        unknown = sorted({str(k) for k in kinds if k not in LAYER_KINDS})
+        if unknown:
+            return f"layer_types: unknown kinds {unknown}; expected {', '.join(LAYER_KINDS)}"
+        if isinstance(layers, int) and len(kinds) != layers:
+            return f"layer_types has {len(kinds)} entries for {layers} layers"
+    key_heads = cfg.get("linear_num_key_heads", 16)
+    value_heads = cfg.get("linear_num_value_heads", 32)
+    if (
+        isinstance(key_heads, int)
+        and isinstance(value_heads, int)
+        and (key_heads <= 0 or value_heads % key_heads)
+    ):
+        return (
+            f"linear_num_value_heads ({value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({key_heads})"
+        )
+    return None

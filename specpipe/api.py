@@ -15,14 +15,13 @@ from returns.result import Failure, Result, Success
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
 from schemas.errors import LoadError, RequestError, SpecpipeError
-from schemas.request import GenerationLimits, SamplingParams
+from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.adaptive import AdaptivePolicy, CostModel
 from specpipe.calibrate import calibrated
 from specpipe.load import LoadedModel
 from specpipe.load import load as load_model
 from specpipe.loop import RoundOptions, RowRequest, RowResult, generate_rows
 from specpipe.output import TextSink
-from specpipe.policy import DraftPolicy
 
 Prompt = str | Sequence[int]
 

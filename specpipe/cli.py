@@ -11,11 +11,10 @@ from typing import Any, NoReturn
 
 from returns.result import Success
 
-from schemas.request import GenerationLimits, SamplingParams
+from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.api import load
 from specpipe.load import DEFAULT_MODEL, save_folder
 from specpipe.load import load as load_model
-from specpipe.policy import DraftPolicy
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:

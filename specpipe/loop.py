@@ -82,6 +82,7 @@ class _Batch:
     slots: list[int]  # request index of each live row
     draft: DraftRows | None
     eos: frozenset[int]
+    draft_error: str | None = None
 
     def retire(self, keep: list[int]) -> None:
         if len(keep) == len(self.rows):
@@ -91,7 +92,16 @@ class _Batch:
         if keep:
             self.cache = self.cache.take_rows(keep)
             if self.draft is not None:
-                self.draft = self.draft.take_rows(keep)
+                try:
+                    self.draft = self.draft.take_rows(keep)
+                except Exception as exc:
+                    self.disable_draft(exc)
+
+    def disable_draft(self, exc: Exception) -> None:
+        """A drafter that failed leaves the rows to plain decoding (the output
+        is the same); the failure is reported in each row's metrics."""
+        self.draft = None
+        self.draft_error = f"drafter disabled after {type(exc).__name__}: {exc}"
 
 
 def generate_rows(
@@ -105,20 +115,27 @@ def generate_rows(
     options = options or RoundOptions()
     start = time.perf_counter()
     rows = [RowState.start(r.prompt, r.max_tokens, r.sampling) for r in requests]
-    cache = prefill_rows(model, rows)
-    draft_rows = (
-        drafter.open(rows) if drafter is not None and options.depth > 0 else None
-    )
+    metrics = [RowMetrics() for _ in requests]
+    try:
+        cache = prefill_rows(model, rows)
+    except Exception as exc:
+        message = f"prefill failed: {type(exc).__name__}: {exc}"
+        elapsed = time.perf_counter() - start
+        return [RowResult("failed", m, elapsed, 0.0, message) for m in metrics]
+    batch = _Batch(model, cache, rows, list(range(len(rows))), None, frozenset(eos_ids))
+    if drafter is not None and options.depth > 0:
+        try:
+            batch.draft = drafter.open(rows)
+        except Exception as exc:
+            batch.disable_draft(exc)
     prompt_seconds = time.perf_counter() - start
     results: list[RowResult | None] = [None] * len(requests)
-    metrics = [RowMetrics() for _ in requests]
     round_ms: list[list[float]] = [[] for _ in requests]
-    batch = _Batch(
-        model, cache, rows, list(range(len(rows))), draft_rows, frozenset(eos_ids)
-    )
     decode_start = time.perf_counter()
 
     def finish(slot: int, reason: FinishReason, error: str | None = None) -> None:
+        if batch.draft_error is not None:
+            metrics[slot].draft_errors.append(batch.draft_error)
         results[slot] = RowResult(
             reason,
             metrics[slot],
@@ -138,7 +155,13 @@ def generate_rows(
             steps = None
             if batch.draft is not None and options.adaptive is not None:
                 steps = options.adaptive.probe_every
-            _plain_pipelined(batch, requests, metrics, round_ms, finish, steps)
+            try:
+                _plain_pipelined(batch, requests, metrics, round_ms, finish, steps)
+            except Exception as exc:
+                message = f"target forward failed: {type(exc).__name__}: {exc}"
+                for slot in batch.slots:
+                    finish(slot, "failed", message)
+                break
             if adapt is not None:
                 for slot in batch.slots:
                     adapt[slot].probe_next = True
@@ -226,7 +249,7 @@ def _speculative_round(
                 read = _ints(proposal.device.reshape(-1))
                 proposal = Proposal(proposal.depth, host=proposal.resolve(read))
         except Exception as exc:
-            _disable_draft(batch, metrics, exc)
+            batch.disable_draft(exc)
             proposal = Proposal.empty(len(rows))
     if phases is not None:
         phases.draft += lap()
@@ -330,18 +353,11 @@ def _commit(
     try:
         committed = apply_all(preparers)
     except Exception as exc:
-        _disable_draft(batch, metrics, exc)
+        batch.disable_draft(exc)
         committed = apply_all([target])
     batch.rows = committed[0]
     if len(committed) > 1:
         batch.draft = committed[1]
-
-
-def _disable_draft(batch: _Batch, metrics: list[RowMetrics], exc: Exception) -> None:
-    note = f"drafter disabled after {type(exc).__name__}: {exc}"
-    for slot in batch.slots:
-        metrics[slot].draft_errors.append(note)
-    batch.draft = None
 
 
 def _plain_pipelined(

@@ -19,10 +19,9 @@ from attrs import evolve, field, frozen
 
 from models.base import CausalLM, ModelOutput
 from models.vocab_head import HeadWeights
-from schemas.request import SamplingParams
+from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, Proposal
 from specpipe.draft_vocab import DraftVocabulary
-from specpipe.policy import DraftPolicy
 from specpipe.prefill import prefill_rows
 from specpipe.sample_window import sample_window
 from specpipe.state import RowState

@@ -1,0 +1,411 @@
+"""Sampling: request validation, the keyed uniforms, the filters, the inverse
+CDF draw and its distribution, greedy, the repetition penalty, window sampling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from returns.result import Failure, Success
+
+from schemas.request import SamplingParams
+from specpipe.sample_window import sample_window
+from specpipe.sampling import (
+    apply_repetition_penalty,
+    filtered_probs,
+    inverse_cdf,
+    key_arrays,
+    sample,
+    step_uniforms,
+    token_logprobs,
+)
+from specpipe.state import RowState
+
+# --- SamplingParams.create ------------------------------------------------------
+
+REJECTED = [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"top_p": 0.0}, "top-p"),
+    ({"top_p": -0.5}, "top-p"),
+    ({"top_p": 1.01}, "top-p"),
+    ({"top_p": math.nan}, "top-p"),
+    ({"top_k": -1}, "top-k"),
+    ({"min_p": -0.01}, "min-p"),
+    ({"min_p": 1.0}, "min-p"),
+    ({"min_p": math.nan}, "min-p"),
+    ({"repetition_penalty": 0.0}, "repetition penalty"),
+    ({"repetition_penalty": -1.2}, "repetition penalty"),
+    ({"repetition_penalty": math.nan}, "repetition penalty"),
+    ({"repetition_penalty": math.inf}, "repetition penalty"),
+    ({"repetition_context": 0}, "repetition context"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**32}, "seed"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"), REJECTED, ids=[f"{k}" for k, _ in REJECTED]
+)
+def test_create_rejects_invalid_values_naming_the_parameter(
+    kwargs: dict[str, Any], named: str
+) -> None:
+    result = SamplingParams.create(**kwargs)
+    assert isinstance(result, Failure)
+    message = result.failure().message
+    assert named in message
+    assert str(next(iter(kwargs.values()))) in message  # the offending value is shown
+    assert "; " not in message  # one problem, one message
+
+
+def test_create_reports_every_problem_at_once() -> None:
+    result = SamplingParams.create(temperature=-1, top_p=2.0, top_k=-3)
+    assert isinstance(result, Failure)
+    message = result.failure().message
+    assert all(name in message for name in ("temperature", "top-p", "top-k"))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
+        {"temperature": 2.5, "top_p": 1e-6, "top_k": 1, "min_p": 0.999},
+        {"repetition_penalty": 0.5, "repetition_context": 1, "seed": 2**32 - 1},
+    ],
+)
+def test_create_accepts_boundary_values(kwargs: dict[str, Any]) -> None:
+    result = SamplingParams.create(**kwargs)
+    assert isinstance(result, Success)
+    params = result.unwrap()
+    for k, v in kwargs.items():
+        assert getattr(params, k) == v
+
+
+# --- step uniforms ------------------------------------------------------------------
+
+
+def _uniforms(seeds: list[int], steps: list[int]) -> np.ndarray:
+    return np.array(step_uniforms(*key_arrays(seeds, steps)))
+
+
+def test_step_uniforms_are_open_interval_deterministic_and_per_key() -> None:
+    steps = list(range(50_000))
+    u = _uniforms([7] * len(steps), steps)
+    assert u.dtype == np.float32
+    assert (u > 0).all() and (u < 1).all()
+    assert np.array_equal(u, _uniforms([7] * len(steps), steps))
+    # a key's uniform does not depend on what else is drawn with it
+    for i in (0, 1, 4321, 49_999):
+        assert _uniforms([7], [i])[0] == u[i]
+    # extreme keys stay inside (0, 1)
+    edge = _uniforms([0, 2**32 - 1, 0, 2**32 - 1], [0, 0, 2**32 - 1, 2**32 - 1])
+    assert (edge > 0).all() and (edge < 1).all()
+    # different seeds give different streams
+    other = _uniforms([8] * len(steps), steps)
+    assert np.mean(other == u) < 0.001
+
+
+def _chi_square(counts: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.sum((counts - expected) ** 2 / expected))
+
+
+@pytest.mark.parametrize("axis", ["steps", "seeds"])
+def test_step_uniforms_are_roughly_uniform(axis: str) -> None:
+    n, bins = 100_000, 20
+    if axis == "steps":
+        u = _uniforms([12345] * n, list(range(n)))
+    else:
+        u = _uniforms(list(range(n)), [3] * n)
+    counts = np.histogram(u, bins=bins, range=(0.0, 1.0))[0]
+    # chi-square with 19 degrees of freedom: 43.8 is its 0.1% tail
+    assert _chi_square(counts, np.full(bins, n / bins)) < 43.8
+    assert abs(u.mean() - 0.5) < 0.005
+    assert abs(u.var() - 1 / 12) < 0.002
+    # consecutive keys are uncorrelated
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02
+    # a Kolmogorov-Smirnov distance well inside the 1% band (1.63 / sqrt(n))
+    ordered = np.sort(u)
+    ks = np.max(np.abs(ordered - (np.arange(1, n + 1) - 0.5) / n))
+    assert ks < 1.63 / math.sqrt(n)
+
+
+# --- the draw's distribution -----------------------------------------------------
+
+LOGITS = np.array(
+    [2.0, 1.2, 0.3, -0.5, 1.7, 0.0, -1.3, 0.9, 0.6, -0.2, 1.1, -2.0], dtype=np.float32
+)
+
+
+def _draw(
+    logits: np.ndarray, params: SamplingParams, n: int, seed: int = 99
+) -> np.ndarray:
+    flat = mx.array(np.tile(logits, (n, 1)))
+    seeds, steps = key_arrays([seed] * n, list(range(n)))
+    return np.array(sample(flat, params, seeds, steps))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _assert_frequencies(tokens: np.ndarray, probs: np.ndarray) -> None:
+    n = len(tokens)
+    counts = np.bincount(tokens, minlength=len(probs))
+    support = probs > 0
+    # never a token outside the support
+    assert counts[~support].sum() == 0
+    # chi-square over the support: bound at the 0.1% tail (df <= 11: 31.3)
+    df = int(support.sum()) - 1
+    bound = {1: 10.8, 2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5, 6: 22.5, 7: 24.3, 8: 26.1,
+             9: 27.9, 10: 29.6, 11: 31.3}[df]  # fmt: skip
+    assert _chi_square(counts[support], n * probs[support]) < bound
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_sampled_frequencies_match_the_tempered_softmax(temperature: float) -> None:
+    params = SamplingParams(temperature=temperature, seed=99)
+    tokens = _draw(LOGITS, params, 20_000)
+    _assert_frequencies(tokens, _softmax(LOGITS.astype(np.float64) / temperature))
+
+
+def test_sampled_frequencies_with_filters_match_the_renormalised_distribution() -> None:
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05, seed=99)
+    expected = _reference_filter(LOGITS, params)
+    assert 2 <= (expected > 0).sum() < 8  # every filter matters here
+    tokens = _draw(LOGITS, params, 20_000)
+    _assert_frequencies(tokens, expected / expected.sum())
+
+
+# --- filters ------------------------------------------------------------------------
+
+
+def _reference_filter(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The documented order in float64: temperature, top-k, top-p, min-p."""
+    x = logits.astype(np.float64) / p.temperature
+    if 0 < p.top_k < len(x):
+        kth = np.sort(x)[-p.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    probs = _softmax(x)
+    if p.top_p < 1.0:
+        order = np.argsort(-probs)
+        before = np.cumsum(probs[order]) - probs[order]
+        keep = np.zeros(len(x), dtype=bool)
+        keep[order[before < p.top_p]] = True
+        probs = np.where(keep, probs, 0.0)
+    if p.min_p > 0.0:
+        probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+    return probs
+
+
+def _kept(logits: np.ndarray, params: SamplingParams) -> set[int]:
+    probs = np.array(filtered_probs(mx.array(logits[None, :]), params))[0]
+    return set(np.flatnonzero(probs > 0).tolist())
+
+
+# LOGITS ranked: 0 (2.0), 4 (1.7), 1 (1.2), 10 (1.1), 7 (0.9), 8 (0.6), 2 (0.3), ...
+FILTER_CASES = [
+    (SamplingParams(temperature=1.0, top_k=1), {0}),
+    (SamplingParams(temperature=1.0, top_k=3), {0, 4, 1}),
+    (SamplingParams(temperature=0.3, top_k=5), {0, 4, 1, 10, 7}),
+    (SamplingParams(temperature=1.0, top_k=12), set(range(12))),  # k = V: off
+    (SamplingParams(temperature=1.0, top_k=50), set(range(12))),  # k > V: off
+    (SamplingParams(temperature=1.0, top_p=0.01), {0}),  # the top token always stays
+    (SamplingParams(temperature=1.0, top_p=0.99), set(range(12)) - {11}),  # p11 = 0.005
+    (SamplingParams(temperature=1.0, top_p=0.999), set(range(12))),
+    (
+        SamplingParams(temperature=1.0, min_p=0.5),
+        {0, 4},
+    ),  # e^1.7/e^2 = 0.74, e^1.2/e^2 = 0.45
+    (SamplingParams(temperature=1.0, min_p=0.4), {0, 4, 1, 10}),  # e^-0.9 = 0.407
+    (
+        SamplingParams(temperature=2.0, min_p=0.4),
+        {0, 4, 1, 10, 7, 8, 2},
+    ),  # x >= 2 + 2 ln 0.4
+    (SamplingParams(temperature=1.0, top_k=3, min_p=0.5), {0, 4}),
+]
+
+
+@pytest.mark.parametrize(("params", "kept"), FILTER_CASES)
+def test_filters_remove_exactly_the_expected_tokens(
+    params: SamplingParams, kept: set[int]
+) -> None:
+    assert _kept(LOGITS, params) == kept
+    assert set(np.flatnonzero(_reference_filter(LOGITS, params)).tolist()) == kept
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass() -> None:
+    probs = _softmax(LOGITS.astype(np.float64))
+    order = np.argsort(-probs)
+    cumulative = np.cumsum(probs[order])
+    for size in range(1, len(order)):
+        # a top-p strictly between the mass of the first size-1 tokens and of
+        # the first size tokens keeps exactly the first size tokens
+        below = cumulative[size - 2] if size > 1 else 0.0
+        top_p = float((below + cumulative[size - 1]) / 2)
+        expected = set(order[:size].tolist())
+        assert (
+            _kept(LOGITS, SamplingParams(temperature=1.0, top_p=top_p)) == expected
+        ), size
+
+
+def test_filtered_probabilities_match_the_reference_on_random_logits() -> None:
+    rng = np.random.default_rng(0)
+    for case in range(60):
+        logits = rng.normal(0, 2, size=40).astype(np.float32)
+        params = SamplingParams(
+            temperature=float(rng.uniform(0.3, 1.5)),
+            top_k=int(rng.integers(0, 40)),
+            top_p=float(rng.uniform(0.3, 1.0)) if case % 2 else 1.0,
+            min_p=float(rng.uniform(0.0, 0.3)) if case % 3 else 0.0,
+        )
+        got = np.array(filtered_probs(mx.array(logits[None, :]), params))[0]
+        ref = _reference_filter(logits, params)
+        assert set(np.flatnonzero(got).tolist()) == set(np.flatnonzero(ref).tolist()), (
+            case
+        )
+        np.testing.assert_allclose(got / got.sum(), ref / ref.sum(), atol=1e-5)
+
+
+# --- inverse CDF ----------------------------------------------------------------------
+
+
+def test_inverse_cdf_picks_the_first_token_whose_cdf_reaches_u() -> None:
+    probs = mx.array([[0.1, 0.0, 0.2, 0.3, 0.0, 0.4]])
+    cases = {0.05: 0, 0.1: 0, 0.1001: 2, 0.3: 2, 0.31: 3, 0.6: 3, 0.61: 5, 0.99999: 5}
+    for u, token in cases.items():
+        assert inverse_cdf(probs, mx.array([u])).item() == token, u
+    # unnormalised mass: u scales to the total
+    assert inverse_cdf(probs * 7.0, mx.array([0.31])).item() == 3
+    # a zero-mass token is never drawn
+    u = mx.array(np.linspace(1e-6, 1 - 1e-6, 5001, dtype=np.float32))
+    drawn = set(np.array(inverse_cdf(mx.broadcast_to(probs, (5001, 6)), u)).tolist())
+    assert drawn == {0, 2, 3, 5}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_inverse_cdf_over_a_subset_equals_the_full_vocabulary(seed: int) -> None:
+    """Zero mass outside a subset S: drawing over S (then mapping back to ids)
+    reads the same CDF point as drawing over the whole vocabulary."""
+    rng = np.random.default_rng(seed)
+    vocab, size, n = 1000, 64, 4000
+    subset = np.sort(rng.choice(vocab, size=size, replace=False))
+    mass = rng.gamma(0.5, size=size).astype(np.float32)
+    full = np.zeros(vocab, dtype=np.float32)
+    full[subset] = mass
+    u = step_uniforms(*key_arrays([seed] * n, list(range(n))))
+    over_full = np.array(inverse_cdf(mx.broadcast_to(mx.array(full), (n, vocab)), u))
+    over_subset = np.array(inverse_cdf(mx.broadcast_to(mx.array(mass), (n, size)), u))
+    assert np.array_equal(over_full, subset[over_subset])
+
+
+# --- greedy and the repetition penalty ------------------------------------------------
+
+
+def test_greedy_is_argmax_whatever_the_key() -> None:
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(0, 3, size=(200, 97)).astype(np.float32))
+    expected = np.argmax(np.array(logits), axis=-1)
+    greedy = SamplingParams()
+    for seed in (0, 1, 2**32 - 1):
+        seeds, steps = key_arrays([seed] * 200, list(range(200)))
+        got = np.array(sample(logits, greedy, seeds, steps))
+        assert np.array_equal(got, expected)
+    # filters do not change a greedy pick
+    filtered = SamplingParams(top_k=3, top_p=0.5, min_p=0.2)
+    seeds, steps = key_arrays([0] * 200, list(range(200)))
+    assert np.array_equal(np.array(sample(logits, filtered, seeds, steps)), expected)
+
+
+def test_a_low_temperature_draw_is_the_argmax() -> None:
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 1, size=(2000, 50)).astype(np.float32)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    logits = logits[top2[:, 1] - top2[:, 0] > 0.05][:500]  # no near-ties: e^-50 odds
+    assert len(logits) == 500
+    seeds, steps = key_arrays([5] * 500, list(range(500)))
+    cold = np.array(
+        sample(mx.array(logits), SamplingParams(temperature=1e-3), seeds, steps)
+    )
+    assert np.array_equal(cold, np.argmax(logits, axis=-1))
+
+
+def test_repetition_penalty_scales_only_tokens_in_the_history_once() -> None:
+    logits = mx.array([[2.0, -1.0, 0.5, -3.0, 4.0]])
+    history = mx.array([[0, 1, 1, 1]], dtype=mx.int32)  # repeats are penalised once
+    out = np.array(apply_repetition_penalty(logits, history, 2.0))[0]
+    np.testing.assert_allclose(out, [1.0, -2.0, 0.5, -3.0, 4.0])
+    # greedy with a penalty: argmax of the penalised scores
+    strong = mx.array([[3.0, 2.9, -1.0]])
+    hist = mx.array([[0]], dtype=mx.int32)
+    seeds, steps = key_arrays([0], [0])
+    params = SamplingParams(repetition_penalty=1.5)
+    assert sample(strong, params, seeds, steps, hist).item() == 1
+    assert sample(strong, SamplingParams(), seeds, steps).item() == 0
+
+
+def test_token_logprobs_are_log_softmax() -> None:
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0, 2, size=(8, 30)).astype(np.float32)
+    tokens = rng.integers(0, 30, size=8)
+    got = np.array(token_logprobs(mx.array(logits), mx.array(tokens.astype(np.int32))))
+    x = logits.astype(np.float64)
+    ref = x[np.arange(8), tokens] - np.log(np.exp(x).sum(axis=-1))
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+# --- sample_window: each position as plain decoding at its own step ------------------
+
+
+def test_window_position_i_is_sampled_with_step_key_step_plus_i() -> None:
+    rng = np.random.default_rng(6)
+    B, W, V = 3, 5, 40
+    logits = mx.array(rng.normal(0, 1.5, size=(B, W, V)).astype(np.float32))
+    params = [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_k=10, seed=2),
+        SamplingParams(),
+    ]
+    rows = [RowState.start((1, 2, 3), 50, p) for p in params]
+    rows = [
+        r.advanced(tuple(range(10 + 3 * b))) for b, r in enumerate(rows)
+    ]  # steps 10, 13, 16
+    window = np.array(sample_window(logits, None, rows))
+    for b, row in enumerate(rows):
+        for i in range(W):
+            seeds, steps = key_arrays([params[b].seed], [row.step + i])
+            alone = sample(logits[b, i][None, :], params[b], seeds, steps).item()
+            assert window[b, i] == alone, (b, i)
+
+
+def test_window_history_matches_plain_decoding_history() -> None:
+    """With a repetition penalty, position i sees the row's tokens and the
+    window's inputs up to i: the history plain decoding has at that step."""
+    rng = np.random.default_rng(7)
+    V, C = 20, 4
+    params = SamplingParams(
+        temperature=0.9, repetition_penalty=3.0, repetition_context=C, seed=9
+    )
+    row = RowState.start((3, 4, 5, 6, 7), 50, params)  # pending 7
+    ids = [7, 8, 9, 3]  # window [pending, d1, d2, d3]
+    logits = rng.normal(0, 1, size=(1, 4, V)).astype(np.float32)
+    window = np.array(
+        sample_window(mx.array(logits), mx.array([ids], dtype=mx.int32), [row])
+    )
+    tokens = list(row.tokens)
+    for i in range(4):
+        history = (tokens + ids[1 : i + 1])[-C:]
+        seeds, steps = key_arrays([9], [row.step + i])
+        alone = sample(
+            mx.array(logits[:, i]),
+            params,
+            seeds,
+            steps,
+            mx.array([history], dtype=mx.int32),
+        ).item()
+        assert window[0, i] == alone, i
