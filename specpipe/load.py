@@ -199,6 +199,7 @@ def staged_folder(final: Path) -> Iterator[Path]:
     """A temp folder beside `final`, renamed into place only on success."""
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; a model folder is not
     try:
         yield staging
         if final.exists():

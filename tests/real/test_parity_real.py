@@ -49,15 +49,22 @@ def _compare(pipeline: Pipeline, name: str) -> None:
         assert diff < 2e-3, f"{name} {prompt!r}: max |logit diff| {diff}"
         with torch.no_grad():
             out = reference.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         expected = out[0, len(ids) :].tolist()
-        result = pipeline.generate(ids, limits=GenerationLimits(max_tokens=NEW_TOKENS)).unwrap()
+        result = pipeline.generate(
+            ids, limits=GenerationLimits(max_tokens=NEW_TOKENS)
+        ).unwrap()
         eos = set(pipeline.target.tokenizer.eos_token_ids)
         cut = next((i for i, t in enumerate(expected) if t in eos), len(expected))
         assert list(result.tokens) == expected[:cut], prompt
-    print(f"\n{name}: max |logit diff| vs transformers over {len(PROMPTS)} prompts: {worst:.2e}")
+    print(
+        f"\n{name}: max |logit diff| vs transformers over {len(PROMPTS)} prompts: {worst:.2e}"
+    )
 
 
 @pytest.mark.fixture

@@ -1,0 +1,58 @@
+"""Speculative output == plain output on the real checkpoints, B=1 and B>1.
+
+ngram on SmolLM2; two-model with the Qwen2.5-Coder 1.5B target and 0.5B draft.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.api import Pipeline, load
+from tests.real.conftest import QWEN_05, QWEN_15, SMOLLM2
+
+CODE_EDIT = (
+    "Rename the variable `total` to `acc` in this function and return it unchanged otherwise:\n"
+    "def add_all(values):\n    total = 0\n    for v in values:\n        total += v\n    return total\n"
+)
+PROMPTS = ["def quicksort(arr):", "Write a short poem about the moon.", CODE_EDIT]
+SAMPLINGS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=5),
+    SamplingParams(temperature=1.0, seed=9),
+]
+
+
+def _tokens(
+    pipeline: Pipeline, prompts: list[str], sampling: SamplingParams, n: int
+) -> list[tuple[int, ...]]:
+    results = pipeline.generate_batch(
+        prompts, sampling, GenerationLimits(max_tokens=n), chat=True
+    )
+    return [r.tokens for r in results.unwrap()]
+
+
+@pytest.mark.fixture
+@pytest.mark.parametrize(
+    "sampling", SAMPLINGS, ids=["greedy", "t0.7-topp-topk", "t1.0"]
+)
+def test_ngram_on_smollm2(smollm2: Pipeline, sampling: SamplingParams) -> None:
+    spec = load(SMOLLM2, draft="ngram", num_draft_tokens=6).unwrap()
+    plain_batch = _tokens(smollm2, PROMPTS, sampling, 40)
+    assert _tokens(spec, PROMPTS, sampling, 40) == plain_batch
+    for prompt, expected in zip(PROMPTS, plain_batch, strict=True):
+        assert _tokens(spec, [prompt], sampling, 40) == [expected]
+
+
+@pytest.mark.fixture
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.7-topp-topk"])
+def test_two_model_qwen_pair(qwen15: Pipeline, sampling: SamplingParams) -> None:
+    spec = load(QWEN_15, draft=QWEN_05, num_draft_tokens=4).unwrap()
+    prompts = PROMPTS[:2]
+    plain = _tokens(qwen15, prompts, sampling, 16)
+    assert _tokens(spec, prompts, sampling, 16) == plain
+    single = spec.generate(
+        prompts[0], sampling, GenerationLimits(max_tokens=16), chat=True
+    ).unwrap()
+    assert single.tokens == plain[0]
+    assert single.stats.accepted > 0
