@@ -20,26 +20,39 @@ from attrs import evolve
 from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
-from models import llama, qwen2, qwen3
+from models import llama, qwen2, qwen3, qwen3_next
 from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import DecoderArgs, QuantizationConfig
+from schemas.hf_hybrid import HybridArgs
 
 __all__ = ["Model", "build_model", "load_weights", "model_dtype", "quantize_model"]
 
-Model: TypeAlias = llama.Model | qwen2.Model | qwen3.Model
+Model: TypeAlias = llama.Model | qwen2.Model | qwen3.Model | qwen3_next.Model
+
+
+def _qwen3_next(args: DecoderArgs) -> qwen3_next.Model:
+    # A qwen3_next config parses to HybridArgs (schemas/hf_hybrid.py).
+    if not isinstance(args, HybridArgs):
+        raise ValueError("needs HybridArgs (parse its config with hybrid_args)")
+    return qwen3_next.Model(args)
+
 
 _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "llama": llama.Model,
     "qwen2": qwen2.Model,
     "qwen3": qwen3.Model,
+    "qwen3_next": _qwen3_next,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.
 _AS_CAUSAL_LM: Callable[[DecoderArgs], CausalLM] = llama.Model
+_HYBRID_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_next.Model
 
 _AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+# Layers with `to_quantized` (qwen3_next's stacked experts included)
+_QUANTIZABLE = (nn.Linear, nn.Embedding, qwen3_next.SwitchLinear)
 _SHOWN = 5
 
 
@@ -83,7 +96,7 @@ def quantize_model(model: Model, bits: int, group_size: int) -> None:
 
     def eligible(_path: str, module: nn.Module) -> bool:
         return (
-            isinstance(module, nn.Linear | nn.Embedding)
+            isinstance(module, _QUANTIZABLE)
             and module.weight.shape[-1] % group_size == 0
         )
 
@@ -101,9 +114,7 @@ def _quantize_like(
     settings: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for path, module in model.named_modules():
-        if f"{path}.scales" not in weights or not isinstance(
-            module, nn.Linear | nn.Embedding
-        ):
+        if f"{path}.scales" not in weights or not isinstance(module, _QUANTIZABLE):
             continue
         found = _quantized_shape(path, module.weight.shape[-1], weights)
         if isinstance(found, str):

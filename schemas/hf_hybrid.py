@@ -56,13 +56,14 @@ class HybridArgs(DecoderArgs):
     layer_types: tuple[str, ...] = field(validator=_check_layer_kinds)
     # fraction of head_dim that RoPE rotates (the rest passes through)
     partial_rotary_factor: float = 0.25
+    # the defaults below are transformers' Qwen3NextConfig's
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
-    num_experts: int = 0
-    num_experts_per_tok: int = 1
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     norm_topk_prob: bool = True

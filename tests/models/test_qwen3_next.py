@@ -1,0 +1,712 @@
+"""The own MLX Qwen3-Next (hybrid attention + GatedDeltaNet + MoE) against HF
+transformers, and the recurrent state's per-position commit.
+
+A tiny random config (4 layers: linear, full, linear, full attention; hidden
+64; 4 query / 2 kv heads of 16; 2 key / 4 value linear heads of 8; 4 experts
+top-2 plus a shared expert; layer 2 dense via `mlp_only_layers`; vocab 128)
+runs in float32 on the CPU. Parameters are re-drawn after HF's init so the
+zero-centred norms, A_log and dt_bias are non-trivial. Weights move through
+`state_dict` -> `load_weights`, as an HF checkpoint would.
+
+The rollback property: committing k positions of a verify window equals
+decoding those k tokens one by one, for every k, every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+from attrs import evolve
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
+
+from models import gated_delta
+from models.build import build_model, load_weights, quantize_model
+from models.hybrid_cache import HybridCache
+from models.layers import flat_parameters
+from models.mtp import MtpHead, build_mtp
+from models.qwen3_next import (
+    PER_POSITION_MAX,
+    Model,
+    QuantizedSwitchLinear,
+    SparseMoeBlock,
+    sanitize_weights,
+)
+from schemas.converter import hf as hf_converter
+from schemas.converter import structure, unstructure
+from schemas.errors import ConfigError
+from schemas.hf import DecoderArgs
+from schemas.hf_hybrid import HybridArgs, hybrid_args
+
+pytestmark = pytest.mark.reference
+
+VOCAB = 128
+TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "layer_types": [
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "full_attention",
+    ],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "mlp_only_layers": [2],
+    "max_position_embeddings": 512,
+    "attn_implementation": "eager",
+}
+TOL = 1e-4
+# window-vs-one-by-one: same math, different matmul shapes, so at most the
+# last bits may differ (measured on CPU float32: bit-identical)
+ROLLBACK_TOL = 2e-5
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.1 * noise)  # an ordinary RMSNorm weight
+            elif "norm" in name:
+                param.copy_(0.1 * noise)  # zero-centred: an offset from 1
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(0.15 * noise)
+
+
+def make_hf(seed: int = 0, **overrides: Any) -> Any:
+    config = transformers.Qwen3NextConfig(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    randomize(model, seed)
+    return model
+
+
+def hf_weights(module: torch.nn.Module, prefix: str = "") -> dict[str, mx.array]:
+    return {
+        prefix + k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()
+    }
+
+
+def args_of(hf: Any) -> HybridArgs:
+    parsed = hybrid_args(hf.config.to_dict(), "test config")
+    assert isinstance(parsed, Success), parsed
+    args: HybridArgs = parsed.unwrap()
+    return args
+
+
+def ours(hf: Any) -> Model:
+    args = args_of(hf)
+    model = build_model(args).unwrap()
+    assert isinstance(model, Model)
+    loaded = load_weights(model, hf_weights(hf), args)
+    assert loaded == Success(None), loaded
+    return model
+
+
+def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
+    with torch.no_grad():
+        logits: np.ndarray = hf(torch.tensor(ids)).logits.numpy()
+    return logits
+
+
+def as_np(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
+
+
+def token_ids(shape: tuple[int, ...], seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=shape)
+
+
+def step(
+    model: Model,
+    cache: HybridCache,
+    ids: np.ndarray | Sequence[Sequence[int]],  # [B, L]
+    offsets: Sequence[int],
+    kept: Sequence[int] | None = None,
+) -> np.ndarray:  # [B, L, V]
+    """One forward, then commit `kept` (default: every position)."""
+    grid = mx.array(np.asarray(ids), dtype=mx.int32)
+    out = model(grid, cache, offsets)
+    assert out.delta is not None
+    out.delta.commit(
+        list(kept) if kept is not None else [grid.shape[1]] * grid.shape[0]
+    )
+    mx.eval(out.logits, *cache.arrays())
+    return as_np(out.logits)
+
+
+def one_by_one(
+    model: Model, cache: HybridCache, tokens: Sequence[int], offset: int
+) -> np.ndarray:  # [len(tokens), V] for one row
+    return np.stack(
+        [step(model, cache, [[t]], [offset + i])[0, 0] for i, t in enumerate(tokens)]
+    )
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Any, Model]:
+    hf = make_hf()
+    return hf, ours(hf)
+
+
+# --- config ---------------------------------------------------------------
+
+
+def test_config_reads_rope_from_both_forms_and_derives_layer_types() -> None:
+    base = {
+        "model_type": "qwen3_next",
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "eos_token_id": 5,
+    }
+    legacy = hybrid_args(
+        {**base, "rope_theta": 1e7, "partial_rotary_factor": 0.5}, "legacy"
+    ).unwrap()
+    modern = hybrid_args(
+        {
+            **base,
+            "rope_parameters": {
+                "rope_theta": 1e7,
+                "rope_type": "default",
+                "partial_rotary_factor": 0.5,
+            },
+        },
+        "modern",
+    ).unwrap()
+    assert legacy == modern
+    assert legacy.rope.theta == 1e7 and legacy.partial_rotary_factor == 0.5
+    assert legacy.head_dim == 256  # transformers' default for this model type
+    assert legacy.rotary_dims == 128
+    assert legacy.eos_token_id == (5,)
+    # full_attention_interval 4 (the default): every 4th layer is attention
+    assert legacy.attention_layers == (3, 7)
+    assert legacy.linear_layers == (0, 1, 2, 4, 5, 6)
+    assert isinstance(legacy, DecoderArgs)  # what the pipeline reads on `args`
+    again = structure(hf_converter, unstructure(hf_converter, legacy), HybridArgs, "x")
+    assert again == Success(legacy)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kinds=st.lists(
+        st.sampled_from(["linear_attention", "full_attention"]), min_size=1, max_size=8
+    ),
+    factor=st.sampled_from([0.25, 0.5, 1.0]),
+    experts=st.integers(0, 8),
+    dense=st.lists(st.integers(0, 7), max_size=3),
+    legacy_rope=st.booleans(),
+)
+def test_hybrid_args_round_trip_through_the_converter(
+    kinds: list[str], factor: float, experts: int, dense: list[int], legacy_rope: bool
+) -> None:
+    raw: dict[str, Any] = {
+        **TINY,
+        "model_type": "qwen3_next",
+        "num_hidden_layers": len(kinds),
+        "layer_types": kinds,
+        "num_experts": experts,
+        "mlp_only_layers": dense,
+    }
+    if legacy_rope:
+        raw.update(rope_theta=5e6, partial_rotary_factor=factor)
+    else:
+        raw["rope_parameters"] = {"rope_theta": 5e6, "partial_rotary_factor": factor}
+    args = hybrid_args(raw, "cfg").unwrap()
+    assert (args.rope.theta, args.partial_rotary_factor) == (5e6, factor)
+    assert args.layer_types == tuple(kinds)
+    assert [args.is_sparse(i) for i in range(len(kinds))] == [
+        experts > 0 and i not in dense for i in range(len(kinds))
+    ]
+    again = structure(hf_converter, unstructure(hf_converter, args), HybridArgs, "x")
+    assert again == Success(args)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"layer_types": ["full_attention"] * 3}, "3 entries for 4 layers"),
+        ({"layer_types": ["mamba"] * 4}, "unknown kinds ['mamba']"),
+        ({"linear_num_key_heads": 3}, "must be a multiple"),
+    ],
+)
+def test_bad_hybrid_layouts_are_config_errors_naming_the_key(
+    override: dict[str, Any], named: str
+) -> None:
+    raw = {**TINY, "model_type": "qwen3_next", **override}
+    result = hybrid_args(raw, "cfg")
+    assert isinstance(result, Failure)
+    assert named in result.failure().message
+
+
+def test_qwen3_next_needs_hybrid_args() -> None:
+    plain = DecoderArgs(
+        model_type="qwen3_next",
+        hidden_size=64,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
+    result = build_model(plain)
+    assert isinstance(result, Failure) and isinstance(result.failure(), ConfigError)
+    assert "HybridArgs" in result.failure().message
+
+
+# --- parity ---------------------------------------------------------------
+
+
+def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
+    hf, model = pair
+    assert model.padding_safe is False
+    ids = token_ids((2, 12))
+    logits = step(model, model.make_cache(2), ids, [0, 0])
+    assert np.abs(logits - hf_logits(hf, ids)).max() < TOL
+
+
+@pytest.mark.parametrize("prompt", [6, PER_POSITION_MAX + 6])
+def test_prefill_then_decode_matches_full_sequence(
+    pair: tuple[Any, Model], prompt: int
+) -> None:
+    """Past PER_POSITION_MAX the prefill keeps only its final state (and HF
+    takes its chunked path)."""
+    hf, model = pair
+    ids = token_ids((1, prompt + 5), seed=2)
+    reference = hf_logits(hf, ids)[0]
+    cache = model.make_cache(1)
+    head = step(model, cache, ids[:, :prompt], [0])[0]
+    decoded = one_by_one(model, cache, list(ids[0, prompt:]), prompt)
+    assert np.abs(head - reference[:prompt]).max() < TOL
+    assert np.abs(decoded - reference[prompt:]).max() < TOL
+
+
+@pytest.mark.parametrize("stress", ["random", "same-keys-no-decay", "strong-decay"])
+def test_chunked_rule_equals_the_step_recurrence(stress: str) -> None:
+    """The prefill form (chunks of 64, blockwise triangular inverse) against
+    the per-position recurrence over 150 positions (3 chunks, padded)."""
+    mx.random.seed(0)
+    batch, length, heads, dk, dv = 2, 150, 4, 16, 8
+    q = gated_delta.l2_normalize(mx.random.normal((batch, length, heads, dk))) * 0.25
+    k = gated_delta.l2_normalize(mx.random.normal((batch, length, heads, dk)))
+    v = mx.random.normal((batch, length, heads, dv))
+    g = -mx.exp(0.5 * mx.random.normal((heads,))) * mx.logaddexp(
+        mx.random.normal((batch, length, heads)), 0.0
+    )
+    beta = mx.sigmoid(mx.random.normal((batch, length, heads)))
+    if stress == "same-keys-no-decay":
+        k = mx.broadcast_to(k[:, :1], k.shape)
+        g, beta = mx.zeros_like(g), mx.full(beta.shape, 0.999)
+    elif stress == "strong-decay":
+        g = 20.0 * g
+    state = 0.1 * mx.random.normal((batch, heads, dk, dv))
+    out, states = gated_delta.gated_delta_rule(q, k, v, g, beta, state, True)
+    chunked_out, final = gated_delta.chunked_gated_delta_rule(q, k, v, g, beta, state)
+    assert np.abs(as_np(out) - as_np(chunked_out)).max() < 1e-5
+    assert np.abs(as_np(states[-1]) - as_np(final)).max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def prefilled(pair: tuple[Any, Model]) -> tuple[HybridCache, int]:
+    _, model = pair
+    prompt = token_ids((1, 7), seed=3)
+    cache = model.make_cache(1)
+    step(model, cache, prompt, [0])
+    return cache, prompt.shape[1]
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    kept=st.integers(0, 4),
+    window=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=4),
+    further=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3),
+)
+def test_committing_k_of_a_window_equals_decoding_k_tokens(
+    pair: tuple[Any, Model],
+    prefilled: tuple[HybridCache, int],
+    kept: int,
+    window: list[int],
+    further: list[int],
+) -> None:
+    _, model = pair
+    base, length = prefilled
+    spec = base.take_rows([0])
+    verified = step(model, spec, [window], [length], kept=[kept])[0]
+    after_spec = one_by_one(model, spec, further, length + kept)
+
+    plain = base.take_rows([0])
+    accepted = one_by_one(model, plain, window[:kept], length) if kept else None
+    after_plain = one_by_one(model, plain, further, length + kept)
+
+    if accepted is not None:
+        assert np.abs(verified[:kept] - accepted).max() < ROLLBACK_TOL
+    assert np.abs(after_spec - after_plain).max() < ROLLBACK_TOL
+    # the committed linear-layer states themselves (the KV beyond each
+    # row's length may differ: stale drafts there are masked, then overwritten)
+    for ours_, theirs in zip(
+        spec.conv + spec.recurrent, plain.conv + plain.recurrent, strict=True
+    ):
+        assert np.abs(as_np(ours_) - as_np(theirs)).max() < ROLLBACK_TOL
+
+
+def test_rows_keeping_different_counts_equal_each_row_alone(
+    pair: tuple[Any, Model],
+) -> None:
+    """B=3 rows at different offsets keep (1, 4, 2) of a window of 4, then
+    decode two more tokens together; each row equals itself run alone."""
+    _, model = pair
+    lengths, kept = [5, 9, 7], [1, 4, 2]
+    prompts = [list(token_ids((n,), seed=10 + i)) for i, n in enumerate(lengths)]
+    windows = token_ids((3, 4), seed=20)
+    further = token_ids((3, 2), seed=21)
+
+    singles = []
+    for prompt in prompts:
+        single = model.make_cache(1)
+        step(model, single, [prompt], [0])
+        singles.append(single)
+    batch = HybridCache.concat_rows(singles)
+    verified = step(model, batch, windows, lengths, kept=kept)
+    ends = [n + k for n, k in zip(lengths, kept, strict=True)]
+    after = [
+        step(model, batch, further[:, i : i + 1], [e + i for e in ends])
+        for i in range(2)
+    ]
+
+    for row, prompt in enumerate(prompts):
+        alone = model.make_cache(1)
+        step(model, alone, [prompt], [0])
+        accepted = one_by_one(
+            model, alone, list(windows[row, : kept[row]]), lengths[row]
+        )
+        tail = one_by_one(model, alone, list(further[row]), ends[row])
+        assert np.abs(verified[row, : kept[row]] - accepted).max() < ROLLBACK_TOL
+        got = np.stack([a[row, 0] for a in after])
+        assert np.abs(got - tail).max() < ROLLBACK_TOL
+
+
+def test_take_rows_and_concat_rows_keep_rows_intact(pair: tuple[Any, Model]) -> None:
+    _, model = pair
+    singles = []
+    for i, n in enumerate([4, 6, 5]):
+        single = model.make_cache(1)
+        step(model, single, token_ids((1, n), seed=30 + i), [0])
+        singles.append(single)
+    stacked = HybridCache.concat_rows(singles)
+    picked = stacked.take_rows([2, 0])
+    assert picked.batch == 2
+    for got, row in zip([0, 1], [2, 0], strict=True):
+        for ours_, theirs in zip(
+            picked.take_rows([got]).arrays(), singles[row].arrays(), strict=True
+        ):
+            assert np.array_equal(as_np(ours_), as_np(theirs))
+    # and decoding from the picked rows equals decoding from the originals
+    nxt = token_ids((2, 1), seed=40)
+    both = step(model, picked, nxt, [5, 4])
+    for got, row, n in zip([0, 1], [2, 0], [5, 4], strict=True):
+        alone = step(model, singles[row], nxt[got : got + 1], [n])
+        assert np.abs(both[got] - alone[0]).max() < ROLLBACK_TOL
+
+
+def test_a_delta_commits_once_and_long_windows_commit_all_or_nothing(
+    pair: tuple[Any, Model],
+) -> None:
+    _, model = pair
+    cache = model.make_cache(1)
+    before = cache.arrays()
+    out = model(mx.array(token_ids((1, 3)), dtype=mx.int32), cache, [0])
+    assert out.delta is not None
+    # the forward itself left the committed states alone
+    assert all(
+        a is b for a, b in zip(cache.conv + cache.recurrent, before[-4:], strict=True)
+    )
+    out.delta.commit([0])
+    with pytest.raises(AssertionError):
+        out.delta.commit([3])
+    long = model(
+        mx.array(token_ids((1, PER_POSITION_MAX + 1)), dtype=mx.int32), cache, [0]
+    )
+    assert long.delta is not None
+    with pytest.raises(AssertionError):
+        long.delta.commit([2])
+
+
+def test_bfloat16_errs_like_transformers_bfloat16(pair: tuple[Any, Model]) -> None:
+    """bf16 runs the CPU fallbacks of the routed experts (float32 gather for
+    the prompt, taken expert weights for one token). This tiny random model
+    amplifies rounding (routing flips), so the bound is HF's own bf16 error
+    against float32 (measured ratio 0.55-1.3 over 6 prompts). The recurrent
+    state stays float32; the conv state takes the model dtype."""
+    hf, _ = pair
+    args = args_of(hf)
+    model = build_model(args).unwrap()
+    assert isinstance(model, Model)
+    weights = {k: v.astype(mx.bfloat16) for k, v in hf_weights(hf).items()}
+    assert load_weights(model, weights, args) == Success(None)
+    ids = token_ids((1, 6), seed=60)
+    cache = model.make_cache(1)
+    got = np.concatenate(
+        [step(model, cache, ids[:, :5], [0]), step(model, cache, ids[:, 5:], [5])],
+        axis=1,
+    )
+    exact = hf_logits(hf, ids)
+    with torch.no_grad():
+        theirs = make_hf().to(torch.bfloat16)(torch.tensor(ids)).logits.float().numpy()
+    assert np.abs(got - exact).max() <= 1.5 * np.abs(theirs - exact).max()
+    assert all(c.dtype == mx.bfloat16 for c in cache.conv)
+    assert all(r.dtype == mx.float32 for r in cache.recurrent)
+
+
+# --- weights --------------------------------------------------------------
+
+
+def per_expert(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """transformers 5 stacked experts -> the per-expert names of released
+    checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...)."""
+    out: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key.endswith("experts.gate_up_proj"):
+            stem, half = key[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{stem}{e}.gate_proj.weight"] = value[e, :half]
+                out[f"{stem}{e}.up_proj.weight"] = value[e, half:]
+        elif key.endswith("experts.down_proj"):
+            stem = key[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                out[f"{stem}{e}.down_proj.weight"] = value[e]
+        else:
+            out[key] = value
+    return out
+
+
+def test_checkpoint_expert_names_and_mlx_layout_load_the_same(
+    pair: tuple[Any, Model],
+) -> None:
+    hf, model = pair
+    stacked = model.sanitize(hf_weights(hf))
+    listed = model.sanitize(per_expert(hf_weights(hf)))
+    assert stacked.keys() == listed.keys() == flat_parameters(model).keys()
+    for key in stacked:
+        assert np.array_equal(as_np(stacked[key]), as_np(listed[key])), key
+    # MLX layout (what sanitize produced) passes through unchanged
+    again = sanitize_weights(stacked, model.hybrid.num_experts)
+    assert all(again[k] is stacked[k] for k in stacked)
+
+
+def test_missing_weight_is_a_load_error_naming_it(pair: tuple[Any, Model]) -> None:
+    hf, model = pair
+    weights = hf_weights(hf)
+    del weights["model.layers.0.linear_attn.A_log"]
+    result = load_weights(model, weights, model.args)
+    assert isinstance(result, Failure)
+    assert "model.layers.0.linear_attn.A_log" in result.failure().message
+
+
+def dequantized(
+    weights: dict[str, mx.array], bits: int, group: int
+) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key.endswith((".scales", ".biases")):
+            continue
+        stem = key[: -len(".weight")]
+        if f"{stem}.scales" in weights:
+            value = mx.dequantize(
+                value,
+                weights[f"{stem}.scales"],
+                weights[f"{stem}.biases"],
+                group_size=group,
+                bits=bits,
+            )
+        out[key] = value
+    return out
+
+
+def test_4bit_model_with_quantized_experts_computes_its_dequantized_weights(
+    pair: tuple[Any, Model],
+) -> None:
+    hf, _ = pair
+    model = ours(hf)
+    quantize_model(model, bits=4, group_size=32)
+    switch = model.model.layers[0].mlp
+    assert isinstance(switch, SparseMoeBlock)
+    assert isinstance(switch.switch_mlp.down_proj, QuantizedSwitchLinear)
+    ids = token_ids((2, 9), seed=70)
+    quantized = step(model, model.make_cache(2), ids, [0, 0])
+    saved = flat_parameters(model)
+    assert "model.layers.0.mlp.switch_mlp.gate_proj.scales" in saved
+
+    float_args = evolve(model.hybrid, quantization=None)
+    simulated = build_model(float_args).unwrap()
+    assert load_weights(simulated, dequantized(saved, 4, 32), float_args) == Success(
+        None
+    )
+    expected = step(simulated, simulated.make_cache(2), ids, [0, 0])
+    assert np.abs(expected - quantized).max() < TOL
+
+    # the saved checkpoint (MLX layout, `*.scales` beside packed experts) reloads
+    fresh = build_model(model.args).unwrap()
+    assert load_weights(fresh, saved, model.args) == Success(None)
+    np.testing.assert_array_equal(
+        step(fresh, fresh.make_cache(2), ids, [0, 0]), quantized
+    )
+
+
+# --- MTP head -------------------------------------------------------------
+
+
+class TorchMtp(torch.nn.Module):
+    """The MTP head from HF building blocks, wired as vLLM's
+    `Qwen3NextMultiTokenPredictor` (transformers ships no MTP module)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = hf_qwen3_next.Qwen3NextRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = hf_qwen3_next.Qwen3NextRMSNorm(hidden, eps)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        # a full-attention layer index whose MLP kind equals MTP layer 0's
+        full = config.layer_types.index("full_attention")
+        self.layers = torch.nn.ModuleList(
+            [hf_qwen3_next.Qwen3NextDecoderLayer(config, full)]
+        )
+        self.norm = hf_qwen3_next.Qwen3NextRMSNorm(hidden, eps)
+        self.rotary = hf_qwen3_next.Qwen3NextRotaryEmbedding(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        length = embeds.shape[1]
+        x = self.fc(
+            torch.cat(
+                [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
+                dim=-1,
+            )
+        )
+        positions = torch.arange(length)[None]
+        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](
+            x,
+            position_embeddings=self.rotary(x, positions),
+            attention_mask=causal,
+            position_ids=positions,
+        )
+        normed: torch.Tensor = self.norm(x)
+        return normed
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(pair: tuple[Any, Model]) -> tuple[Any, Model, TorchMtp, MtpHead]:
+    hf, model = pair
+    reference = TorchMtp(hf.config).eval()
+    randomize(reference, seed=7)
+    checkpoint = {
+        **hf_weights(hf),
+        **per_expert(
+            {
+                k: v
+                for k, v in hf_weights(reference, "mtp.").items()
+                if not k.startswith("mtp.rotary")
+            }
+        ),
+    }
+    main, mtp = model.split_mtp(checkpoint)
+    assert not any(k.startswith("mtp.") for k in main)
+    assert main.keys() == flat_parameters(model).keys()
+    head = build_mtp(model.hybrid, mtp).unwrap()
+    return hf, model, reference, head
+
+
+def mtp_reference(
+    hf: Any, reference: TorchMtp, ids: np.ndarray
+) -> np.ndarray:  # [B, L-1, V]: token p+1 paired with the post-norm hidden at p
+    tokens = torch.tensor(ids)
+    with torch.no_grad():
+        hidden = hf.model(tokens).last_hidden_state  # after the final norm
+        embeds = hf.model.embed_tokens(tokens)
+        logits: np.ndarray = hf.lm_head(
+            reference(embeds[:, 1:], hidden[:, :-1])
+        ).numpy()
+    return logits
+
+
+def test_mtp_head_matches_its_reference_wiring(
+    mtp_pair: tuple[Any, Model, TorchMtp, MtpHead],
+) -> None:
+    hf, model, reference, head = mtp_pair
+    ids = token_ids((2, 10), seed=50)
+    grid = mx.array(ids, dtype=mx.int32)
+    out = model(grid, model.make_cache(2), [0, 0])
+    context = model.final_norm(out.hidden)
+    cache = head.make_cache(2)
+    drafted = head(model.embed(grid[:, 1:]), context[:, :-1], cache, [0, 0])
+    assert drafted.shape == (2, 9, model.args.hidden_size)
+    logits = head.logits(drafted, model)
+    assert logits.shape == (2, 9, VOCAB)
+    assert np.abs(as_np(logits) - mtp_reference(hf, reference, ids)).max() < TOL
+
+
+def test_mtp_kv_beyond_the_committed_length_is_overwritten(
+    mtp_pair: tuple[Any, Model, TorchMtp, MtpHead],
+) -> None:
+    """Draft 4 junk positions past the committed 6, keep 1, continue: the
+    stale keys/values are masked, then overwritten."""
+    hf, model, reference, head = mtp_pair
+    ids = token_ids((1, 12), seed=51)
+    grid = mx.array(ids, dtype=mx.int32)
+    out = model(grid, model.make_cache(1), [0])
+    context = model.final_norm(out.hidden)
+    embeds = model.embed(grid[:, 1:])
+    cache = head.make_cache(1)
+    head(embeds[:, :6], context[:, :6], cache, [0])
+    junk = model.embed(mx.array(token_ids((1, 4), seed=52), dtype=mx.int32))
+    head(junk, context[:, 6:10] * 3.0, cache, [6])
+    head(embeds[:, 6:7], context[:, 6:7], cache, [6])  # the kept position
+    rest = [
+        head(embeds[:, p : p + 1], context[:, p : p + 1], cache, [p])
+        for p in range(7, 11)
+    ]
+    logits = head.logits(mx.concatenate(rest, axis=1), model)
+    expected = mtp_reference(hf, reference, ids)[:, 7:11]
+    assert np.abs(as_np(logits) - expected).max() < TOL
+
+
+def test_mtp_weights_that_do_not_fit_are_a_load_error(
+    mtp_pair: tuple[Any, Model, TorchMtp, MtpHead],
+) -> None:
+    _, model, _, head = mtp_pair
+    weights = dict(flat_parameters(head))
+    del weights["fc.weight"]
+    result = build_mtp(model.hybrid, weights)
+    assert isinstance(result, Failure) and "fc.weight" in result.failure().message
+    assert isinstance(
+        build_mtp(evolve(model.hybrid), dict(flat_parameters(head))), Success
+    )
