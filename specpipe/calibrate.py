@@ -24,7 +24,7 @@ from models.base import CausalLM
 from schemas.converter import strict, structure
 from schemas.errors import ConfigError
 from specpipe.adaptive import CostModel
-from specpipe.load import cache_root
+from specpipe.fixtures import cache_root
 
 CONTEXT = 64
 
