@@ -41,7 +41,16 @@ class Proposal:
 
 
 class DraftRows(Protocol):
-    """A drafter's state for the rows of one batch, between rounds."""
+    """A drafter's state for the rows of one batch, between rounds.
+
+    `prepare_commit` is called after every round, also one the drafter was
+    not asked to draft for (`proposal.depth == 0`)."""
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """Whether the drafter reads the target's hidden states (then every
+        round goes through it, plain ones included)."""
+        ...
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal: ...
 
@@ -65,4 +74,10 @@ class Drafter(Protocol):
     @property
     def kind(self) -> str: ...
 
-    def open(self, rows: Sequence[RowState]) -> DraftRows: ...
+    @property
+    def needs_target_hidden(self) -> bool: ...
+
+    def open(self, rows: Sequence[RowState], hidden: mx.array | None) -> DraftRows:
+        """Row state for a batch; `hidden` `[B, L, H]` is the target's last-layer
+        output over each row's processed prompt when `needs_target_hidden`."""
+        ...

@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from attrs import frozen
+from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
 from models.base import CausalLM
 from models.build import build_model, load_weights, quantize_model
 from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
-from schemas.errors import LoadError
+from schemas.errors import ConfigError, LoadError
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
+from schemas.hf_hybrid import HYBRID_MODEL_TYPES, HybridArgs, hybrid_args
 from specpipe.fixtures import cache_root, fixture_names, install_fixture
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -41,6 +42,12 @@ class LoadedModel:
     args: DecoderArgs
     source: str
     folder: Path | None
+    # the upstream config.json, written back as is by `convert` for graphs
+    # whose config we do not rebuild from `args` (hybrid models)
+    raw_config: dict[str, Any] = field(factory=dict)
+    # weights of a draft head the checkpoint carries (Qwen3-Next `mtp.*`),
+    # names relative to the head; empty when it carries none
+    mtp: dict[str, mx.array] = field(factory=dict)
 
 
 def parse_dtype(name: str | None) -> Result[mx.Dtype | None, LoadError]:
@@ -105,11 +112,14 @@ def read_config(folder: Path) -> Result[DecoderArgs, LoadError]:
 
 def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, LoadError]:
     model_type = raw.get("model_type")
+    if model_type in HYBRID_MODEL_TYPES:
+        hybrid: Result[DecoderArgs, ConfigError] = hybrid_args(raw, where)
+        return hybrid.alt(lambda err: LoadError(err.message))
     if model_type not in SUPPORTED_MODEL_TYPES:
         return Failure(
             LoadError(
                 f"{where}: unsupported model_type {model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}"
             )
         )
     return structure(hf, normalize_hf_config(raw), DecoderArgs, where).alt(
@@ -151,10 +161,16 @@ def assemble(
     tokenizer: Tokenizer,
     source: str,
     folder: Path | None,
+    raw_config: dict[str, Any] | None = None,
 ) -> Result[LoadedModel, LoadError]:
     def finish(model: Any) -> Result[LoadedModel, LoadError]:
+        mtp: dict[str, mx.array] = {}
+        if isinstance(args, HybridArgs):
+            mtp = model.split_mtp(weights)[1]
         return load_weights(model, weights, args).map(
-            lambda _: LoadedModel(model, tokenizer, args, source, folder)
+            lambda _: LoadedModel(
+                model, tokenizer, args, source, folder, raw_config or {}, mtp
+            )
         )
 
     return build_model(args).alt(lambda err: LoadError(err.message)).bind(finish)
@@ -167,11 +183,21 @@ def load_folder(
         lambda args: Tokenizer.from_folder(folder).bind(
             lambda tok: read_safetensors(folder).bind(
                 lambda weights: assemble(
-                    args, _cast(weights, dtype), tok, source or str(folder), folder
+                    args,
+                    _cast(weights, dtype),
+                    tok,
+                    source or str(folder),
+                    folder,
+                    _raw_config(folder),
                 )
             )
         )
     )
+
+
+def _raw_config(folder: Path) -> dict[str, Any]:
+    value = json.loads((folder / "config.json").read_text())
+    return value if isinstance(value, dict) else {}
 
 
 def load_gguf(
@@ -222,14 +248,66 @@ def save_folder(
                 str(staging / "model.safetensors"), weights, metadata={"format": "mlx"}
             )
             (staging / "config.json").write_text(
-                json.dumps(
-                    config_dict(loaded.args, quantize, group_size, weights), indent=2
-                )
+                json.dumps(config_for(loaded, quantize, group_size, weights), indent=2)
             )
             loaded.tokenizer.save(staging)
+            if loaded.mtp:
+                write_companion(
+                    staging / MTP_COMPANION,
+                    loaded,
+                    _cast(loaded.mtp, _float_dtype(weights)),
+                )
     except OSError as exc:
         return Failure(LoadError(f"{out}: cannot write the converted model ({exc})"))
     return Success(out)
+
+
+MTP_COMPANION = "mtp"
+
+
+def _float_dtype(weights: dict[str, mx.array]) -> mx.Dtype | None:
+    return next(
+        (v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)), None
+    )
+
+
+def config_for(
+    loaded: LoadedModel,
+    quantize: int | None,
+    group_size: int,
+    weights: dict[str, mx.array],
+) -> dict[str, Any]:
+    """config.json of a converted folder: rebuilt from `args` for the decoder
+    family, the upstream config (MTP layers dropped) for hybrid graphs."""
+    if not isinstance(loaded.args, HybridArgs):
+        return config_dict(loaded.args, quantize, group_size, weights)
+    cfg = {
+        k: v
+        for k, v in loaded.raw_config.items()
+        if k not in ("quantization", "quantization_config")
+    }
+    if quantize is not None:
+        q = {"group_size": group_size, "bits": quantize}
+        cfg["quantization"] = q
+        cfg["quantization_config"] = q
+    return cfg
+
+
+def write_companion(
+    folder: Path, loaded: LoadedModel, weights: dict[str, mx.array]
+) -> None:
+    """The checkpoint's MTP head as a draft companion: its own config (the
+    target's, stamped `<model_type>_mtp`) and weights named as the head's."""
+    folder.mkdir()
+    cfg = dict(loaded.raw_config)
+    cfg["model_type"] = f"{loaded.args.model_type}_mtp"
+    cfg.setdefault("block_size", 3)
+    cfg.pop("quantization", None)
+    cfg.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    mx.save_safetensors(
+        str(folder / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
 
 
 def config_dict(

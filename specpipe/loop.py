@@ -117,7 +117,10 @@ def generate_rows(
     rows = [RowState.start(r.prompt, r.max_tokens, r.sampling) for r in requests]
     metrics = [RowMetrics() for _ in requests]
     try:
-        cache = prefill_rows(model, rows)
+        wants_hidden = (
+            drafter is not None and options.depth > 0 and drafter.needs_target_hidden
+        )
+        cache, prompt_hidden = prefill_rows(model, rows, wants_hidden)
     except Exception as exc:
         message = f"prefill failed: {type(exc).__name__}: {exc}"
         elapsed = time.perf_counter() - start
@@ -125,7 +128,7 @@ def generate_rows(
     batch = _Batch(model, cache, rows, list(range(len(rows))), None, frozenset(eos_ids))
     if drafter is not None and options.depth > 0:
         try:
-            batch.draft = drafter.open(rows)
+            batch.draft = drafter.open(rows, prompt_hidden)
         except Exception as exc:
             batch.disable_draft(exc)
     prompt_seconds = time.perf_counter() - start
@@ -149,7 +152,12 @@ def generate_rows(
     adapt = [RowAdaptation() for _ in requests] if options.adaptive else None
     while batch.rows:
         depths = _choose_depths(batch, options, adapt)
-        pipelined = options.device_round and not _needs_history(batch)
+        # A drafter that reads the target's hidden states must see every round.
+        pipelined = (
+            options.device_round
+            and not _needs_history(batch)
+            and (batch.draft is None or not batch.draft.needs_target_hidden)
+        )
         if max(depths) == 0 and pipelined:
             # Plain decoding: no drafter, or every row gated off until its next probe.
             steps = None
@@ -346,7 +354,7 @@ def _commit(
 
     preparers: list[Callable[[], Prepared[Any]]] = [target]
     draft = batch.draft
-    if draft is not None and proposal.depth > 0:
+    if draft is not None:
         preparers.append(
             lambda: draft.prepare_commit(rows, proposal, drafts, accepted, verified)
         )

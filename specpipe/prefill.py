@@ -13,29 +13,48 @@ from specpipe.state import RowState
 PREFILL_CHUNK = 512
 
 
-def prefill_rows(model: CausalLM, rows: Sequence[RowState]) -> Any:
-    """A new cache for `rows` with every row prefilled. Graphs that cannot take
-    right padding (recurrent layers) prefill row by row and stack the rows."""
+def prefill_rows(
+    model: CausalLM, rows: Sequence[RowState], keep_hidden: bool = False
+) -> tuple[Any, mx.array | None]:
+    """A new cache for `rows` with every row prefilled, and (with `keep_hidden`)
+    the last layer's hidden states `[B, L, H]` of the processed tokens, right-
+    padded. Graphs that cannot take right padding (recurrent layers) prefill
+    row by row and stack the rows."""
     if model.padding_safe or len(rows) == 1:
         cache = model.make_cache(len(rows))
-        prefill(model, cache, rows)
-        return cache
+        return cache, prefill(model, cache, rows, keep_hidden)
     singles = []
+    hiddens = []
     for row in rows:
         single = model.make_cache(1)
-        prefill(model, single, [row])
+        hiddens.append(prefill(model, single, [row], keep_hidden))
         singles.append(single)
-    return type(singles[0]).concat_rows(singles)
+    cache = type(singles[0]).concat_rows(singles)
+    if not keep_hidden:
+        return cache, None
+    longest = max(row.length for row in rows)
+    padded = []
+    for row, hidden in zip(rows, hiddens, strict=True):
+        assert hidden is not None
+        if row.length < longest:
+            pad = mx.zeros((1, longest - row.length, hidden.shape[-1]), hidden.dtype)
+            hidden = mx.concatenate([hidden, pad], axis=1)
+        padded.append(hidden)
+    return cache, mx.concatenate(padded, axis=0)
 
 
-def prefill(model: CausalLM, cache: Any, rows: Sequence[RowState]) -> None:
+def prefill(
+    model: CausalLM, cache: Any, rows: Sequence[RowState], keep_hidden: bool = False
+) -> mx.array | None:
     """Process every row's tokens but the pending one, right-padded and chunked.
 
-    Only the caches are evaluated: the prompt's logits are never computed."""
+    Only the caches (and, if kept, the hidden states) are evaluated: the
+    prompt's logits are never computed."""
     lengths = [row.length for row in rows]
     longest = max(lengths)
+    hidden: list[mx.array] = []
     if longest == 0:
-        return
+        return mx.zeros((len(rows), 0, model.args.hidden_size)) if keep_hidden else None
     grid = [list(row.tokens[:-1]) + [0] * (longest - row.length) for row in rows]
     cache.reserve(longest)
     for start in range(0, longest, PREFILL_CHUNK):
@@ -45,4 +64,7 @@ def prefill(model: CausalLM, cache: Any, rows: Sequence[RowState]) -> None:
             out.delta.commit(
                 [min(PREFILL_CHUNK, max(row.length - start, 0)) for row in rows]
             )
-        mx.eval(cache.arrays())
+        if keep_hidden:
+            hidden.append(out.hidden)
+        mx.eval(cache.arrays(), hidden)
+    return mx.concatenate(hidden, axis=1) if keep_hidden else None

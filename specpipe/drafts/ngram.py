@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mlx.core as mx
 from attrs import frozen
 
 from models.base import ModelOutput
@@ -38,6 +39,7 @@ def lookup(
 
 @frozen
 class NgramRows:
+    needs_target_hidden = False
     min_n: int
     max_n: int
 
@@ -66,9 +68,12 @@ class NgramRows:
 
 @frozen
 class NgramDrafter:
+    needs_target_hidden = False
     min_n: int = 1
     max_n: int = 4
     kind: str = "ngram"
 
-    def open(self, rows: Sequence[RowState]) -> DraftRows:
+    def open(
+        self, rows: Sequence[RowState], hidden: mx.array | None = None
+    ) -> DraftRows:
         return NgramRows(self.min_n, self.max_n)

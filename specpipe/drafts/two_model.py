@@ -25,7 +25,7 @@ from specpipe.draft_vocab import DraftVocabulary
 from specpipe.prefill import prefill_rows
 from specpipe.sample_window import sample_window
 from specpipe.state import RowState
-from specpipe.transaction import Prepared
+from specpipe.transaction import Prepared, ready
 
 
 @frozen
@@ -47,6 +47,7 @@ class SubsetHead:
 
 @frozen
 class TwoModelRows:
+    needs_target_hidden = False
     model: CausalLM
     cache: Any  # the draft model's ModelCache
     lengths: tuple[int, ...]  # per row, tokens the draft has processed
@@ -96,7 +97,9 @@ class TwoModelRows:
     ) -> Prepared[DraftRows]:
         # The draft fed each row's tail through its pending token (row.length + 1
         # tokens), then drafts d1..d(depth-1); it keeps those that were accepted.
-        processed_drafts = max(proposal.depth - 1, 0)
+        if proposal.depth == 0:
+            return ready(self)  # not asked this round: its tail just grew
+        processed_drafts = proposal.depth - 1
         lengths = tuple(
             row.length + 1 + min(a, processed_drafts)
             for row, a in zip(rows, accepted, strict=True)
@@ -113,13 +116,16 @@ class TwoModelRows:
 
 @frozen
 class TwoModelDrafter:
+    needs_target_hidden = False
     model: CausalLM
     policy: DraftPolicy = field(factory=DraftPolicy)
     vocab: DraftVocabulary | None = None
     kind: str = "two-model"
 
-    def open(self, rows: Sequence[RowState]) -> DraftRows:
-        cache = prefill_rows(self.model, rows)
+    def open(
+        self, rows: Sequence[RowState], hidden: mx.array | None = None
+    ) -> DraftRows:
+        cache, _ = prefill_rows(self.model, rows)
         head = SubsetHead.of(self.model, self.vocab) if self.vocab is not None else None
         return TwoModelRows(
             self.model, cache, tuple(row.length for row in rows), self.policy, head

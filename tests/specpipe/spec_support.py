@@ -173,6 +173,8 @@ class PlainReference:
 class HostileRows:
     """Proposes random ids: `depth` of them, or a random count 0..depth per row."""
 
+    needs_target_hidden = False
+
     def __init__(self, rng: random.Random, random_count: bool) -> None:
         self.rng = rng
         self.random_count = random_count
@@ -206,19 +208,24 @@ class HostileRows:
 
 
 class HostileDrafter:
+    needs_target_hidden = False
     kind = "hostile"
 
     def __init__(self, seed: int, random_count: bool = False) -> None:
         self.seed = seed
         self.random_count = random_count
 
-    def open(self, rows: Sequence[RowState]) -> DraftRows:
+    def open(
+        self, rows: Sequence[RowState], hidden: mx.array | None = None
+    ) -> DraftRows:
         return HostileRows(random.Random(self.seed), self.random_count)
 
 
 class OracleRows:
     """Proposes the true continuation (from a plain run), corrupted at a random
     position with probability `noise`, and cut to a random length."""
+
+    needs_target_hidden = False
 
     def __init__(
         self, truth: dict[tuple[int, ...], list[int]], rng: random.Random, noise: float
@@ -255,6 +262,7 @@ class OracleRows:
 
 
 class OracleDrafter:
+    needs_target_hidden = False
     kind = "oracle"
 
     def __init__(
@@ -264,7 +272,9 @@ class OracleDrafter:
         self.seed = seed
         self.noise = noise
 
-    def open(self, rows: Sequence[RowState]) -> DraftRows:
+    def open(
+        self, rows: Sequence[RowState], hidden: mx.array | None = None
+    ) -> DraftRows:
         return OracleRows(self.truth, random.Random(self.seed), self.noise)
 
 

@@ -94,7 +94,9 @@ def test_adaptive_output_equals_plain(
     prompts = ["def fibonacci(n):", "Hello world", "for i in range(10):\n"]
     sampling = SamplingParams(temperature=temperature, top_k=50, seed=2)
     limits = GenerationLimits(max_tokens=48)
-    plain = load(str(target)).unwrap().generate_batch(prompts, sampling, limits).unwrap()
+    plain = (
+        load(str(target)).unwrap().generate_batch(prompts, sampling, limits).unwrap()
+    )
     for spec in (str(target), str(draft), "ngram"):
         pipeline = load(
             str(target), draft=spec, num_draft_tokens=4, adaptive=cost

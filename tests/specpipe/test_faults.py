@@ -34,6 +34,8 @@ class DrafterFault(RuntimeError):
 class FaultyRows:
     """Wraps a drafter's rows; raises from `method` on its `at`-th call (1-based)."""
 
+    needs_target_hidden = False
+
     def __init__(
         self, inner: DraftRows, method: str, at: int, calls: dict[str, int]
     ) -> None:
@@ -72,6 +74,7 @@ class FaultyRows:
 
 
 class FaultyDrafter:
+    needs_target_hidden = False
     kind = "faulty"
 
     def __init__(self, inner: Drafter, method: str, at: int) -> None:
@@ -80,7 +83,9 @@ class FaultyDrafter:
         self.at = at
         self.calls: dict[str, int] = {}
 
-    def open(self, rows: Sequence[RowState]) -> DraftRows:
+    def open(
+        self, rows: Sequence[RowState], hidden: mx.array | None = None
+    ) -> DraftRows:
         if self.method == "open":
             raise DrafterFault("open broke")
         return FaultyRows(self.inner.open(rows), self.method, self.at, self.calls)

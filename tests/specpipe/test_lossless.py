@@ -28,13 +28,12 @@ from spec_support import (
 )
 
 from models.base import CausalLM
-from schemas.request import SamplingParams
+from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import Drafter
 from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.ngram import NgramDrafter
 from specpipe.drafts.two_model import TwoModelDrafter
 from specpipe.loop import RoundOptions, RowRequest, generate_rows
-from schemas.request import DraftPolicy
 from specpipe.sampling import key_arrays, sample
 
 MAX_TOKENS = 16
