@@ -15,6 +15,7 @@ from returns.result import Failure, Result, Success
 
 from schemas.errors import BindingError
 from schemas.hf import DecoderArgs
+from schemas.hf_hybrid import HybridArgs
 
 LayerKind = Literal["attention", "linear_recurrent"]
 # position_overwrite: attention KV, rejected positions are simply overwritten;
@@ -51,17 +52,26 @@ class GraphCapabilities:
     adaptive_widths: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def for_decoder(cls, args: DecoderArgs) -> GraphCapabilities:
+    def for_decoder(
+        cls, args: DecoderArgs, native_draft: NativeDraft | None = None
+    ) -> GraphCapabilities:
+        """Attention layers roll back by position; the recurrent layers of a
+        hybrid graph commit the state of the accepted position."""
         n = args.num_hidden_layers
+        recurrent = set(args.linear_layers) if isinstance(args, HybridArgs) else set()
         return cls(
             model_type=args.model_type,
             vocab_size=args.vocab_size,
             hidden_size=args.hidden_size,
             layers=tuple(
-                LayerCapability("attention", "position_overwrite") for _ in range(n)
+                LayerCapability("linear_recurrent", "per_token_state")
+                if i in recurrent
+                else LayerCapability("attention", "position_overwrite")
+                for i in range(n)
             ),
             tap_layers=tuple(range(n)),
             quantized_head=args.quantization is not None,
+            native_draft=native_draft,
         )
 
 

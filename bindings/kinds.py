@@ -7,10 +7,20 @@ exactly as the target does (exact-match acceptance is meaningless otherwise).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from returns.result import Failure, Result, Success
 
 from bindings.capabilities import DraftNeeds, GraphCapabilities, bind
-from bindings.registry import DraftKind, DraftLoadRequest, DraftRegistry, LoadedDraft
+from bindings.registry import (
+    DraftArtifact,
+    DraftKind,
+    DraftLoadRequest,
+    DraftRegistry,
+    LoadedDraft,
+    NativeDraftKind,
+)
 from schemas.errors import BindingError
 
 PROBE = "The 3 quick brown foxes jumped över the lazy dog?! 🦊 def f(x):\n\treturn x"
@@ -75,6 +85,106 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
     )
 
 
+def _is_mtp_artifact(artifact: DraftArtifact) -> bool:
+    config = artifact.config
+    return config is not None and str(config.get("model_type", "")).endswith("_mtp")
+
+
+def _mtp_drafter(
+    target: Any,
+    weights: dict[str, Any],
+    config: dict[str, Any],
+    request: DraftLoadRequest,
+    companion: Path | None,
+    where: str,
+) -> Result[LoadedDraft, BindingError]:
+    """Bind an MTP head (its weights and config) to a hybrid target."""
+    from models.mtp import build_mtp
+    from schemas.hf_hybrid import HybridArgs
+    from specpipe.draft_vocab import configured
+    from specpipe.drafts.mtp import MtpDrafter
+
+    args = target.args
+    if not isinstance(args, HybridArgs):
+        return Failure(
+            BindingError(
+                f"{where}: an MTP head drafts for the hybrid model it was trained "
+                f"with; the target is a {args.model_type} model"
+            )
+        )
+    problems = [
+        f"its {key} is {config.get(key)}, the target's is {getattr(args, key)}"
+        for key in ("hidden_size", "vocab_size")
+        if config.get(key, getattr(args, key)) != getattr(args, key)
+    ]
+    if problems:
+        return Failure(
+            BindingError(
+                f"{where}: the MTP head does not fit the target: " + "; ".join(problems)
+            )
+        )
+    head = build_mtp(args, weights)
+    if not isinstance(head, Success):
+        return Failure(BindingError(f"{where}: {head.failure().message}"))
+    vocab = configured(request.draft_vocab, args.vocab_size, companion)
+    if not isinstance(vocab, Success):
+        return Failure(BindingError(f"draft vocabulary: {vocab.failure().message}"))
+    block = config.get("block_size")
+    width = max(1, int(block) - 1) if isinstance(block, int) else 3
+    graph = GraphCapabilities.for_decoder(args)
+    needs = DraftNeeds(
+        kind="mtp",
+        default_width=width,
+        vocab_size=args.vocab_size,
+        hidden_size=int(config.get("hidden_size", args.hidden_size)),
+        shares=frozenset({"embedding", "lm_head"}),
+    )
+    drafter = MtpDrafter(target.model, head.unwrap(), request.policy, vocab.unwrap())
+    return bind(graph, needs, request.width).map(
+        lambda b: LoadedDraft(drafter, b.width, "mtp", source=where)
+    )
+
+
+def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+    import mlx.core as mx
+
+    assert request.source is not None
+    folder = Path(request.source)
+    config = DraftArtifact(folder).config
+    if config is None:
+        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return Failure(BindingError(f"{folder}: no *.safetensors weight files"))
+    weights: dict[str, Any] = {}
+    try:
+        for file in files:
+            loaded = mx.load(str(file))
+            assert isinstance(loaded, dict)
+            weights.update(loaded)
+    except Exception as exc:
+        return Failure(BindingError(f"{folder}: cannot read the MTP weights ({exc})"))
+    return _mtp_drafter(request.target, weights, config, request, folder, str(folder))
+
+
+def _native_mtp(
+    target: Any, request: DraftLoadRequest
+) -> Result[LoadedDraft, BindingError]:
+    config = dict(target.raw_config)
+    return _mtp_drafter(
+        target, target.mtp, config, request, None, f"{target.source} (mtp.*)"
+    )
+
+
+MTP = DraftKind(
+    kind="mtp",
+    artifact=True,
+    default_width=2,
+    load=_load_mtp,
+    detect=_is_mtp_artifact,
+    bundled_companion="mtp",
+)
+
 NGRAM = DraftKind(kind="ngram", artifact=False, default_width=10, load=_load_ngram)
 TWO_MODEL = DraftKind(
     kind="two-model",
@@ -87,4 +197,10 @@ TWO_MODEL = DraftKind(
 
 
 def default_registry() -> DraftRegistry:
-    return DraftRegistry().register(TWO_MODEL).register(NGRAM)
+    return (
+        DraftRegistry()
+        .register(MTP)
+        .register(TWO_MODEL)
+        .register(NGRAM)
+        .register_native(NativeDraftKind("mtp", _native_mtp))
+    )

@@ -82,8 +82,10 @@ class DraftKind:
 
 @frozen
 class NativeDraftKind:
+    """Binds to a target whose graph declares a draft head of this kind."""
+
     kind: str
-    create: Callable[[Any], Result[LoadedDraft, BindingError]]
+    create: Callable[[Any, DraftLoadRequest], Result[LoadedDraft, BindingError]]
 
 
 @frozen
@@ -143,8 +145,9 @@ class DraftRegistry:
         return None
 
     def native(
-        self, graph: GraphCapabilities, target: Any
+        self, graph: GraphCapabilities, request: DraftLoadRequest
     ) -> Result[LoadedDraft, BindingError] | None:
+        """The draft the graph declares it carries, or None when it declares none."""
         declared = graph.native_draft
         if declared is None:
             return None
@@ -152,7 +155,8 @@ class DraftRegistry:
         if entry is None:
             return Failure(
                 BindingError(
-                    f"the graph declares native draft {declared.kind}, which no kind is registered for"
+                    f"the graph declares native draft {declared.kind}, "
+                    "which no kind is registered for"
                 )
             )
-        return entry.create(target)
+        return entry.create(request.target, request)

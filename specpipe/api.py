@@ -12,6 +12,7 @@ from typing import Any
 from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
+from bindings.capabilities import GraphCapabilities, NativeDraft
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
 from schemas.errors import LoadError, RequestError, SpecpipeError
@@ -340,17 +341,29 @@ def load(
 def _resolve_draft(
     registry: DraftRegistry, draft: str, target: LoadedModel, request: DraftLoadRequest
 ) -> Result[LoadedDraft, SpecpipeError]:
+    """`draft` names a model-free kind, "auto", a kind the target carries (a
+    bundled companion or a native head), an artifact folder, or a model
+    reference (a two-model draft)."""
     from attrs import evolve
 
     entry = registry.get(draft)
     if entry is not None and not entry.artifact:
         return registry.load(draft, request)
-    if draft == "auto":
+    if draft == "auto" or entry is not None:
         bundled = registry.companion(target.folder)
-        if bundled is not None:
+        if bundled is not None and (draft == "auto" or bundled[0] == draft):
             kind, folder = bundled
             return registry.load(kind, evolve(request, source=str(folder)))
-        return registry.load("ngram", request)
+        graph = _graph(target)
+        if graph.native_draft is not None and draft in (
+            "auto",
+            graph.native_draft.kind,
+        ):
+            native = registry.native(graph, request)
+            assert native is not None
+            return native
+        if draft == "auto":
+            return registry.load("ngram", request)
     path = Path(draft).expanduser()
     if path.is_dir():
         kind_result = registry.detect(path)
@@ -359,6 +372,14 @@ def _resolve_draft(
         return registry.load(kind_result.unwrap(), evolve(request, source=str(path)))
     if entry is not None:
         return Failure(
-            LoadError(f"draft kind {draft!r} needs an artifact folder; pass its path")
+            LoadError(
+                f"draft kind {draft!r}: the target bundles no {draft}/ companion and "
+                "carries no such head; pass the artifact folder"
+            )
         )
     return registry.load("two-model", evolve(request, source=draft))
+
+
+def _graph(target: LoadedModel) -> GraphCapabilities:
+    native = NativeDraft("mtp", 2) if target.mtp else None
+    return GraphCapabilities.for_decoder(target.args, native)

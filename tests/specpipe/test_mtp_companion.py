@@ -1,0 +1,118 @@
+"""MTP heads as the registry finds them: native `mtp.*` weights in a hybrid
+checkpoint, the `mtp/` companion `convert` writes, `--draft auto`, and clear
+refusals for heads that do not fit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from test_mtp import CONFIG, scaled
+
+from models.build import build_model
+from models.mtp import MtpHead
+from schemas.hf_hybrid import hybrid_args
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.api import load
+from specpipe.cli import main
+from tests.cli.conftest import write_tiny_model
+
+VOCAB = 320  # the tiny tokenizer's ids fit
+LIMITS = GenerationLimits(max_tokens=12)
+PROMPTS = ["def fibonacci(n):", "Hello world! The quick"]
+
+
+def write_hybrid(folder: Path, with_mtp: bool = True) -> Path:
+    write_tiny_model(folder)  # tokenizer files (the weights are replaced)
+    config = {**CONFIG, "vocab_size": VOCAB, "block_size": 3}
+    (folder / "config.json").write_text(json.dumps(config))
+    args = hybrid_args(config, "test").unwrap()
+    mx.random.seed(0)
+    model = build_model(args).unwrap()
+    scaled(model, 0, 2.5)
+    weights = dict(tree_flatten(model.parameters()))
+    if with_mtp:
+        mx.random.seed(1)
+        head = MtpHead(args)
+        scaled(head, 1, 2.5)
+        weights.update({f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hybrid(tmp_path_factory.mktemp("hybrid") / "target")
+
+
+def tokens(pipeline: Any, sampling: SamplingParams) -> list[tuple[int, ...]]:
+    return [
+        r.tokens for r in pipeline.generate_batch(PROMPTS, sampling, LIMITS).unwrap()
+    ]
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)]
+)
+def test_native_head_and_converted_companion(
+    hybrid: Path, tmp_path: Path, sampling: SamplingParams
+) -> None:
+    plain = tokens(load(str(hybrid)).unwrap(), sampling)
+    native = load(str(hybrid), draft="auto").unwrap()
+    assert native.draft_kind == "mtp"
+    assert native.draft is not None and native.draft.width == 2  # block_size 3
+    assert tokens(native, sampling) == plain
+
+    out = tmp_path / "converted"
+    main(["convert", str(hybrid), str(out)])
+    assert (out / "mtp" / "config.json").is_file()
+    companion = json.loads((out / "mtp" / "config.json").read_text())
+    assert companion["model_type"] == "qwen3_next_mtp"
+    assert not any(
+        k.startswith("mtp.") for k in mx.load(str(out / "model.safetensors"))
+    )
+    bundled = load(str(out), draft="auto", num_draft_tokens=3).unwrap()
+    assert bundled.draft_kind == "mtp" and bundled.draft is not None
+    assert bundled.draft.width == 3
+    results = bundled.generate_batch(PROMPTS, sampling, LIMITS).unwrap()
+    assert [r.tokens for r in results] == plain
+    assert all(r.stats.drafted > 0 and not r.stats.draft_errors for r in results)
+    # the companion folder alone, passed as --draft
+    by_path = load(str(out), draft=str(out / "mtp")).unwrap()
+    assert by_path.draft_kind == "mtp"
+    assert tokens(by_path, sampling) == plain
+
+
+def test_head_that_does_not_fit_is_refused(hybrid: Path, tmp_path: Path) -> None:
+    out = tmp_path / "converted"
+    main(["convert", str(hybrid), str(out)])
+    wide = tmp_path / "wide-mtp"
+    shutil.copytree(out / "mtp", wide)
+    config = json.loads((wide / "config.json").read_text())
+    config["hidden_size"] = 128
+    (wide / "config.json").write_text(json.dumps(config))
+    message = load(str(out), draft=str(wide)).failure().message
+    assert "does not fit" in message and "hidden_size is 128" in message
+    config["hidden_size"] = CONFIG["hidden_size"]
+    config["vocab_size"] = 999
+    (wide / "config.json").write_text(json.dumps(config))
+    assert "vocab_size is 999" in load(str(out), draft=str(wide)).failure().message
+
+
+def test_mtp_head_on_a_non_hybrid_target(hybrid: Path, tmp_path: Path) -> None:
+    out = tmp_path / "converted"
+    main(["convert", str(hybrid), str(out)])
+    dense = write_tiny_model(tmp_path / "dense")
+    message = load(str(dense), draft=str(out / "mtp")).failure().message
+    assert "hybrid model" in message and "qwen2" in message
+
+
+def test_mtp_by_name_without_a_head(tmp_path: Path) -> None:
+    plain = write_hybrid(tmp_path / "nohead", with_mtp=False)
+    assert "carries no such head" in load(str(plain), draft="mtp").failure().message
+    assert load(str(plain), draft="auto").unwrap().draft_kind == "ngram"
