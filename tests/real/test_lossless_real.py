@@ -38,10 +38,11 @@ def _tokens(
 )
 def test_ngram_on_smollm2(smollm2: Pipeline, sampling: SamplingParams) -> None:
     spec = load(SMOLLM2, draft="ngram", num_draft_tokens=6).unwrap()
-    plain_batch = _tokens(smollm2, PROMPTS, sampling, 40)
-    assert _tokens(spec, PROMPTS, sampling, 40) == plain_batch
-    for prompt, expected in zip(PROMPTS, plain_batch, strict=True):
-        assert _tokens(spec, [prompt], sampling, 40) == [expected]
+    plain_batch = _tokens(smollm2, PROMPTS, sampling, 32)
+    assert _tokens(spec, PROMPTS, sampling, 32) == plain_batch
+    if sampling.greedy:
+        for prompt, expected in zip(PROMPTS, plain_batch, strict=True):
+            assert _tokens(spec, [prompt], sampling, 32) == [expected]
 
 
 @pytest.mark.fixture
