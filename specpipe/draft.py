@@ -67,6 +67,10 @@ class DraftRows(Protocol):
 
     def take_rows(self, keep: Sequence[int]) -> DraftRows: ...
 
+    def join(self, other: DraftRows) -> DraftRows:
+        """These rows followed by `other`'s (opened by the same drafter)."""
+        ...
+
 
 class Drafter(Protocol):
     """A loaded draft provider: opens row state for a batch of prompts."""

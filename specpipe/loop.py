@@ -110,47 +110,122 @@ def generate_rows(
     eos_ids: Sequence[int],
     drafter: Drafter | None = None,
     options: RoundOptions | None = None,
+    arrivals: Callable[[], Sequence[RowRequest]] | None = None,
 ) -> list[RowResult]:
-    """Generate every request as one batch of rows; results in request order."""
-    options = options or RoundOptions()
-    start = time.perf_counter()
-    rows = [RowState.start(r.prompt, r.max_tokens, r.sampling) for r in requests]
-    metrics = [RowMetrics() for _ in requests]
-    try:
-        wants_hidden = (
-            drafter is not None and options.depth > 0 and drafter.needs_target_hidden
-        )
-        cache, prompt_hidden = prefill_rows(model, rows, wants_hidden)
-    except Exception as exc:
-        message = f"prefill failed: {type(exc).__name__}: {exc}"
-        elapsed = time.perf_counter() - start
-        return [RowResult("failed", m, elapsed, 0.0, message) for m in metrics]
-    batch = _Batch(model, cache, rows, list(range(len(rows))), None, frozenset(eos_ids))
-    if drafter is not None and options.depth > 0:
+    """Generate every request as one batch of rows; results in request order.
+
+    `arrivals`, if given, is asked between rounds for requests to admit: they
+    are prefilled and join the batch (continuous batching); their results
+    follow the initial requests', in arrival order. The run ends when no row
+    is live and `arrivals` has nothing more."""
+    run = _Run(model, frozenset(eos_ids), drafter, options or RoundOptions())
+    run.admit(requests)
+    while True:
+        if arrivals is not None:
+            joining = arrivals()
+            if joining:
+                run.admit(joining)
+        if not run.batch.rows:
+            break
+        run.step(bounded=arrivals is not None)
+    return run.collect()
+
+
+class _Run:
+    """Everything one `generate_rows` call tracks, per request slot."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        eos: frozenset[int],
+        drafter: Drafter | None,
+        options: RoundOptions,
+    ) -> None:
+        self.model = model
+        self.drafter = drafter if options.depth > 0 else None
+        self.options = options
+        self.batch = _Batch(model, None, [], [], None, eos)
+        self.requests: list[RowRequest] = []
+        self.metrics: list[RowMetrics] = []
+        self.round_ms: list[list[float]] = []
+        self.results: list[RowResult | None] = []
+        self.prompt_seconds: list[float] = []
+        self.decode_start: list[float] = []
+        self.adapt: list[RowAdaptation] = []
+        self.phases = PhaseTimes() if options.phase_timing else None
+
+    def admit(self, requests: Sequence[RowRequest]) -> None:
+        """Prefill new requests and join them to the live batch."""
+        start = time.perf_counter()
+        first = len(self.requests)
+        slots = list(range(first, first + len(requests)))
+        self.requests.extend(requests)
+        self.metrics.extend(RowMetrics() for _ in requests)
+        self.round_ms.extend([] for _ in requests)
+        self.results.extend(None for _ in requests)
+        self.adapt.extend(RowAdaptation() for _ in requests)
+        rows = [RowState.start(r.prompt, r.max_tokens, r.sampling) for r in requests]
+        # a drafter that failed once stays off for the rest of the run
+        drafting = self.drafter is not None and self.batch.draft_error is None
         try:
-            batch.draft = drafter.open(rows, prompt_hidden)
+            wants_hidden = (
+                drafting
+                and self.drafter is not None
+                and (self.drafter.needs_target_hidden)
+            )
+            cache, hidden = prefill_rows(self.model, rows, wants_hidden)
         except Exception as exc:
-            batch.disable_draft(exc)
-    prompt_seconds = time.perf_counter() - start
-    results: list[RowResult | None] = [None] * len(requests)
-    round_ms: list[list[float]] = [[] for _ in requests]
-    decode_start = time.perf_counter()
+            elapsed = time.perf_counter() - start
+            for slot in slots:
+                self.prompt_seconds.append(elapsed)
+                self.decode_start.append(time.perf_counter())
+                self.finish(
+                    slot, "failed", f"prefill failed: {type(exc).__name__}: {exc}"
+                )
+            return
+        joined: DraftRows | None = None
+        if drafting and self.drafter is not None:
+            try:
+                joined = self.drafter.open(rows, hidden)
+                if self.batch.draft is not None and self.batch.rows:
+                    joined = self.batch.draft.join(joined)
+            except Exception as exc:
+                self.batch.disable_draft(exc)
+                joined = None
+        batch = self.batch
+        if batch.rows:
+            batch.cache = type(cache).concat_rows([batch.cache, cache])
+        else:
+            batch.cache = cache
+        batch.rows = [*batch.rows, *rows]
+        batch.slots = [*batch.slots, *slots]
+        batch.draft = joined if batch.draft_error is None else None
+        now = time.perf_counter()
+        self.prompt_seconds.extend(now - start for _ in slots)
+        self.decode_start.extend(now for _ in slots)
 
-    def finish(slot: int, reason: FinishReason, error: str | None = None) -> None:
-        if batch.draft_error is not None:
-            metrics[slot].draft_errors.append(batch.draft_error)
-        results[slot] = RowResult(
+    def finish(self, slot: int, reason: FinishReason, error: str | None = None) -> None:
+        if self.batch.draft_error is not None:
+            self.metrics[slot].draft_errors.append(self.batch.draft_error)
+        self.results[slot] = RowResult(
             reason,
-            metrics[slot],
-            prompt_seconds,
-            time.perf_counter() - decode_start,
+            self.metrics[slot],
+            self.prompt_seconds[slot],
+            time.perf_counter() - self.decode_start[slot],
             error,
-            round_ms[slot],
+            self.round_ms[slot],
         )
 
-    phases = PhaseTimes() if options.phase_timing else None
-    adapt = [RowAdaptation() for _ in requests] if options.adaptive else None
-    while batch.rows:
+    def fail_live(self, what: str, exc: Exception) -> None:
+        message = f"{what} failed: {type(exc).__name__}: {exc}"
+        for slot in self.batch.slots:
+            self.finish(slot, "failed", message)
+        self.batch.rows, self.batch.slots = [], []
+
+    def step(self, bounded: bool) -> None:
+        """One speculative round, or a burst of pipelined plain steps."""
+        batch, options = self.batch, self.options
+        adapt = self.adapt if options.adaptive is not None else None
         depths = _choose_depths(batch, options, adapt)
         # A drafter that reads the target's hidden states must see every round.
         pipelined = (
@@ -159,52 +234,62 @@ def generate_rows(
             and (batch.draft is None or not batch.draft.needs_target_hidden)
         )
         if max(depths) == 0 and pipelined:
-            # Plain decoding: no drafter, or every row gated off until its next probe.
+            # Plain decoding: no drafter, or every row gated off until its next
+            # probe; bounded so that arrivals and probes get their turn.
             steps = None
             if batch.draft is not None and options.adaptive is not None:
                 steps = options.adaptive.probe_every
+            elif bounded:
+                steps = _ADMIT_EVERY
             try:
-                _plain_pipelined(batch, requests, metrics, round_ms, finish, steps)
+                _plain_pipelined(
+                    batch,
+                    self.requests,
+                    self.metrics,
+                    self.round_ms,
+                    self.finish,
+                    steps,
+                )
             except Exception as exc:
-                message = f"target forward failed: {type(exc).__name__}: {exc}"
-                for slot in batch.slots:
-                    finish(slot, "failed", message)
-                break
-            if adapt is not None:
-                for slot in batch.slots:
-                    adapt[slot].probe_next = True
-            continue
+                self.fail_live("target forward", exc)
+                return
+            for slot in batch.slots:
+                self.adapt[slot].probe_next = True
+            return
         t0 = time.perf_counter()
         try:
             outcome = _speculative_round(
-                batch, requests, depths, options, metrics, phases
+                batch, self.requests, depths, options, self.metrics, self.phases
             )
         except Exception as exc:
-            message = f"target forward failed: {type(exc).__name__}: {exc}"
-            for slot in batch.slots:
-                finish(slot, "failed", message)
-            break
+            self.fail_live("target forward", exc)
+            return
         elapsed = (time.perf_counter() - t0) * 1000.0
         keep: list[int] = []
         for i, (slot, (delivered, drafted, accepted)) in enumerate(
             zip(batch.slots, outcome, strict=True)
         ):
-            round_ms[slot].append(elapsed)
-            if adapt is not None and options.adaptive is not None:
-                adapt[slot].observe(drafted, accepted, options.adaptive)
+            self.round_ms[slot].append(elapsed)
+            if options.adaptive is not None:
+                self.adapt[slot].observe(drafted, accepted, options.adaptive)
             if delivered.finish is None:
                 keep.append(i)
             else:
-                finish(slot, delivered.finish, delivered.error)
+                self.finish(slot, delivered.finish, delivered.error)
         batch.retire(keep)
-    done = [r for r in results if r is not None]
-    assert len(done) == len(requests)
-    for slot, r in enumerate(done):
-        if phases is not None:
-            r.phase_ms = phases
-        if adapt is not None:
-            r.depths = dict(adapt[slot].depths)
-    return done
+
+    def collect(self) -> list[RowResult]:
+        done = [r for r in self.results if r is not None]
+        assert len(done) == len(self.requests)
+        for slot, r in enumerate(done):
+            if self.phases is not None:
+                r.phase_ms = self.phases
+            if self.options.adaptive is not None:
+                r.depths = dict(self.adapt[slot].depths)
+        return done
+
+
+_ADMIT_EVERY = 8  # plain steps between looks for arrivals
 
 
 def _choose_depths(

@@ -112,6 +112,24 @@ class MtpRows:
             lambda: evolve(self, lengths=lengths, tail=tail, tail_lengths=kept)
         )
 
+    def join(self, other: DraftRows) -> DraftRows:
+        assert isinstance(other, MtpRows)
+        counts = self.tail_lengths + other.tail_lengths
+        width = max(max(counts, default=0), 1)
+        tails = [
+            mx.pad(t, [(0, 0), (0, width - t.shape[1]), (0, 0)])
+            if t.shape[1] < width
+            else t[:, :width]
+            for t in (self.tail, other.tail.astype(self.tail.dtype))
+        ]
+        return evolve(
+            self,
+            cache=KVCache.concat_rows([self.cache, other.cache]),
+            lengths=self.lengths + other.lengths,
+            tail=mx.concatenate(tails, axis=0),
+            tail_lengths=counts,
+        )
+
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
         index = mx.array(list(keep), dtype=mx.int32)
         return evolve(

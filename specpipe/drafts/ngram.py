@@ -65,6 +65,9 @@ class NgramRows:
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
         return self
 
+    def join(self, other: DraftRows) -> DraftRows:
+        return self
+
 
 @frozen
 class NgramDrafter:

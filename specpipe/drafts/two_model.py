@@ -106,6 +106,14 @@ class TwoModelRows:
         )
         return Prepared(lambda: evolve(self, lengths=lengths))
 
+    def join(self, other: DraftRows) -> DraftRows:
+        assert isinstance(other, TwoModelRows)
+        return evolve(
+            self,
+            cache=type(self.cache).concat_rows([self.cache, other.cache]),
+            lengths=self.lengths + other.lengths,
+        )
+
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
         return evolve(
             self,

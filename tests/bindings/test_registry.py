@@ -148,17 +148,20 @@ def test_several_fallbacks_keep_their_order_after_every_other_kind(
 
 def test_the_default_registry_falls_back_to_two_model(tmp_path: Path) -> None:
     registry = default_registry()
-    assert set(registry.names()) == {"two-model", "ngram"}
+    assert set(registry.names()) == {"mtp", "two-model", "ngram"}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert registry.detect(tmp_path) == Success("two-model")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next_mtp"}))
+    assert registry.detect(tmp_path) == Success("mtp")
+    assert [k.kind for k in registry.natives] == ["mtp"]
 
 
 def test_a_kind_registered_after_the_default_fallback_is_detected_first(
     tmp_path: Path,
 ) -> None:
-    registry = default_registry().register(_kind("mtp", _has("mtp.safetensors")))
-    (tmp_path / "mtp.safetensors").write_bytes(b"")
-    assert registry.detect(tmp_path) == Success("mtp")
+    registry = default_registry().register(_kind("eagle", _has("eagle.safetensors")))
+    (tmp_path / "eagle.safetensors").write_bytes(b"")
+    assert registry.detect(tmp_path) == Success("eagle")
 
 
 def test_detect_fails_naming_the_folder_when_no_kind_recognises_it(
@@ -223,7 +226,9 @@ def test_loading_an_unknown_kind_lists_the_registered_kinds() -> None:
 def test_native_kinds_bind_to_graphs_that_declare_a_draft_head() -> None:
     created: list[Any] = []
 
-    def create(target: Any) -> Result[LoadedDraft, BindingError]:
+    def create(
+        target: Any, request: DraftLoadRequest
+    ) -> Result[LoadedDraft, BindingError]:
         created.append(target)
         return Success(_loaded())
 
@@ -231,18 +236,19 @@ def test_native_kinds_bind_to_graphs_that_declare_a_draft_head() -> None:
         NativeDraftKind(kind="mtp", create=create)
     )
     target = object()
-    assert registry.native(_graph(), target) is None
+    request = DraftLoadRequest(target=target)
+    assert registry.native(_graph(), request) is None
     declared = _graph(native_draft=NativeDraft(kind="mtp", width=2))
-    assert isinstance(registry.native(declared, target), Success)
+    assert isinstance(registry.native(declared, request), Success)
     assert created == [target]
     unknown = _graph(native_draft=NativeDraft(kind="eagle-head", width=2))
-    result = registry.native(unknown, target)
+    result = registry.native(unknown, request)
     assert result is not None
     assert "eagle-head" in _message(result)
 
 
 def test_companion_finds_a_bundled_draft_folder(tmp_path: Path) -> None:
-    registry = default_registry().register(
+    registry = DraftRegistry().register(
         _kind("mtp", _has("x"), bundled_companion="mtp")
     )
     assert registry.companion(None) is None

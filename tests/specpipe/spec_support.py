@@ -206,6 +206,9 @@ class HostileRows:
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
         return self
 
+    def join(self, other: DraftRows) -> DraftRows:
+        return self
+
 
 class HostileDrafter:
     needs_target_hidden = False
@@ -258,6 +261,9 @@ class OracleRows:
         return ready(self)
 
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
+        return self
+
+    def join(self, other: DraftRows) -> DraftRows:
         return self
 
 

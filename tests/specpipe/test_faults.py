@@ -72,6 +72,12 @@ class FaultyRows:
         self._tick("take_rows")
         return FaultyRows(self.inner.take_rows(keep), self.method, self.at, self.calls)
 
+    def join(self, other: DraftRows) -> DraftRows:
+        assert isinstance(other, FaultyRows)
+        return FaultyRows(
+            self.inner.join(other.inner), self.method, self.at, self.calls
+        )
+
 
 class FaultyDrafter:
     needs_target_hidden = False
