@@ -1,0 +1,187 @@
+"""MTP drafting on a hybrid (Qwen3-Next-shaped) target with random weights:
+plain decode vs `mtp` rounds, and the draft's cost per round with and
+without an FR-Spec draft vocabulary.
+
+Random weights make acceptance meaningless (a random head rarely agrees with
+a random target), so this measures cost: ms per plain token, ms per MTP round
+at each depth, and ms of the draft chain alone (full head vs an N-id list).
+Outputs are still checked: every MTP run must equal plain decoding.
+
+    python bench/mtp.py --layers 12 --experts 64 --out bench/results/mtp-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine_info  # noqa: E402
+from models.build import build_model, quantize_model  # noqa: E402
+from models.mtp import MtpHead  # noqa: E402
+from schemas.hf_hybrid import hybrid_args  # noqa: E402
+from schemas.request import SamplingParams  # noqa: E402
+from specpipe.draft_vocab import DraftVocabulary  # noqa: E402
+from specpipe.drafts.mtp import MtpDrafter  # noqa: E402
+from specpipe.loop import RoundOptions, RowRequest, generate_rows  # noqa: E402
+from specpipe.prefill import prefill_rows  # noqa: E402
+from specpipe.state import RowState  # noqa: E402
+
+
+def qwen3_next_shape(layers: int, experts: int, hidden: int, vocab: int) -> dict[str, Any]:
+    """Qwen3-Next-80B-A3B per-layer shapes (3 linear : 1 full attention),
+    with `layers` layers and `experts` routed experts (top-10 active, so the
+    per-token expert compute is the real one)."""
+    return {
+        "model_type": "qwen3_next",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 5120,
+        "num_hidden_layers": layers,
+        "full_attention_interval": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": experts,
+        "num_experts_per_tok": min(10, experts),
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def push(self, token: int, logprob: float | None) -> bool:
+        self.tokens.append(token)
+        return True
+
+
+def generate(model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int) -> tuple[list[int], Any, float]:
+    sink = Sink()
+    start = time.perf_counter()
+    result = generate_rows(
+        model, [RowRequest(prompt, SamplingParams(), n, sink)], (), drafter, RoundOptions(depth=depth)
+    )[0]
+    mx.synchronize()
+    return sink.tokens, result, time.perf_counter() - start
+
+
+def draft_chain_ms(drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int, repeats: int) -> float:
+    """The draft chain alone: open rows after a real prefill, then time
+    `propose` + evaluation of its tokens (the head's KV writes are scratch)."""
+    row = RowState.start(prompt, 64, SamplingParams())
+    cache, hidden = prefill_rows(model, [row], keep_hidden=True)
+    rows = drafter.open([row], hidden)
+    # One real round first, so the head has paired the prompt and the timed
+    # chains start from a one-token tail, as in steady-state decoding.
+    proposal = rows.propose([row], depth)
+    verified = model(mx.array([[row.pending]]), cache, [row.length])
+    token = int(mx.argmax(verified.logits[0, -1]).item())
+    rows = rows.prepare_commit([row], proposal, [()], [0], verified).commit()
+    row = row.advanced((token,))
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        proposal = rows.propose([row], depth)
+        assert proposal.device is not None
+        mx.eval(proposal.device)
+        if i:
+            times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantize", type=int, default=0, help="4 or 8 to quantize the target")
+    parser.add_argument("--depths", default="1,2,3")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--fr-size", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    dtype = getattr(mx, args.dtype)
+    config = qwen3_next_shape(args.layers, args.experts, args.hidden, args.vocab)
+    hybrid = hybrid_args(config, "bench").unwrap()
+    mx.random.seed(0)
+    model = build_model(hybrid).unwrap()
+    model.set_dtype(dtype)
+    if args.quantize:
+        quantize_model(model, args.quantize, 64)
+    mx.eval(model.parameters())
+    head = MtpHead(hybrid)
+    head.set_dtype(dtype)
+    mx.eval(head.parameters())
+    prompt = tuple(int(t) for t in mx.random.randint(0, args.vocab, (48,), key=mx.random.key(1)).tolist())
+
+    generate(model, prompt, 4, None, 0)  # warm-up
+    plain, plain_result, plain_s = generate(model, prompt, args.tokens, None, 0)
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "config": config,
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "plain": {
+            "tokens": len(plain),
+            "decode_tps": len(plain) / plain_result.decode_seconds,
+            "ms_per_token": 1000.0 * plain_result.decode_seconds / len(plain),
+        },
+        "mtp": [],
+        "draft_chain": [],
+    }
+    ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
+    vocab = DraftVocabulary.create(ids, args.vocab).unwrap()
+    for depth in [int(d) for d in args.depths.split(",")]:
+        for name, listed in (("full", None), (f"fr{args.fr_size}", vocab)):
+            drafter = MtpDrafter(model, head, vocab=listed)
+            tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth)
+            assert tokens == plain, f"depth {depth} {name}: output differs from plain decoding"
+            m = result.metrics
+            report["mtp"].append(
+                {
+                    "depth": depth,
+                    "vocab": name,
+                    "rounds": m.rounds,
+                    "acceptance_length": m.acceptance_length,
+                    "ms_per_round": statistics.median(result.round_ms),
+                    "decode_tps": len(tokens) / result.decode_seconds,
+                }
+            )
+            report["draft_chain"].append(
+                {
+                    "depth": depth,
+                    "vocab": name,
+                    "ms": draft_chain_ms(drafter, model, prompt, depth, args.repeats),
+                }
+            )
+            print(json.dumps(report["mtp"][-1]), json.dumps(report["draft_chain"][-1]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report["plain"]))
+
+
+if __name__ == "__main__":
+    main()
