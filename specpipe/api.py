@@ -3,13 +3,11 @@ stream text. Boundary errors come back as `Result` failures."""
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from attrs import field, frozen
+from attrs import asdict, field, frozen
 from returns.result import Failure, Result, Success
 
 from bindings.capabilities import GraphCapabilities, NativeDraft
@@ -21,7 +19,13 @@ from specpipe.adaptive import AdaptivePolicy, CostModel
 from specpipe.calibrate import calibrated
 from specpipe.load import LoadedModel
 from specpipe.load import load as load_model
-from specpipe.loop import RoundOptions, RowRequest, RowResult, generate_rows
+from specpipe.loop import (
+    RoundOptions,
+    RowRequest,
+    RowResult,
+    generate_rows,
+    generate_stepwise,
+)
 from specpipe.output import TextSink
 
 Prompt = str | Sequence[int]
@@ -42,6 +46,7 @@ class GenerationStats:
     draft_errors: tuple[str, ...] = ()
     depths: tuple[tuple[int, int], ...] = ()  # adaptive: (depth, rounds) chosen
     gated_share: float = 0.0  # adaptive: share of a row's rounds decoded plainly
+    phase_ms: tuple[tuple[str, float], ...] = ()  # opt-in: draft/verify/sample/commit
 
 
 @frozen
@@ -77,6 +82,8 @@ class GenerationResult:
         }
         if self.stats.draft_errors:
             out["stats"]["draft_errors"] = list(self.stats.draft_errors)
+        if self.stats.phase_ms:
+            out["stats"]["phase_ms"] = dict(self.stats.phase_ms)
         if self.stats.depths:
             out["stats"]["depths"] = {str(d): n for d, n in self.stats.depths}
             out["stats"]["gated_share"] = self.stats.gated_share
@@ -88,12 +95,43 @@ class GenerationResult:
 
 
 @frozen
+class _PreparedBatch:
+    """A validated batch: encoded prompts, their sinks and row requests."""
+
+    pipeline: Pipeline
+    encoded: list[tuple[int, ...]]
+    sinks: list[TextSink]
+    requests: list[RowRequest]
+    options: RoundOptions
+
+    def run_args(
+        self,
+    ) -> tuple[Any, list[RowRequest], tuple[int, ...], Any, RoundOptions]:
+        target, draft = self.pipeline.target, self.pipeline.draft
+        return (
+            target.model,
+            self.requests,
+            target.tokenizer.eos_token_ids,
+            draft.drafter if draft is not None else None,
+            self.options,
+        )
+
+    def results(self, rows: Sequence[RowResult]) -> list[GenerationResult]:
+        out = []
+        for ids, sink, row in zip(self.encoded, self.sinks, rows, strict=True):
+            sink.close()
+            out.append(self.pipeline._result(ids, sink, row))
+        return out
+
+
+@frozen
 class Pipeline:
     target: LoadedModel
     draft: LoadedDraft | None = None
     device_round: bool = True
     registry: DraftRegistry = field(factory=default_registry)
     adaptive: AdaptivePolicy | None = None
+    phase_timing: bool = False  # evaluate between phases to time them (slower)
 
     @property
     def draft_kind(self) -> str:
@@ -139,6 +177,69 @@ class Pipeline:
         chat: bool = False,
         on_text: Callable[[int, str], None] | None = None,
     ) -> Result[list[GenerationResult], RequestError]:
+        """Every prompt as one batch of rows; `on_text(row, text)` streams."""
+        prepared = self._prepare(prompts, sampling, limits, chat, on_text)
+        if not isinstance(prepared, Success):
+            return Failure(prepared.failure())
+        batch = prepared.unwrap()
+        rows = generate_rows(*batch.run_args())
+        return Success(batch.results(rows))
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        limits: GenerationLimits | None = None,
+        chat: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Result[GenerationResult, RequestError]:
+        callback: Callable[[int, str], None] | None = None
+        if on_text is not None:
+            sink_text = on_text
+
+            def callback(_row: int, text: str) -> None:
+                sink_text(text)
+
+        return self.generate_batch([prompt], sampling, limits, chat, callback).map(
+            lambda r: r[0]
+        )
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        limits: GenerationLimits | None = None,
+        chat: bool = False,
+    ) -> Iterator[str]:
+        """Text pieces as they are generated (in the caller's thread: MLX
+        streams belong to the thread that made them). Raises ValueError with
+        the boundary error's message for a bad request."""
+        pieces: list[str] = []
+        prepared = self._prepare(
+            [prompt], sampling, limits, chat, lambda _row, text: pieces.append(text)
+        )
+        if not isinstance(prepared, Success):
+            raise ValueError(prepared.failure().message)
+        batch = prepared.unwrap()
+        rounds = generate_stepwise(*batch.run_args())
+        while True:
+            try:
+                next(rounds)
+            except StopIteration as done:
+                batch.results(done.value)  # closes the sink: flushes held text
+                yield from pieces
+                return
+            yield from pieces
+            pieces.clear()
+
+    def _prepare(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | None,
+        limits: GenerationLimits | None,
+        chat: bool,
+        on_text: Callable[[int, str], None] | None,
+    ) -> Result[_PreparedBatch, RequestError]:
         sampling = sampling or SamplingParams()
         limits = limits or GenerationLimits()
         encoded: list[tuple[int, ...]] = []
@@ -170,65 +271,9 @@ class Pipeline:
             depth=self.draft.width if self.draft is not None else 0,
             device_round=self.device_round,
             adaptive=self.adaptive if self.draft is not None else None,
+            phase_timing=self.phase_timing,
         )
-        rows = generate_rows(
-            self.target.model,
-            requests,
-            self.target.tokenizer.eos_token_ids,
-            self.draft.drafter if self.draft is not None else None,
-            options,
-        )
-        out = []
-        for ids, sink, row in zip(encoded, sinks, rows, strict=True):
-            sink.close()
-            out.append(self._result(ids, sink, row))
-        return Success(out)
-
-    def generate(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams | None = None,
-        limits: GenerationLimits | None = None,
-        chat: bool = False,
-        on_text: Callable[[str], None] | None = None,
-    ) -> Result[GenerationResult, RequestError]:
-        callback: Callable[[int, str], None] | None = None
-        if on_text is not None:
-            sink_text = on_text
-
-            def callback(_row: int, text: str) -> None:
-                sink_text(text)
-
-        return self.generate_batch([prompt], sampling, limits, chat, callback).map(
-            lambda r: r[0]
-        )
-
-    def stream(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams | None = None,
-        limits: GenerationLimits | None = None,
-        chat: bool = False,
-    ) -> Iterator[str]:
-        """Text pieces as they are generated. Raises the boundary error, if any."""
-        pieces: queue.Queue[str | None] = queue.Queue()
-        outcome: list[Result[GenerationResult, RequestError]] = []
-
-        def run() -> None:
-            try:
-                outcome.append(
-                    self.generate(prompt, sampling, limits, chat, pieces.put)
-                )
-            finally:
-                pieces.put(None)
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        while (piece := pieces.get()) is not None:
-            yield piece
-        worker.join()
-        if outcome and not isinstance(outcome[0], Success):
-            raise ValueError(outcome[0].failure().message)
+        return Success(_PreparedBatch(self, encoded, sinks, requests, options))
 
     def _result(
         self, ids: tuple[int, ...], sink: TextSink, row: RowResult
@@ -250,6 +295,7 @@ class Pipeline:
             draft_errors=tuple(m.draft_errors),
             depths=tuple(sorted((row.depths or {}).items())),
             gated_share=m.gated / m.rounds if m.rounds else 0.0,
+            phase_ms=tuple(asdict(row.phase_ms).items()) if row.phase_ms else (),
         )
         return GenerationResult(
             text=sink.text,
@@ -289,6 +335,7 @@ def load(
     registry: DraftRegistry | None = None,
     draft_vocab: str | None = None,
     adaptive: bool | CostModel = False,
+    phase_timing: bool = False,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -307,7 +354,9 @@ def load(
         return Failure(loaded.failure())
     target = loaded.unwrap()
     if draft is None or draft == "none":
-        return Success(Pipeline(target, None, device_round, registry))
+        return Success(
+            Pipeline(target, None, device_round, registry, phase_timing=phase_timing)
+        )
     request = DraftLoadRequest(
         target=target,
         width=num_draft_tokens,
@@ -334,7 +383,9 @@ def load(
         )
         policy_adaptive = AdaptivePolicy(cost)
     return Success(
-        Pipeline(target, loaded_draft, device_round, registry, policy_adaptive)
+        Pipeline(
+            target, loaded_draft, device_round, registry, policy_adaptive, phase_timing
+        )
     )
 
 

@@ -98,6 +98,7 @@ def _generate(args: argparse.Namespace) -> None:
             device_round=not args.host_round,
             draft_vocab=args.draft_vocab,
             adaptive=args.adaptive,
+            phase_timing=args.phase_timing,
         )
     )
     streaming = not args.json and not args.prompts_file
@@ -194,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-round",
         action="store_true",
         help="read drafts back before building the verify graph",
+    )
+    gen.add_argument(
+        "--phase-timing",
+        action="store_true",
+        help="report ms spent drafting, verifying, sampling and committing "
+        "(synchronises between phases, so it runs slower)",
     )
     gen.add_argument(
         "--adaptive",

@@ -10,7 +10,7 @@ token before the current one is read back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -128,6 +128,24 @@ def generate_rows(
         if not run.batch.rows:
             break
         run.step(bounded=arrivals is not None)
+    return run.collect()
+
+
+def generate_stepwise(
+    model: CausalLM,
+    requests: Sequence[RowRequest],
+    eos_ids: Sequence[int],
+    drafter: Drafter | None = None,
+    options: RoundOptions | None = None,
+) -> Generator[None, None, list[RowResult]]:
+    """`generate_rows` as a generator that yields after every round (or burst
+    of plain steps), so a caller can hand out what the sinks received; its
+    return value (StopIteration.value) is the results."""
+    run = _Run(model, frozenset(eos_ids), drafter, options or RoundOptions())
+    run.admit(requests)
+    while run.batch.rows:
+        run.step(bounded=True)
+        yield
     return run.collect()
 
 

@@ -1,0 +1,111 @@
+"""The Python API: stop strings, EOS, streaming, logprobs, phase timing, hub ids."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.api import load
+from specpipe.output import TextSink
+
+
+class Letters:
+    """A detokenizer that maps token i to chr(ord('a') + i % 26)."""
+
+    def add(self, token: int) -> str:
+        return chr(ord("a") + token % 26)
+
+    def finish(self) -> str:
+        return ""
+
+
+def test_text_sink_cuts_at_a_stop_string_and_holds_back_partial_matches() -> None:
+    streamed: list[str] = []
+    sink = TextSink(Letters(), ("cde",), streamed.append)
+    assert [sink.push(t, None) for t in (0, 1, 2, 3)] == [True, True, True, True]
+    assert "".join(streamed) == "ab"  # "cd" may still become the stop string
+    assert sink.push(4, None) is False
+    assert sink.text == "ab" and "".join(streamed) == "ab" and sink.stopped
+
+
+def test_stop_string_through_the_pipeline(tiny_model: Path) -> None:
+    pipeline = load(str(tiny_model), draft="ngram").unwrap()
+    plain = pipeline.generate(
+        "for i in range(10):", limits=GenerationLimits(max_tokens=24)
+    ).unwrap()
+    assert len(plain.text) > 6
+    stop = plain.text[3:6]
+    cut = pipeline.generate(
+        "for i in range(10):", limits=GenerationLimits(max_tokens=24, stop=(stop,))
+    ).unwrap()
+    assert cut.finish_reason == "stop"
+    assert cut.text == plain.text[: plain.text.index(stop)]
+    assert cut.generated_tokens <= plain.generated_tokens
+
+
+def test_eos_ends_a_row(tiny_model: Path) -> None:
+    pipeline = load(str(tiny_model)).unwrap()
+    plain = pipeline.generate(
+        "def fib", limits=GenerationLimits(max_tokens=12)
+    ).unwrap()
+    # make the 5th generated token an end-of-sequence token for this run
+    eos = plain.tokens[4]
+    first = plain.tokens.index(eos)
+    tokenizer = pipeline.target.tokenizer
+    object.__setattr__(tokenizer, "eos_token_ids", (eos,))
+    ended = pipeline.generate(
+        "def fib", limits=GenerationLimits(max_tokens=12)
+    ).unwrap()
+    assert ended.finish_reason == "stop"
+    assert ended.tokens == plain.tokens[:first]
+
+
+def test_stream_yields_the_generated_text(tiny_model: Path) -> None:
+    pipeline = load(str(tiny_model)).unwrap()
+    limits = GenerationLimits(max_tokens=10)
+    assert "".join(pipeline.stream("Hello world", limits=limits)) == (
+        pipeline.generate("Hello world", limits=limits).unwrap().text
+    )
+
+
+def test_logprobs_are_the_same_with_and_without_drafts(tiny_model: Path) -> None:
+    limits = GenerationLimits(max_tokens=10, logprobs=True)
+    sampling = SamplingParams(temperature=0.9, seed=4)
+    plain = (
+        load(str(tiny_model)).unwrap().generate("def fib", sampling, limits).unwrap()
+    )
+    spec = (
+        load(str(tiny_model), draft=str(tiny_model), num_draft_tokens=3)
+        .unwrap()
+        .generate("def fib", sampling, limits)
+        .unwrap()
+    )
+    assert plain.logprobs is not None and spec.logprobs is not None
+    assert len(plain.logprobs) == plain.generated_tokens
+    assert spec.tokens == plain.tokens
+    assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+    assert all(lp <= 0 for lp in plain.logprobs)
+
+
+def test_phase_timing_reports_every_phase(tiny_model: Path) -> None:
+    timed = load(str(tiny_model), draft=str(tiny_model), phase_timing=True).unwrap()
+    result = timed.generate("def fib", limits=GenerationLimits(max_tokens=8)).unwrap()
+    phases = dict(result.stats.phase_ms)
+    assert set(phases) == {"draft", "verify", "sample", "commit"}
+    assert all(ms >= 0 for ms in phases.values()) and phases["verify"] > 0
+    assert set(result.to_json()["stats"]["phase_ms"]) == set(phases)
+
+
+def test_hub_id_without_network_is_a_clear_error_not_a_hang(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    start = time.perf_counter()
+    failure = load("nobody/not-a-model").failure()
+    assert time.perf_counter() - start < 60
+    assert "nobody/not-a-model" in failure.message
+    assert "could not be downloaded" in failure.message
