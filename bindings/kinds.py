@@ -100,11 +100,12 @@ def _mtp_drafter(
 ) -> Result[LoadedDraft, BindingError]:
     """Bind an MTP head (its weights and config) to a hybrid target."""
     from models.mtp import build_mtp
-    from schemas.hf_hybrid import HybridArgs
+    from schemas.hf_hybrid import HybridArgs, text_settings
     from specpipe.draft_vocab import configured
     from specpipe.drafts.mtp import MtpDrafter
 
     args = target.args
+    config = text_settings(config)  # a multimodal wrapper keeps them in text_config
     if not isinstance(args, HybridArgs):
         return Failure(
             BindingError(

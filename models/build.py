@@ -20,7 +20,7 @@ from attrs import evolve
 from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
-from models import llama, qwen2, qwen3, qwen3_next
+from models import llama, qwen2, qwen3, qwen3_5, qwen3_next
 from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
 from schemas.errors import ConfigError, LoadError
@@ -29,7 +29,9 @@ from schemas.hf_hybrid import HybridArgs
 
 __all__ = ["Model", "build_model", "load_weights", "model_dtype", "quantize_model"]
 
-Model: TypeAlias = llama.Model | qwen2.Model | qwen3.Model | qwen3_next.Model
+Model: TypeAlias = (
+    llama.Model | qwen2.Model | qwen3.Model | qwen3_next.Model | qwen3_5.Model
+)
 
 
 def _qwen3_next(args: DecoderArgs) -> qwen3_next.Model:
@@ -39,16 +41,26 @@ def _qwen3_next(args: DecoderArgs) -> qwen3_next.Model:
     return qwen3_next.Model(args)
 
 
+def _qwen3_5(args: DecoderArgs) -> qwen3_5.Model:
+    # `qwen3_5` (the multimodal wrapper) and `qwen3_5_text` parse to HybridArgs.
+    if not isinstance(args, HybridArgs):
+        raise ValueError("needs HybridArgs (parse its config with hybrid_args)")
+    return qwen3_5.Model(args)
+
+
 _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "llama": llama.Model,
     "qwen2": qwen2.Model,
     "qwen3": qwen3.Model,
     "qwen3_next": _qwen3_next,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_text": _qwen3_5,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.
 _AS_CAUSAL_LM: Callable[[DecoderArgs], CausalLM] = llama.Model
 _HYBRID_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_next.Model
+_QWEN3_5_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5.Model
 
 _AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 # Layers with `to_quantized` (qwen3_next's stacked experts included)

@@ -1,4 +1,5 @@
-"""Gated DeltaNet: the linear-attention (recurrent) layer of Qwen3-Next.
+"""Gated DeltaNet: the linear-attention (recurrent) layer of Qwen3-Next and
+Qwen3.5.
 
 Per token, a depthwise causal conv (kernel K, SiLU) mixes the q, k, v
 channels with the K-1 previous tokens' inputs; then, per value head h, the
@@ -13,6 +14,10 @@ with q, k L2-normalised (q also scaled by Dk^-1/2),
 g_t = -exp(A_log) * softplus(a_t + dt_bias) and beta_t = sigmoid(b_t).
 The output is RMS-normalised per head, gated by SiLU(z), and projected.
 Key heads are shared by `Hv / Hk` consecutive value heads.
+
+The two model families differ only in the input projections: Qwen3-Next
+fuses them per key head (`GatedDeltaNet` here), Qwen3.5 keeps four separate
+ones (models/qwen3_5.py); `GatedDeltaMixer` is everything after them.
 
 The layer never writes its committed states: it reads the conv state
 [B, K-1, C] and the recurrent state [B, Hv, Dk, Dv] and returns the window's
@@ -199,9 +204,11 @@ def chunked_gated_delta_rule(
     return out[:, :length], state
 
 
-class GatedDeltaNet(nn.Module):
-    """One linear-attention layer; HF parameter names (`in_proj_qkvz`,
-    `in_proj_ba`, `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj`).
+class GatedDeltaMixer(nn.Module):
+    """What every GatedDeltaNet layout shares: the causal conv, the gated delta
+    rule, the gated norm and the output projection (HF names `conv1d`,
+    `A_log`, `dt_bias`, `norm`, `out_proj`). A subclass owns the input
+    projections and says, in `project`, how they yield q, k, v, z, b and a.
 
     `conv1d.weight` is stored in MLX layout [C, K, 1] (HF: [C, 1, K]; the
     model's `sanitize` transposes).
@@ -218,9 +225,6 @@ class GatedDeltaNet(nn.Module):
         keys = self.key_heads * self.key_dim
         values = self.value_heads * self.value_dim
         self.conv_channels = 2 * keys + values
-        hidden = args.hidden_size
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * keys + 2 * values, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.value_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_channels,
             self.conv_channels,
@@ -231,7 +235,15 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = mx.ones((self.value_heads,))
         self.A_log = mx.zeros((self.value_heads,))
         self.norm = GatedRMSNorm(self.value_dim, args.rms_norm_eps)
-        self.out_proj = nn.Linear(values, hidden, bias=False)
+        self.out_proj = nn.Linear(values, args.hidden_size, bias=False)
+
+    def project(
+        self,
+        x: mx.array,  # [B, L, H]
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The conv input [B, L, C] (q: Hk*Dk, k: Hk*Dk, v: Hv*Dv channels,
+        head-major), the gate z [B, L, Hv, Dv], b and a [B, L, Hv]."""
+        raise NotImplementedError
 
     def __call__(
         self,
@@ -248,20 +260,9 @@ class GatedDeltaNet(nn.Module):
             self.value_dim,
             self.group,
         )
-        # Projections are grouped by key head: [q, k, v (r heads), z (r heads)]
-        # and [b (r), a (r)].
-        qkvz = self.in_proj_qkvz(x).reshape(batch, length, hk, 2 * dk + 2 * r * dv)
-        ba = self.in_proj_ba(x).reshape(batch, length, hk, 2 * r)
-        q = qkvz[..., :dk].reshape(batch, length, hk * dk)
-        k = qkvz[..., dk : 2 * dk].reshape(batch, length, hk * dk)
-        v = qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(batch, length, hv * dv)
-        z = qkvz[..., 2 * dk + r * dv :].reshape(batch, length, hv, dv)
-        b = ba[..., :r].reshape(batch, length, hv)
-        a = ba[..., r:].reshape(batch, length, hv)
-
+        qkv, z, b, a = self.project(x)
         window = mx.concatenate(
-            [conv_state, mx.concatenate([q, k, v], axis=-1).astype(conv_state.dtype)],
-            axis=1,
+            [conv_state, qkv.astype(conv_state.dtype)], axis=1
         )  # [B, K-1+L, C]
         mixed = nn.silu(
             mx.conv1d(window, self.conv1d.weight, groups=self.conv_channels)
@@ -271,6 +272,7 @@ class GatedDeltaNet(nn.Module):
         k = mixed[..., keys : 2 * keys].reshape(batch, length, hk, dk)
         v = mixed[..., 2 * keys :].reshape(batch, length, hv, dv)
 
+        # value head h reads key head h // r (transformers' repeat_interleave)
         q = mx.repeat(l2_normalize(q) * dk**-0.5, r, axis=2)
         k = mx.repeat(l2_normalize(k.astype(mx.float32)), r, axis=2)
         beta = mx.sigmoid(b).astype(mx.float32)
@@ -282,3 +284,39 @@ class GatedDeltaNet(nn.Module):
         )
         out = self.norm(out.astype(x.dtype), z).reshape(batch, length, hv * dv)
         return self.out_proj(out), WindowStates(window, states, per_position)
+
+
+class GatedDeltaNet(GatedDeltaMixer):
+    """The Qwen3-Next layout: two fused input projections, `in_proj_qkvz` and
+    `in_proj_ba`, their outputs grouped by key head."""
+
+    def __init__(self, args: HybridArgs) -> None:
+        super().__init__(args)
+        keys = self.key_heads * self.key_dim
+        values = self.value_heads * self.value_dim
+        hidden = args.hidden_size
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * keys + 2 * values, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.value_heads, bias=False)
+
+    def project(
+        self,
+        x: mx.array,  # [B, L, H]
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        batch, length, _ = x.shape
+        hk, hv, dk, dv, r = (
+            self.key_heads,
+            self.value_heads,
+            self.key_dim,
+            self.value_dim,
+            self.group,
+        )
+        # Per key head: [q, k, v (r heads), z (r heads)] and [b (r), a (r)].
+        qkvz = self.in_proj_qkvz(x).reshape(batch, length, hk, 2 * dk + 2 * r * dv)
+        ba = self.in_proj_ba(x).reshape(batch, length, hk, 2 * r)
+        q = qkvz[..., :dk].reshape(batch, length, hk * dk)
+        k = qkvz[..., dk : 2 * dk].reshape(batch, length, hk * dk)
+        v = qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(batch, length, hv * dv)
+        z = qkvz[..., 2 * dk + r * dv :].reshape(batch, length, hv, dv)
+        b = ba[..., :r].reshape(batch, length, hv)
+        a = ba[..., r:].reshape(batch, length, hv)
+        return mx.concatenate([q, k, v], axis=-1), z, b, a

@@ -31,7 +31,7 @@ import mlx.nn as nn
 
 from models.base import Mask, ModelOutput, RoPE, attention_mask, rope_offset
 from models.cache import KVCache
-from models.gated_delta import GatedDeltaNet
+from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
 from models.layers import MLP, model_dtype
 from models.vocab_head import HeadWeights
@@ -306,12 +306,19 @@ class AttentionLayer(nn.Module):
 
 
 class LinearLayer(nn.Module):
-    """A GatedDeltaNet decoder layer; state slot `linear_index` of the cache."""
+    """A GatedDeltaNet decoder layer; state slot `linear_index` of the cache.
+    `mixer` picks the projection layout (Qwen3-Next's fused one by default)."""
 
-    def __init__(self, args: HybridArgs, layer: int, linear_index: int) -> None:
+    def __init__(
+        self,
+        args: HybridArgs,
+        layer: int,
+        linear_index: int,
+        mixer: type[GatedDeltaMixer] = GatedDeltaNet,
+    ) -> None:
         super().__init__()
         self.linear_index = linear_index
-        self.linear_attn = GatedDeltaNet(args)
+        self.linear_attn = mixer(args)
         self.mlp = make_mlp(args, layer)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(
@@ -332,7 +339,9 @@ class LinearLayer(nn.Module):
 class Qwen3NextModel(nn.Module):
     """Embedding, layers and the final norm (applied by `Model.lm_head`)."""
 
-    def __init__(self, args: HybridArgs) -> None:
+    def __init__(
+        self, args: HybridArgs, mixer: type[GatedDeltaMixer] = GatedDeltaNet
+    ) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = nn.Embedding(
             args.vocab_size, args.hidden_size
@@ -341,7 +350,7 @@ class Qwen3NextModel(nn.Module):
         linear = attention = 0
         for i, kind in enumerate(args.layer_types):
             if kind == LINEAR_ATTENTION:
-                self.layers.append(LinearLayer(args, i, linear))
+                self.layers.append(LinearLayer(args, i, linear, mixer))
                 linear += 1
             else:
                 self.layers.append(AttentionLayer(args, i, attention))
@@ -378,10 +387,12 @@ class Model(nn.Module):
     # The protocol's type; always a HybridArgs here (see `hybrid`).
     args: DecoderArgs
 
-    def __init__(self, args: HybridArgs) -> None:
+    def __init__(
+        self, args: HybridArgs, mixer: type[GatedDeltaMixer] = GatedDeltaNet
+    ) -> None:
         super().__init__()
         self.args = args
-        self.model = Qwen3NextModel(args)
+        self.model = Qwen3NextModel(args, mixer)
         if not args.tie_word_embeddings:
             # As in models/llama.py: the projection lives under the dict key
             # only, since `lm_head` is also the protocol method's name.

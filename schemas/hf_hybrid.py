@@ -1,5 +1,7 @@
 """Records for upstream `config.json` files of hybrid (attention + linear
-recurrent) decoders: Qwen3-Next (`model_type` `qwen3_next`).
+recurrent) decoders: Qwen3-Next (`model_type` `qwen3_next`) and Qwen3.5 dense
+(`qwen3_5_text`, and `qwen3_5`, the multimodal wrapper whose text settings
+live under `text_config`).
 
 `HybridArgs` extends `DecoderArgs`, so every field the pipeline reads on
 `args` (model_type, hidden_size, vocab_size, num_hidden_layers,
@@ -8,7 +10,14 @@ the same as for the dense decoders, and the model satisfies
 `models.base.CausalLM` unchanged. RoPE is read from both `rope_theta` /
 `rope_scaling` and `rope_parameters` (through `normalize_hf_config`); the
 partial rotary factor from `rope_parameters` or the top level.
-Reference: transformers `models/qwen3_next/configuration_qwen3_next.py`.
+
+Qwen3.5 dense parses to the same record with `num_experts` 0 (every layer a
+dense MLP of `intermediate_size`; its config defines no MoE keys) and
+`mtp_num_hidden_layers` read as `num_nextn_predict_layers`. Its multimodal
+RoPE (`mrope_section`) is the plain RoPE for text, where the temporal, height
+and width positions are all the token's position.
+References: transformers `models/qwen3_next/configuration_qwen3_next.py`,
+`models/qwen3_5/configuration_qwen3_5.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from schemas.converter import hf, structure
 from schemas.errors import ConfigError
 from schemas.hf import DecoderArgs, normalize_hf_config
 
-HYBRID_MODEL_TYPES = ("qwen3_next",)
+# the multimodal wrapper (`Qwen3_5ForConditionalGeneration`) and the text model
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+HYBRID_MODEL_TYPES = ("qwen3_next", *QWEN3_5_MODEL_TYPES)
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -48,9 +59,10 @@ def _check_layer_kinds(
 
 @frozen(kw_only=True)
 class HybridArgs(DecoderArgs):
-    """Qwen3-Next: gated full-attention layers interleaved with GatedDeltaNet
-    linear-attention layers, each followed by a sparse MoE block (shared
-    expert included) or a dense MLP."""
+    """Qwen3-Next / Qwen3.5: gated full-attention layers interleaved with
+    GatedDeltaNet linear-attention layers, each followed by a sparse MoE block
+    (shared expert included) or a dense MLP (every layer when num_experts is
+    0, as for Qwen3.5 dense)."""
 
     # one kind per layer: "linear_attention" or "full_attention"
     layer_types: tuple[str, ...] = field(validator=_check_layer_kinds)
@@ -108,9 +120,31 @@ class HybridArgs(DecoderArgs):
         )
 
 
+def text_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper config (`text_config` inside) as one flat dict of
+    the text decoder's settings; other configs unchanged.
+
+    The wrapper's own keys fill what `text_config` omits or leaves null (eos
+    ids, an MLX `quantization`), except `tie_word_embeddings`, where the wrapper's value
+    wins: it is the one transformers ties the wrapper's `lm_head` by. The
+    wrapper's `model_type` is kept. `vision_config` is dropped."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    given = {k: v for k, v in text.items() if v is not None}  # None: not set there
+    flat = {**outer, **given, "model_type": raw.get("model_type")}
+    if "tie_word_embeddings" in raw:
+        flat["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return flat
+
+
 def normalize_hybrid_config(raw: dict[str, Any]) -> dict[str, Any]:
     """Fold the upstream key variants into the shape `HybridArgs` expects."""
+    raw = text_settings(raw)
     cfg = normalize_hf_config(raw)
+    if raw.get("model_type") in QWEN3_5_MODEL_TYPES:
+        _qwen3_5_settings(raw, cfg)
     params = raw.get("rope_parameters")
     params = params if isinstance(params, dict) else {}
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
@@ -131,6 +165,18 @@ def normalize_hybrid_config(raw: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("mlp_only_layers") is None:
         cfg["mlp_only_layers"] = []
     return cfg
+
+
+def _qwen3_5_settings(raw: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Qwen3.5 dense: no experts, MTP layer count under its own key, and the
+    multimodal RoPE taken as the plain RoPE (text positions)."""
+    cfg["num_experts"] = 0
+    cfg["mlp_only_layers"] = []
+    mtp_layers = raw.get("mtp_num_hidden_layers")
+    if "num_nextn_predict_layers" not in raw and isinstance(mtp_layers, int):
+        cfg["num_nextn_predict_layers"] = mtp_layers
+    if cfg["rope"].get("rope_type") == "mrope":  # the older `rope_scaling` form
+        cfg["rope"]["rope_type"] = "default"
 
 
 def hybrid_args(raw: dict[str, Any], where: str) -> Result[HybridArgs, ConfigError]:

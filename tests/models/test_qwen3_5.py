@@ -1,0 +1,589 @@
+"""The own MLX Qwen3.5 dense (hybrid attention + GatedDeltaNet with split
+projections + dense MLP) against HF transformers, its checkpoint forms, its
+MTP head, and lossless speculation through the public API.
+
+Two tiny random models run in float32 on the CPU (4 layers: linear, full,
+linear, full attention; hidden 64; 4 query / 2 kv heads of 16; 2 key / 4
+value linear heads of 8):
+- `Qwen3_5ForCausalLM` (the text form, `qwen3_5_text`, untied head, vocab
+  128) for parity and the recurrent state's per-position commit;
+- `Qwen3_5ForConditionalGeneration` (the multimodal form, `qwen3_5`, with a
+  one-block vision tower, tied head, vocab 320 so the tiny tokenizer fits),
+  saved as an HF folder with an `mtp.*` head and loaded through
+  `specpipe.load.load` and `specpipe.api.load`.
+Parameters are re-drawn after HF's init so the zero-centred norms, A_log and
+dt_bias are non-trivial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+from attrs import evolve
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
+
+from models.build import build_model, load_weights
+from models.hybrid_cache import HybridCache
+from models.layers import flat_parameters
+from models.mtp import MtpHead, build_mtp
+from models.qwen3_5 import Model
+from models.qwen3_next import PER_POSITION_MAX
+from schemas.converter import hf as hf_converter
+from schemas.converter import structure, unstructure
+from schemas.hf_hybrid import HybridArgs, hybrid_args
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe import api
+from specpipe.load import LoadedModel, load, save_folder
+from tests.cli.conftest import write_tiny_model
+
+pytestmark = pytest.mark.reference
+
+VOCAB = 128
+TEXT: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "layer_types": [
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "full_attention",
+    ],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "max_position_embeddings": 512,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1e6,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
+VISION: dict[str, Any] = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 4,
+    "temporal_patch_size": 1,
+    "num_position_embeddings": 16,
+}
+FOLDER_VOCAB = 320  # the tiny tokenizer's ids fit
+TOL = 1e-4
+# window-vs-one-by-one: same math, different matmul shapes (measured on CPU
+# float32: bit-identical)
+ROLLBACK_TOL = 2e-5
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.1 * noise)  # an ordinary RMSNorm weight
+            elif "norm" in name:
+                param.copy_(0.1 * noise)  # zero-centred: an offset from 1
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(0.15 * noise)
+
+
+def text_config(**overrides: Any) -> Any:
+    settings: dict[str, Any] = {**TEXT, **overrides, "attn_implementation": "eager"}
+    return transformers.Qwen3_5TextConfig(**settings)
+
+
+def make_hf(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    model: Any = transformers.Qwen3_5ForCausalLM(text_config())
+    randomize(model, seed)
+    return model.eval()
+
+
+def make_multimodal(seed: int = 3) -> Any:
+    config: Any = transformers.Qwen3_5Config(
+        text_config={**TEXT, "vocab_size": FOLDER_VOCAB},
+        vision_config=VISION,
+        tie_word_embeddings=True,
+    )
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model: Any = transformers.Qwen3_5ForConditionalGeneration(config)
+    randomize(model, seed)
+    return model.eval()
+
+
+def hf_weights(module: torch.nn.Module, prefix: str = "") -> dict[str, mx.array]:
+    return {
+        prefix + k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()
+    }
+
+
+def ours(hf: Any) -> Model:
+    args = hybrid_args(hf.config.to_dict(), "test config").unwrap()
+    model = build_model(args).unwrap()
+    assert isinstance(model, Model)
+    loaded = load_weights(model, hf_weights(hf), args)
+    assert loaded == Success(None), loaded
+    return model
+
+
+def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
+    with torch.no_grad():
+        logits: np.ndarray = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    return logits
+
+
+def as_np(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
+
+
+def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, size=shape)
+
+
+def step(
+    model: Any,
+    cache: HybridCache,
+    ids: np.ndarray | Sequence[Sequence[int]],  # [B, L]
+    offsets: Sequence[int],
+    kept: Sequence[int] | None = None,
+) -> np.ndarray:  # [B, L, V]
+    """One forward, then commit `kept` (default: every position)."""
+    grid = mx.array(np.asarray(ids), dtype=mx.int32)
+    out = model(grid, cache, offsets)
+    assert out.delta is not None
+    out.delta.commit(
+        list(kept) if kept is not None else [grid.shape[1]] * grid.shape[0]
+    )
+    mx.eval(out.logits, *cache.arrays())
+    return as_np(out.logits)
+
+
+def one_by_one(
+    model: Model, cache: HybridCache, tokens: Sequence[int], offset: int
+) -> np.ndarray:  # [len(tokens), V] for one row
+    return np.stack(
+        [step(model, cache, [[t]], [offset + i])[0, 0] for i, t in enumerate(tokens)]
+    )
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Any, Model]:
+    hf = make_hf()
+    return hf, ours(hf)
+
+
+# --- config ---------------------------------------------------------------
+
+
+def test_text_and_multimodal_configs_parse_to_the_same_text_model() -> None:
+    text = text_config(eos_token_id=[5, 6]).to_dict()
+    wrapper = transformers.Qwen3_5Config(
+        text_config={**TEXT, "mtp_num_hidden_layers": 2},
+        vision_config=VISION,
+        tie_word_embeddings=True,
+    ).to_dict()
+    wrapper["eos_token_id"] = 7  # on the wrapper only: fills the text's gap
+    wrapper["quantization"] = {"group_size": 64, "bits": 4}
+    a = hybrid_args(text, "text").unwrap()
+    b = hybrid_args(wrapper, "wrapper").unwrap()
+    assert (a.model_type, b.model_type) == ("qwen3_5_text", "qwen3_5")
+    for args in (a, b):
+        assert args.num_experts == 0  # dense: every layer an MLP
+        assert not any(args.is_sparse(i) for i in range(args.num_hidden_layers))
+        assert args.rope.theta == 1e6 and args.rope.rope_type == "default"
+        assert args.rotary_dims == 8  # head_dim 16 * partial_rotary_factor 0.5
+        assert args.attention_layers == (1, 3)
+    assert (a.tie_word_embeddings, b.tie_word_embeddings) == (False, True)
+    assert (a.eos_token_id, b.eos_token_id) == ((5, 6), (7,))
+    assert (a.num_nextn_predict_layers, b.num_nextn_predict_layers) == (1, 2)
+    assert a.quantization is None and b.quantization is not None
+    for args in (a, b):
+        again = structure(
+            hf_converter, unstructure(hf_converter, args), HybridArgs, "x"
+        )
+        assert again == Success(args)
+
+
+def test_config_defaults_and_the_legacy_mrope_form() -> None:
+    """transformers' defaults (head_dim 256, partial factor 0.25, every 4th
+    layer attention) for keys a config omits; `rope_scaling: {type: mrope}`
+    is the plain RoPE for text."""
+    raw = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "rope_theta": 1e7,
+        "rope_scaling": {"type": "mrope", "mrope_section": [11, 11, 10]},
+    }
+    args = hybrid_args(raw, "cfg").unwrap()
+    assert (args.head_dim, args.rotary_dims, args.rope.theta) == (256, 64, 1e7)
+    assert args.rope.rope_type == "default"
+    assert args.attention_layers == (3, 7)
+    settings: dict[str, Any] = {k: v for k, v in raw.items() if k != "rope_scaling"}
+    reference = transformers.Qwen3_5TextConfig(**settings)
+    assert list(args.layer_types) == reference.layer_types
+    bad = hybrid_args({**raw, "linear_num_key_heads": 3}, "cfg")
+    assert isinstance(bad, Failure) and "must be a multiple" in bad.failure().message
+
+
+def test_qwen3_5_needs_dense_hybrid_args(pair: tuple[Any, Model]) -> None:
+    _, model = pair
+    result = build_model(evolve(model.hybrid, num_experts=4))
+    assert isinstance(result, Failure) and "no experts" in result.failure().message
+
+
+# --- parity ---------------------------------------------------------------
+
+
+def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
+    hf, model = pair
+    assert model.padding_safe is False
+    ids = token_ids((2, 12))
+    logits = step(model, model.make_cache(2), ids, [0, 0])
+    assert np.abs(logits - hf_logits(hf, ids)).max() < TOL
+
+
+@pytest.mark.parametrize("prompt", [6, PER_POSITION_MAX + 6])
+def test_prefill_then_decode_matches_full_sequence(
+    pair: tuple[Any, Model], prompt: int
+) -> None:
+    """Past PER_POSITION_MAX the prefill keeps only its final state (and runs
+    the chunked rule)."""
+    hf, model = pair
+    ids = token_ids((1, prompt + 5), seed=2)
+    reference = hf_logits(hf, ids)[0]
+    cache = model.make_cache(1)
+    head = step(model, cache, ids[:, :prompt], [0])[0]
+    decoded = one_by_one(model, cache, list(ids[0, prompt:]), prompt)
+    assert np.abs(head - reference[:prompt]).max() < TOL
+    assert np.abs(decoded - reference[prompt:]).max() < TOL
+
+
+@pytest.fixture(scope="module")
+def prefilled(pair: tuple[Any, Model]) -> tuple[HybridCache, int]:
+    _, model = pair
+    prompt = token_ids((1, 7), seed=3)
+    cache = model.make_cache(1)
+    step(model, cache, prompt, [0])
+    return cache, prompt.shape[1]
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    kept=st.integers(0, 4),
+    window=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=4),
+    further=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3),
+)
+def test_committing_k_of_a_window_equals_decoding_k_tokens(
+    pair: tuple[Any, Model],
+    prefilled: tuple[HybridCache, int],
+    kept: int,
+    window: list[int],
+    further: list[int],
+) -> None:
+    _, model = pair
+    base, length = prefilled
+    spec = base.take_rows([0])
+    verified = step(model, spec, [window], [length], kept=[kept])[0]
+    after_spec = one_by_one(model, spec, further, length + kept)
+
+    plain = base.take_rows([0])
+    accepted = one_by_one(model, plain, window[:kept], length) if kept else None
+    after_plain = one_by_one(model, plain, further, length + kept)
+
+    if accepted is not None:
+        assert np.abs(verified[:kept] - accepted).max() < ROLLBACK_TOL
+    assert np.abs(after_spec - after_plain).max() < ROLLBACK_TOL
+    for ours_, theirs in zip(
+        spec.conv + spec.recurrent, plain.conv + plain.recurrent, strict=True
+    ):
+        assert np.abs(as_np(ours_) - as_np(theirs)).max() < ROLLBACK_TOL
+
+
+def test_rows_keeping_different_counts_equal_each_row_alone(
+    pair: tuple[Any, Model],
+) -> None:
+    """B=3 rows at different offsets keep (1, 4, 2) of a window of 4, then
+    decode two more tokens together; each row equals itself run alone."""
+    _, model = pair
+    lengths, kept = [5, 9, 7], [1, 4, 2]
+    prompts = [list(token_ids((n,), seed=10 + i)) for i, n in enumerate(lengths)]
+    windows = token_ids((3, 4), seed=20)
+    further = token_ids((3, 2), seed=21)
+
+    singles = []
+    for prompt in prompts:
+        single = model.make_cache(1)
+        step(model, single, [prompt], [0])
+        singles.append(single)
+    batch = HybridCache.concat_rows(singles)
+    verified = step(model, batch, windows, lengths, kept=kept)
+    ends = [n + k for n, k in zip(lengths, kept, strict=True)]
+    after = [
+        step(model, batch, further[:, i : i + 1], [e + i for e in ends])
+        for i in range(2)
+    ]
+
+    for row, prompt in enumerate(prompts):
+        alone = model.make_cache(1)
+        step(model, alone, [prompt], [0])
+        accepted = one_by_one(
+            model, alone, list(windows[row, : kept[row]]), lengths[row]
+        )
+        tail = one_by_one(model, alone, list(further[row]), ends[row])
+        assert np.abs(verified[row, : kept[row]] - accepted).max() < ROLLBACK_TOL
+        got = np.stack([a[row, 0] for a in after])
+        assert np.abs(got - tail).max() < ROLLBACK_TOL
+
+
+# --- checkpoint forms -------------------------------------------------------
+
+
+def test_missing_split_projection_is_a_load_error_naming_it(
+    pair: tuple[Any, Model],
+) -> None:
+    hf, model = pair
+    weights = hf_weights(hf)
+    del weights["model.layers.2.linear_attn.in_proj_b.weight"]
+    result = load_weights(model, weights, model.args)
+    assert isinstance(result, Failure)
+    assert "model.layers.2.linear_attn.in_proj_b.weight" in result.failure().message
+
+
+class TorchMtp(torch.nn.Module):
+    """The Qwen3.5 MTP head from HF building blocks, wired as vLLM's
+    `Qwen3_5MultiTokenPredictor` (transformers ships no MTP module)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = hf_qwen3_5.Qwen3_5RMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = hf_qwen3_5.Qwen3_5RMSNorm(hidden, eps)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        full = config.layer_types.index("full_attention")
+        self.layers = torch.nn.ModuleList(
+            [hf_qwen3_5.Qwen3_5DecoderLayer(config, full)]
+        )
+        self.norm = hf_qwen3_5.Qwen3_5RMSNorm(hidden, eps)
+        self.rotary = hf_qwen3_5.Qwen3_5TextRotaryEmbedding(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        length = embeds.shape[1]
+        x = self.fc(
+            torch.cat(
+                [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
+                dim=-1,
+            )
+        )
+        positions = torch.arange(length)[None]
+        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](
+            x,
+            position_embeddings=self.rotary(x, positions),
+            attention_mask=causal,
+            position_ids=positions,
+        )
+        normed: torch.Tensor = self.norm(x)
+        return normed
+
+
+def checkpoint(hf: Any, reference: TorchMtp) -> dict[str, mx.array]:
+    """HF names and conventions: `model.language_model.*`, `model.visual.*`,
+    a tied `lm_head.weight`, zero-centred norms, and the head under `mtp.*`."""
+    return {
+        **hf_weights(hf),
+        **{
+            k: v
+            for k, v in hf_weights(reference, "mtp.").items()
+            if not k.startswith("mtp.rotary")
+        },
+    }
+
+
+def write_folder(folder: Path, hf: Any, weights: dict[str, mx.array]) -> Path:
+    write_tiny_model(folder, vocab=FOLDER_VOCAB)  # tokenizer files
+    hf.config.save_pretrained(folder)  # replaces config.json: the wrapper form
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def multimodal(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Any, TorchMtp, Path]:
+    """The multimodal HF model, its MTP reference, and a saved HF folder of
+    both."""
+    hf = make_multimodal()
+    reference: Any = TorchMtp(hf.config.text_config)
+    randomize(reference, seed=7)
+    reference.eval()
+    folder = tmp_path_factory.mktemp("qwen3_5") / "random"
+    return hf, reference, write_folder(folder, hf, checkpoint(hf, reference))
+
+
+@pytest.fixture(scope="module")
+def echoing(
+    multimodal: tuple[Any, TorchMtp, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The same checkpoint with every layer's output scaled to ~0: the
+    residual stream stays near the input embedding, so with the tied head the
+    model mostly repeats its last token (which ngram drafts find). Its MTP
+    head copies its hidden input (fc = [0 | I], the layer adding nothing), so
+    it drafts the target's own prediction for the previous position: the
+    pending token, right whenever the target repeats itself."""
+    hf, reference, _ = multimodal
+    weights = checkpoint(hf, reference)
+    outputs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+    for key, value in weights.items():
+        if key.startswith("model.language_model.layers.") and key.endswith(outputs):
+            weights[key] = value * 0.01
+        elif key.startswith("mtp.layers.0.") and key.endswith(outputs):
+            weights[key] = mx.zeros_like(value)
+    hidden = hf.config.text_config.hidden_size
+    weights["mtp.fc.weight"] = mx.concatenate(
+        [mx.zeros((hidden, hidden)), mx.eye(hidden)], axis=1
+    )
+    folder = tmp_path_factory.mktemp("qwen3_5") / "echoing"
+    return write_folder(folder, hf, weights)
+
+
+@pytest.fixture(scope="module")
+def loaded(multimodal: tuple[Any, TorchMtp, Path]) -> LoadedModel:
+    _, _, folder = multimodal
+    result: LoadedModel = load(str(folder)).unwrap()
+    return result
+
+
+def test_multimodal_folder_loads_as_its_language_model(
+    multimodal: tuple[Any, TorchMtp, Path], loaded: LoadedModel
+) -> None:
+    hf, _, _ = multimodal
+    model = loaded.model
+    assert isinstance(model, Model) and loaded.args.model_type == "qwen3_5"
+    assert loaded.args.tie_word_embeddings  # the wrapper's setting
+    assert not any("visual" in k or "lm_head" in k for k in flat_parameters(model))
+    ids = token_ids((2, 11), seed=40, vocab=FOLDER_VOCAB)
+    logits = step(model, model.make_cache(2), ids, [0, 0])
+    assert np.abs(logits - hf_logits(hf, ids)).max() < TOL
+
+
+def test_mlx_conversion_names_load_the_same(
+    multimodal: tuple[Any, TorchMtp, Path], loaded: LoadedModel
+) -> None:
+    """mlx-lm / mlx-vlm name the text model `language_model.model.*` (norms
+    already +1, conv in MLX layout) and the tower `vision_tower.*`."""
+    hf, _, _ = multimodal
+    model = loaded.model
+    assert isinstance(model, Model)
+    ours_ = flat_parameters(model)
+    converted = {f"language_model.{k}": v for k, v in ours_.items()} | {
+        "vision_tower.patch_embed.proj.weight": mx.zeros((4, 4))
+    }
+    named = model.sanitize(converted)
+    assert named.keys() == ours_.keys()
+    assert all(named[k] is ours_[k] for k in ours_)  # passed through unchanged
+    hf_named = model.sanitize(hf_weights(hf))
+    assert hf_named.keys() == ours_.keys()
+
+
+def test_mtp_head_of_the_checkpoint_matches_its_reference_wiring(
+    multimodal: tuple[Any, TorchMtp, Path], loaded: LoadedModel
+) -> None:
+    hf, reference, _ = multimodal
+    model = loaded.model
+    assert isinstance(model, Model)
+    head = build_mtp(model.hybrid, loaded.mtp).unwrap()
+    assert isinstance(head, MtpHead)
+    ids = token_ids((2, 10), seed=50, vocab=FOLDER_VOCAB)
+    grid = mx.array(ids, dtype=mx.int32)
+    context = model.final_norm(model(grid, model.make_cache(2), [0, 0]).hidden)
+    drafted = head(
+        model.embed(grid[:, 1:]), context[:, :-1], head.make_cache(2), [0, 0]
+    )
+    logits = as_np(head.logits(drafted, model))
+    tokens = torch.tensor(ids)
+    language = hf.model.language_model
+    with torch.no_grad():
+        hidden = language(input_ids=tokens).last_hidden_state  # after the norm
+        embeds = language.embed_tokens(tokens)
+        expected = hf.lm_head(reference(embeds[:, 1:], hidden[:, :-1])).numpy()
+    assert np.abs(logits - expected).max() < TOL
+
+
+def test_converted_folder_reloads_with_its_mtp_companion(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    out = save_folder(loaded, tmp_path / "converted").unwrap()
+    again = load(str(out)).unwrap()
+    assert again.args == loaded.args
+    ids = token_ids((1, 9), seed=60, vocab=FOLDER_VOCAB)
+    first, second = (
+        step(m.model, m.model.make_cache(1), ids, [0]) for m in (loaded, again)
+    )
+    np.testing.assert_array_equal(first, second)
+    assert (out / "mtp" / "config.json").read_text().count('"qwen3_5_mtp"') == 1
+
+
+# --- lossless speculation through the public API ----------------------------
+
+PROMPTS = ["def fibonacci(n):", "Hello world! Hello world! Hello"]
+LIMITS = GenerationLimits(max_tokens=16)
+
+
+def generated(pipeline: api.Pipeline, sampling: SamplingParams) -> list[Any]:
+    return pipeline.generate_batch(PROMPTS, sampling, LIMITS).unwrap()
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)]
+)
+@pytest.mark.parametrize("weights", ["random", "echoing"])
+def test_speculative_output_equals_plain_output(
+    multimodal: tuple[Any, TorchMtp, Path],
+    echoing: Path,
+    weights: str,
+    sampling: SamplingParams,
+) -> None:
+    """Random weights: drafts are rejected (every round commits 1 position).
+    Echoing weights: drafts are accepted (rounds commit several)."""
+    folder = echoing if weights == "echoing" else multimodal[2]
+    plain = [r.tokens for r in generated(api.load(str(folder)).unwrap(), sampling)]
+    for draft in ("ngram", "mtp"):
+        pipeline = api.load(str(folder), draft=draft).unwrap()
+        assert pipeline.draft_kind == draft
+        results = generated(pipeline, sampling)
+        assert [r.tokens for r in results] == plain, draft
+        assert not any(r.stats.draft_errors for r in results)
+        assert sum(r.stats.drafted for r in results) > 0, draft
+        if weights == "echoing":
+            assert sum(r.stats.accepted for r in results) > 0, draft
