@@ -482,19 +482,24 @@ def _plain_pipelined(
     """Plain decoding; step k+1 is queued on the device before step k is read.
     With `max_steps`, stops after that many steps with no step left queued."""
 
+    # Per-step host work is what bounds decoding on a fast device: decide once.
+    greedy = all(r.sampling.greedy and not r.sampling.needs_history for r in batch.rows)
+    logprobs = any(requests[s].logprobs for s in batch.slots)
+
     def step(
         ids: mx.array, rows: Sequence[RowState], ahead: int
     ) -> tuple[mx.array, mx.array | None]:
-        ahead_rows = [evolve(r, step=r.step + ahead) for r in rows]
         out = batch.model(ids, batch.cache, [r.length + ahead for r in rows])
         if out.delta is not None:
             # plain decoding keeps its one position in every row
             out.delta.commit([1] * len(rows))
-        logits = out.logits[:, -1:, :]
-        tokens = sample_window(logits, ids, ahead_rows)[:, 0]
-        lp = None
-        if any(requests[s].logprobs for s in batch.slots):
-            lp = token_logprobs(logits[:, 0, :], tokens)
+        logits = out.logits[:, -1, :]  # [B, V]
+        if greedy:
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        else:
+            ahead_rows = [evolve(r, step=r.step + ahead) for r in rows]
+            tokens = sample_window(logits[:, None, :], ids, ahead_rows)[:, 0]
+        lp = token_logprobs(logits, tokens) if logprobs else None
         return tokens, lp
 
     pending = mx.array([[r.pending] for r in batch.rows], dtype=mx.int32)

@@ -81,10 +81,17 @@ class TextSink:
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
+        before = len(self.text)
         self.text += self.detokenizer.add(token)
         if self.stop:
+            # a stop string can only complete in the text this token added
             hit = min(
-                (i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1
+                (
+                    i
+                    for s in self.stop
+                    if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0
+                ),
+                default=-1,
             )
             if hit >= 0:
                 self.text = self.text[:hit]

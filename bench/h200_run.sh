@@ -1,0 +1,43 @@
+#!/bin/bash
+# The H200 figures of bench/RESULTS.md, run from the working tree on the lent
+# machine (MLX CUDA backend). Two device calls before this one put the wheels
+# in $HOME/stash (see ../shared/device/MLX_CUDA.md):
+#   call 1 (carry .whlA): mkdir -p $HOME/stash && cp .whlA/* $HOME/stash/
+#   call 2 (carry .whlB, with part_ab and tokq/ = the Qwen tokenizer files):
+#       bash bench/h200_run.sh setup plain
+#   call 3: bash bench/h200_run.sh spec mtp
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+S=$HOME/stash
+R=/tmp/rand
+export PYTHONPATH=$HOME/site
+export SPECPIPE_CACHE=/tmp/spcache
+for step in "$@"; do
+  case $step in
+  setup)
+    cat $S/part_aa .whlB/part_ab > $S/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 1
+    rm -f $S/part_aa
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $HOME/site $S/*.whl || exit 1
+    python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device())" || exit 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    mkdir -p $HOME/tokq && cp .whlB/tokq/* $HOME/tokq/
+    python3 bench/random_weights.py --shape qwen2.5-0.5b --dtype bfloat16 --tokenizer $HOME/tokq $R/qwen2.5-0.5b-bf16 || exit 1
+    python3 bench/random_weights.py --shape qwen2.5-1.5b --dtype bfloat16 --tokenizer $HOME/tokq $R/qwen2.5-1.5b-bf16 || exit 1
+    ;;
+  plain)
+    python3 bench/window.py --models $R/qwen2.5-0.5b-bf16,$R/qwen2.5-1.5b-bf16 --dtypes bfloat16 \
+        --widths 1,2,3,4,5,7,9,17 --context 128 --repeats 20 --out $OUT/window-h200.json || echo "STEP FAILED: $?"
+    python3 bench/plain.py --models $R/qwen2.5-0.5b-bf16,$R/qwen2.5-1.5b-bf16 --dtypes bfloat16 \
+        --tokens 256 --repeats 3 --no-assert --out $OUT/plain-h200.json || echo "STEP FAILED: $?"
+    ;;
+  spec)
+    python3 bench/speculative.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
+        --tokens 128 --sweep-prompts code,chat,edit --ngram-widths 2,4,6 --no-assert \
+        --out $OUT/speculative-h200.json --plot $OUT/speculative-h200.png || echo "STEP FAILED: $?"
+    ;;
+  mtp)
+    python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \
+        --fr-size 32768 --out $OUT/mtp-h200.json || echo "STEP FAILED: $?"
+    ;;
+  esac
+done
