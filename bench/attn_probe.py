@@ -1,0 +1,32 @@
+"""Does a verify window's cost depend on whether its key length is new?
+Times a W-token forward at a fixed offset (same shapes every call) and at a
+growing offset (new key length every call), as speculative rounds do."""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specpipe.load import load  # noqa: E402
+
+model = load(sys.argv[1]).unwrap().model
+for width in (1, 2, 3, 5):
+    cache = model.make_cache(1)
+    ctx = mx.random.randint(0, 1000, (1, 256)).astype(mx.int32)
+    model(ctx, cache, [0])
+    mx.eval(cache.arrays())
+    ids = ctx[:, :width]
+    fixed, growing = [], []
+    for i in range(30):
+        t = time.perf_counter()
+        mx.eval(model(ids, cache, [128]).logits)
+        fixed.append((time.perf_counter() - t) * 1000)
+    for i in range(30):
+        t = time.perf_counter()
+        mx.eval(model(ids, cache, [130 + i]).logits)
+        growing.append((time.perf_counter() - t) * 1000)
+    print(f"width {width}: fixed offset {statistics.median(fixed[5:]):.2f} ms, "
+          f"growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)

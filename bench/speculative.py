@@ -1,0 +1,259 @@
+"""Speculative decoding: specpipe (plain, ngram, two-model) and mlx-lm (plain,
+speculative with `draft_model=`) on the same prompts, in one process run.
+
+Every specpipe output must equal specpipe's plain greedy decode of the same
+prompt (that is the library's promise; a difference fails the run unless
+--no-assert); mlx-lm's outputs are compared to it too and reported. Speedup
+is decode tok/s over the same library's plain decode tok/s.
+
+Weights are loaded once: the two-model pipeline comes from the public
+`specpipe.load(target, draft=..., num_draft_tokens=1)`, the other widths and
+the plain / ngram pipelines share its loaded target (`attrs.evolve` of the
+Pipeline record with another LoadedDraft).
+
+    python bench/speculative.py --dtype bfloat16 --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    PROMPTS,
+    RESULTS,
+    Run,
+    first_difference,
+    machine_info,
+    mlxlm_load,
+    mlxlm_plain,
+    mlxlm_speculative,
+    model_folder,
+    specpipe_run,
+    table,
+    write_json,
+)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompts", default="code,chat,edit")
+    parser.add_argument("--widths", default="1,2,3,4,5,6", help="specpipe two-model widths (sweep prompts)")
+    parser.add_argument("--mlxlm-widths", default="1,2,3,4,5,6", help="mlx-lm speculative widths (sweep prompts)")
+    parser.add_argument("--sweep-prompts", default="code", help="prompts that run every width")
+    parser.add_argument("--short-widths", default="2,4,6", help="widths for the other prompts (both libraries)")
+    parser.add_argument("--ngram-widths", default="2,4,6")
+    parser.add_argument("--ngram-prompts", default="edit,code,chat")
+    parser.add_argument("--two-model-prompts", default="code,chat,edit")
+    parser.add_argument("--no-mlxlm", action="store_true")
+    parser.add_argument("--own-weights", action="store_true",
+                        help="let mlx-lm load its own copy of the weights (default: share specpipe's buffers)")
+    parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
+    parser.add_argument("--plot", default=str(RESULTS / "speculative.png"))
+    parser.add_argument("--no-assert", action="store_true")
+    args = parser.parse_args()
+
+    from attrs import evolve
+
+    import specpipe
+    from bindings.registry import DraftLoadRequest
+
+    started = time.perf_counter()
+    machine = machine_info()
+    target_folder = model_folder(args.target, args.dtype)
+    draft_folder = model_folder(args.draft, args.dtype)
+    print(f"target {target_folder}\ndraft  {draft_folder}", file=sys.stderr, flush=True)
+
+    two = specpipe.load(
+        str(target_folder), draft=str(draft_folder), num_draft_tokens=1, dtype=args.dtype
+    ).unwrap()
+    assert two.draft is not None
+    plain = evolve(two, draft=None)
+    registry = two.registry
+    widths, lm_widths, ng_widths = ints(args.widths), ints(args.mlxlm_widths), ints(args.ngram_widths)
+    short = ints(args.short_widths)
+    widths = sorted(set(widths) | set(short))
+    two_model = {k: evolve(two, draft=evolve(two.draft, width=k)) for k in widths}
+    ngram = {
+        k: evolve(
+            plain,
+            draft=registry.load("ngram", DraftLoadRequest(target=plain.target, width=k)).unwrap(),
+        )
+        for k in ng_widths
+    }
+    draft_model: Any = two.draft.drafter.model  # type: ignore[attr-defined]
+    from models.layers import model_dtype
+
+    dtypes = {
+        "specpipe_target": str(model_dtype(plain.target.model)),
+        "specpipe_draft": str(model_dtype(draft_model)),
+    }
+    peer = peer_draft = None
+    if not args.no_mlxlm:
+        peer = mlxlm_load(target_folder, None if args.own_weights else plain.target.model)
+        peer_draft = mlxlm_load(draft_folder, None if args.own_weights else draft_model)
+    eos = frozenset(plain.target.tokenizer.eos_token_ids)
+
+    # warm-up, excluded: every code path once, a few tokens
+    warm_ids = list(plain.encode("def f(x):", False).unwrap())
+    specpipe_run(plain, warm_ids, 4, "plain")
+    specpipe_run(two_model[widths[0]], warm_ids, 4, "two-model")
+    if ng_widths:
+        specpipe_run(ngram[ng_widths[0]], warm_ids, 4, "ngram")
+    if peer is not None:
+        mlxlm_plain(peer, warm_ids, 4, eos)
+        if lm_widths or short:
+            mlxlm_speculative(peer, peer_draft, warm_ids, 4, 2, eos)
+
+    payload: dict[str, Any] = {
+        "machine": machine,
+        "target": str(target_folder),
+        "draft": str(draft_folder),
+        "dtype": args.dtype,
+        "model_dtypes": dtypes,
+        "mlx_lm_weights": "own copy" if args.own_weights else "shared with specpipe (same buffers)",
+        "max_tokens": args.tokens,
+        "prompts": {},
+    }
+    failures: list[str] = []
+
+    def record(prompt: str, run: Run, reference: list[int]) -> dict[str, Any]:
+        diff = first_difference(run.tokens, reference)
+        entry = run.summary()
+        entry["equals_specpipe_plain"] = diff is None
+        entry["first_difference"] = diff
+        block = payload["prompts"][prompt]
+        base = block["plain"].get(run.library)
+        entry["speedup"] = run.decode_tps / base["decode_tps"] if base else 1.0
+        entry["wall_speedup"] = base["wall_s"] / run.wall_s if base else 1.0
+        # by process CPU time (whole call): robust to time-slicing on a shared machine
+        entry["cpu_speedup"] = entry["cpu_tps"] / base["cpu_tps"] if base else 1.0
+        block["runs"].append(entry)
+        if diff is not None and run.library == "specpipe":
+            failures.append(f"{prompt}: specpipe {run.method} k={run.width} differs at token {diff}")
+        write_json(Path(args.out), payload)
+        print(
+            f"  {prompt:5s} {run.library:8s} {run.method:11s} k={run.width}: {run.decode_tps:.3f} tok/s "
+            f"x{entry['speedup']:.2f} (cpu x{entry['cpu_speedup']:.2f})  acc.len {run.acceptance_length:.2f}  {run.ms_per_round:.0f} ms/round  "
+            f"cpu/wall {entry['cpu_per_wall']:.2f}  {'==' if diff is None else f'DIFF@{diff}'}  "
+            f"[{time.perf_counter() - started:.0f}s]",
+            file=sys.stderr, flush=True,
+        )
+        return entry
+
+    for prompt in args.prompts.split(","):
+        text, chat = PROMPTS[prompt]
+        ids = list(plain.encode(text, chat).unwrap())
+        payload["prompts"][prompt] = {"prompt_tokens": len(ids), "plain": {}, "runs": []}
+        block = payload["prompts"][prompt]
+        ref_run = specpipe_run(plain, ids, args.tokens, "plain")
+        reference = ref_run.tokens
+        block["reference_text"] = plain.target.tokenizer.decode(reference)
+        block["plain"]["specpipe"] = ref_run.summary()
+        record(prompt, ref_run, reference)
+        if peer is not None:
+            lm_plain = mlxlm_plain(peer, ids, args.tokens, eos)
+            block["plain"]["mlx-lm"] = lm_plain.summary()
+            record(prompt, lm_plain, reference)
+        if prompt in args.ngram_prompts.split(","):
+            for k in ng_widths:
+                record(prompt, specpipe_run(ngram[k], ids, args.tokens, "ngram"), reference)
+        if prompt in args.two_model_prompts.split(","):
+            sweep = prompt in args.sweep_prompts.split(",")
+            sp_k = ints(args.widths) if sweep else short
+            lm_k = lm_widths if sweep else short
+            # interleave the two libraries width by width, so slow drifts in
+            # machine load hit both alike
+            for k in sorted(set(sp_k) | set(lm_k)):
+                if k in sp_k:
+                    record(prompt, specpipe_run(two_model[k], ids, args.tokens, "two-model"), reference)
+                if peer is not None and k in lm_k:
+                    record(prompt, mlxlm_speculative(peer, peer_draft, ids, args.tokens, k, eos), reference)
+
+    payload["elapsed_s"] = time.perf_counter() - started
+    write_json(Path(args.out), payload)
+    report(payload)
+    if args.plot:
+        plot(payload, Path(args.plot))
+    if failures:
+        print("\nLOSSLESSNESS FAILURES:\n  " + "\n  ".join(failures))
+        if not args.no_assert:
+            raise SystemExit(1)
+
+
+def report(payload: dict[str, Any]) -> None:
+    m = payload["machine"]
+    print(
+        f"\nspeculative decoding, {Path(payload['target']).name} + {Path(payload['draft']).name} "
+        f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} ({m['cpu']}), {m['date']}"
+    )
+    for prompt, block in payload["prompts"].items():
+        print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
+        rows = [
+            [
+                r["library"], r["method"], r["width"], r["n_tokens"], r["decode_tps"], r["speedup"],
+                r["cpu_speedup"],
+                r["acceptance_length"], r["ms_per_round"], r["wall_s"],
+                "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
+            ]
+            for r in block["runs"]
+        ]
+        print(table(
+            ["library", "method", "k", "tokens", "tok/s", "speedup", "speedup (CPU time)", "tokens/round", "ms/round",
+             "wall s", "== specpipe plain"],
+            rows,
+        ))
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = list(payload["prompts"])
+    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True)
+    styles = {
+        ("specpipe", "two-model"): ("C0", "o-", "specpipe two-model"),
+        ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
+        ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
+    }
+    for ax, prompt in zip(axes[0], prompts):
+        runs = payload["prompts"][prompt]["runs"]
+        for (lib, method), (color, style, label) in styles.items():
+            pts = sorted((r["width"], r["speedup"]) for r in runs if r["library"] == lib and r["method"] == method)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"prompt '{prompt}'")
+        ax.set_xlabel("draft width k (tokens per round)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("speedup vs the same library's plain decode")
+    axes[0][-1].legend(fontsize=8)
+    m = payload["machine"]
+    fig.suptitle(
+        f"{Path(payload['target']).name} + {Path(payload['draft']).name} [{payload['dtype']}], "
+        f"{payload['max_tokens']} tokens, {m['device']} {m['cpu']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
