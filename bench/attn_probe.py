@@ -30,3 +30,31 @@ for width in (1, 2, 3, 5):
         growing.append((time.perf_counter() - t) * 1000)
     print(f"width {width}: fixed offset {statistics.median(fixed[5:]):.2f} ms, "
           f"growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
+
+# The same with an explicit boolean mask instead of MLX's "causal" string.
+import models.base as base  # noqa: E402
+
+def explicit_mask(offsets, length):  # type: ignore[no-untyped-def]
+    if length == 1 and all(o == offsets[0] for o in offsets):
+        return None
+    span = max(offsets) + length
+    starts = mx.array(list(offsets), dtype=mx.int32)[:, None, None, None]
+    query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
+    key = mx.arange(span, dtype=mx.int32)[None, None, None, :]
+    return key <= starts + query
+
+import models.llama as llama  # noqa: E402
+
+llama.attention_mask = explicit_mask
+for width in (2, 3, 5):
+    cache = model.make_cache(1)
+    ctx = mx.random.randint(0, 1000, (1, 256)).astype(mx.int32)
+    model(ctx, cache, [0])
+    mx.eval(cache.arrays())
+    ids = ctx[:, :width]
+    growing = []
+    for i in range(30):
+        t = time.perf_counter()
+        mx.eval(model(ids, cache, [170 + i]).logits)
+        growing.append((time.perf_counter() - t) * 1000)
+    print(f"explicit mask, width {width}: growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
