@@ -58,3 +58,46 @@ for width in (2, 3, 5):
         mx.eval(model(ids, cache, [170 + i]).logits)
         growing.append((time.perf_counter() - t) * 1000)
     print(f"explicit mask, width {width}: growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
+
+# Keys over the whole (bucketed) cache capacity, masked past each query's
+# position: the attention kernel then sees a key length that changes only
+# when the cache grows.
+from models.cache import KVCache  # noqa: E402
+
+plain_write = KVCache.write
+
+
+def bucketed_write(self, layer, keys, values, offsets):  # type: ignore[no-untyped-def]
+    k, v = plain_write(self, layer, keys, values, offsets)
+    if keys.shape[2] == 1:
+        return k, v
+    return self.keys[layer], self.values[layer]
+
+
+def bucketed_mask(offsets, length):  # type: ignore[no-untyped-def]
+    if length == 1:
+        return None
+    span = BUCKET[0]
+    starts = mx.array(list(offsets), dtype=mx.int32)[:, None, None, None]
+    query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
+    key = mx.arange(span, dtype=mx.int32)[None, None, None, :]
+    return key <= starts + query
+
+
+BUCKET = [0]
+KVCache.write = bucketed_write
+llama.attention_mask = bucketed_mask
+for width in (2, 3, 5):
+    cache = model.make_cache(1)
+    ctx = mx.random.randint(0, 1000, (1, 256)).astype(mx.int32)
+    model(ctx, cache, [0])
+    mx.eval(cache.arrays())
+    cache.reserve(300)
+    BUCKET[0] = cache.capacity
+    ids = ctx[:, :width]
+    growing = []
+    for i in range(30):
+        t = time.perf_counter()
+        mx.eval(model(ids, cache, [200 + i]).logits)
+        growing.append((time.perf_counter() - t) * 1000)
+    print(f"bucketed keys, width {width}: growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
