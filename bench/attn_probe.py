@@ -89,11 +89,11 @@ KVCache.write = bucketed_write
 llama.attention_mask = bucketed_mask
 for width in (2, 3, 5):
     cache = model.make_cache(1)
+    cache.reserve(300)
+    BUCKET[0] = cache.capacity
     ctx = mx.random.randint(0, 1000, (1, 256)).astype(mx.int32)
     model(ctx, cache, [0])
     mx.eval(cache.arrays())
-    cache.reserve(300)
-    BUCKET[0] = cache.capacity
     ids = ctx[:, :width]
     growing = []
     for i in range(30):
