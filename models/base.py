@@ -82,17 +82,21 @@ class CausalLM(Protocol):
 Mask = mx.array | str | None
 
 
-def attention_mask(offsets: Sequence[int], length: int) -> Mask:
+def attention_mask(
+    offsets: Sequence[int], length: int, span: int | None = None
+) -> Mask:
     """The mask for a window of `length` queries at per-row `offsets`.
 
     Query i of row b sits at position offsets[b] + i and may see keys
     j <= offsets[b] + i. Returns None (one query per row, equal offsets),
-    "causal" (equal offsets), or a boolean `[B, 1, L, S]` array.
+    "causal" (equal offsets), or a boolean `[B, 1, L, S]` array; S is `span`
+    when the keys extend past max(offsets) + length (see KVCache.key_span).
     """
     first = offsets[0]
-    if all(o == first for o in offsets):
+    natural = max(offsets) + length
+    if (span is None or span == natural) and all(o == first for o in offsets):
         return None if length == 1 else "causal"
-    span = max(offsets) + length
+    span = natural if span is None else span
     starts = mx.array(list(offsets), dtype=mx.int32)[:, None, None, None]
     query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
     key = mx.arange(span, dtype=mx.int32)[None, None, None, :]

@@ -36,6 +36,12 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.capacity = 0
+        # MLX's CUDA attention kernel for a multi-token window is compiled per
+        # key length: a verify window at a new position cost ~52 ms instead of
+        # ~8 ms on an H200 (bench/attn_probe.py). On a GPU, short windows
+        # therefore attend over the whole capacity (a multiple of 256) under
+        # an explicit mask, so the key length changes only when the cache grows.
+        self.bucket_windows = mx.default_device().type == mx.DeviceType.gpu
         self.keys: list[mx.array] = []  # per layer [B, Hkv, C, D]
         self.values: list[mx.array] = []  # per layer [B, Hkv, C, D]
 
@@ -54,6 +60,14 @@ class KVCache:
             self.values = [mx.concatenate([v, grow], axis=2) for v in self.values]
         self.capacity = new_capacity
 
+    def key_span(self, offsets: Sequence[int], length: int) -> int:
+        """How many key positions a window of `length` at `offsets` attends
+        over: max(offsets) + length, or the whole capacity for a short window
+        on a GPU (see `bucket_windows`); positions past a query's own are masked."""
+        if self.bucket_windows and 1 < length <= 64:
+            return self.capacity
+        return max(offsets) + length
+
     def write(
         self,
         layer: int,
@@ -62,10 +76,10 @@ class KVCache:
         offsets: Sequence[int],
     ) -> tuple[mx.array, mx.array]:
         """Store a window at each row's offset; return keys/values `[B, Hkv, S, D]`
-        with S = max(offsets) + L, the span the window's queries may attend to."""
+        with S = `key_span(offsets, L)`, the span the window's queries attend over."""
         length = keys.shape[2]
-        end = max(offsets) + length
-        assert end <= self.capacity, "reserve() before write()"
+        assert max(offsets) + length <= self.capacity, "reserve() before write()"
+        end = self.key_span(offsets, length)
         k_buf, v_buf = self.keys[layer], self.values[layer]
         if all(o == offsets[0] for o in offsets):
             start = offsets[0]

@@ -64,7 +64,7 @@ class LlamaModel(nn.Module):
         batch, length = ids.shape
         assert len(offsets) == batch, "one offset per row"
         cache.reserve(max(offsets) + length)
-        mask = attention_mask(offsets, length)
+        mask = attention_mask(offsets, length, cache.key_span(offsets, length))
         rope_at = rope_offset(offsets)
         h = self.embed_tokens(ids)
         for block in self.layers:

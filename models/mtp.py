@@ -88,7 +88,11 @@ class MtpHead(nn.Module):
         )
         layer = self.layers[step % len(self.layers)]
         return layer(
-            x, cache, offsets, attention_mask(offsets, length), rope_offset(offsets)
+            x,
+            cache,
+            offsets,
+            attention_mask(offsets, length, cache.key_span(offsets, length)),
+            rope_offset(offsets),
         )
 
     def normed(self, out: mx.array) -> mx.array:  # [..., H] -> [..., H]

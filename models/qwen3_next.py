@@ -366,7 +366,7 @@ class Qwen3NextModel(nn.Module):
         batch, length = ids.shape
         assert len(offsets) == batch, "one offset per row"
         cache.reserve(max(offsets) + length)
-        mask = attention_mask(offsets, length)
+        mask = attention_mask(offsets, length, cache.kv.key_span(offsets, length))
         rope_at = rope_offset(offsets)
         per_position = length <= PER_POSITION_MAX
         windows: list[WindowStates] = []

@@ -43,7 +43,9 @@ class HeadWeights:
             return None if a is None else mx.take(a, ids, axis=0)
 
         taken = mx.take(self.weight, ids, axis=0)
-        return HeadWeights(taken, rows(self.scales), rows(self.biases), self.group_size, self.bits)
+        return HeadWeights(
+            taken, rows(self.scales), rows(self.biases), self.group_size, self.bits
+        )
 
     def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., N]
         if self.bits:
