@@ -128,7 +128,7 @@ class _PreparedBatch:
 class Pipeline:
     target: LoadedModel
     draft: LoadedDraft | None = None
-    device_round: bool = True
+    device_round: bool = False  # see RoundOptions.device_round
     registry: DraftRegistry = field(factory=default_registry)
     adaptive: AdaptivePolicy | None = None
     phase_timing: bool = False  # evaluate between phases to time them (slower)
@@ -331,7 +331,7 @@ def load(
     ngram_min: int | None = None,
     ngram_max: int | None = None,
     policy: DraftPolicy | None = None,
-    device_round: bool = True,
+    device_round: bool = False,
     registry: DraftRegistry | None = None,
     draft_vocab: str | None = None,
     adaptive: bool | CostModel = False,

@@ -31,8 +31,3 @@ def smollm2() -> Pipeline:
 @pytest.fixture(scope="session")
 def qwen05() -> Pipeline:
     return _load(QWEN_05)
-
-
-@pytest.fixture(scope="session")
-def qwen15() -> Pipeline:
-    return _load(QWEN_15)

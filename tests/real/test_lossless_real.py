@@ -6,6 +6,7 @@ ngram on SmolLM2; two-model with the Qwen2.5-Coder 1.5B target and 0.5B draft.
 from __future__ import annotations
 
 import pytest
+from attrs import evolve
 
 from schemas.request import GenerationLimits, SamplingParams
 from specpipe.api import Pipeline, load
@@ -32,12 +33,20 @@ def _tokens(
     return [r.tokens for r in results.unwrap()]
 
 
+@pytest.fixture(scope="module")
+def qwen_pair() -> Pipeline:
+    """The 1.5B target with the 0.5B draft; its plain twin shares the target
+    (one copy of the 6 GB float32 weights in memory)."""
+    return load(QWEN_15, draft=QWEN_05, num_draft_tokens=4).unwrap()
+
+
 @pytest.mark.fixture
 @pytest.mark.parametrize(
     "sampling", SAMPLINGS, ids=["greedy", "t0.7-topp-topk", "t1.0"]
 )
 def test_ngram_on_smollm2(smollm2: Pipeline, sampling: SamplingParams) -> None:
-    spec = load(SMOLLM2, draft="ngram", num_draft_tokens=6).unwrap()
+    ngram = load(SMOLLM2, draft="ngram", num_draft_tokens=6).unwrap().draft
+    spec = evolve(smollm2, draft=ngram)
     plain_batch = _tokens(smollm2, PROMPTS, sampling, 32)
     assert _tokens(spec, PROMPTS, sampling, 32) == plain_batch
     if sampling.greedy:
@@ -47,12 +56,12 @@ def test_ngram_on_smollm2(smollm2: Pipeline, sampling: SamplingParams) -> None:
 
 @pytest.mark.fixture
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.7-topp-topk"])
-def test_two_model_qwen_pair(qwen15: Pipeline, sampling: SamplingParams) -> None:
-    spec = load(QWEN_15, draft=QWEN_05, num_draft_tokens=4).unwrap()
+def test_two_model_qwen_pair(qwen_pair: Pipeline, sampling: SamplingParams) -> None:
+    plain_pipeline = evolve(qwen_pair, draft=None)
     prompts = PROMPTS[:2]
-    plain = _tokens(qwen15, prompts, sampling, 16)
-    assert _tokens(spec, prompts, sampling, 16) == plain
-    single = spec.generate(
+    plain = _tokens(plain_pipeline, prompts, sampling, 16)
+    assert _tokens(qwen_pair, prompts, sampling, 16) == plain
+    single = qwen_pair.generate(
         prompts[0], sampling, GenerationLimits(max_tokens=16), chat=True
     ).unwrap()
     assert single.tokens == plain[0]
