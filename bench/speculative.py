@@ -64,7 +64,15 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
     parser.add_argument("--plot", default=str(RESULTS / "speculative.png"))
     parser.add_argument("--no-assert", action="store_true")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw --plot (and print the tables) from a result file")
     args = parser.parse_args()
+    if args.replot:
+        import json
+
+        payload = json.loads(Path(args.replot).read_text())
+        report(payload)
+        plot(payload, Path(args.plot))
+        return
 
     from attrs import evolve
 
@@ -239,10 +247,15 @@ def plot(payload: dict[str, Any], path: Path) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"prompt '{prompt}'")
-        ax.set_xlabel("draft width k (tokens per round)")
+        ax.set_xlabel("draft width k (draft tokens per round)")
+        ax.set_xticks(range(1, 1 + max((r["width"] for r in runs), default=1)))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("speedup vs the same library's plain decode")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][0].set_ylabel("decode tok/s over the same library's plain decode")
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
     m = payload["machine"]
     fig.suptitle(
         f"{Path(payload['target']).name} + {Path(payload['draft']).name} [{payload['dtype']}], "
