@@ -12,3 +12,7 @@ python bench/plain.py --models qwen2.5-coder-0.5b-instruct --dtypes float32,bflo
 python bench/speculative.py --dtype bfloat16 --tokens 32 --prompts code,edit,chat \
     --widths 1,2,3,4,5,6 --mlxlm-widths 2,4,6 --short-widths 4 --ngram-widths 2,4,6 --ngram-prompts edit \
     --out bench/results/speculative-cpu.json --plot bench/results/speculative-cpu.png
+# taken after the speculative run, when the machine was less loaded
+python bench/plain.py --models qwen2.5-coder-1.5b-instruct --dtypes bfloat16 --tokens 24 --repeats 4 \
+    --out bench/results/plain-cpu-1.5b.json
+python bench/round_order.py

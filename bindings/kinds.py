@@ -51,7 +51,7 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
 
     assert request.source is not None
     target = request.target
-    loaded = load(request.source)
+    loaded = load(request.source, request.dtype)
     if not isinstance(loaded, Success):
         return Failure(BindingError(f"draft model: {loaded.failure().message}"))
     draft = loaded.unwrap()

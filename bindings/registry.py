@@ -57,6 +57,7 @@ class DraftLoadRequest:
     policy: DraftPolicy = field(factory=DraftPolicy)
     # FR-Spec list: None = the companion's draft_vocab.json if any, "off", or a path
     draft_vocab: str | None = None
+    dtype: str | None = None  # the pipeline's dtype, for drafts that load a model
 
 
 @frozen

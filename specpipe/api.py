@@ -364,6 +364,7 @@ def load(
         ngram_max=ngram_max,
         policy=policy or DraftPolicy(),
         draft_vocab=draft_vocab,
+        dtype=dtype,
     )
     result = _resolve_draft(registry, draft, target, request)
     if not isinstance(result, Success):

@@ -109,3 +109,15 @@ def test_hub_id_without_network_is_a_clear_error_not_a_hang(
     assert time.perf_counter() - start < 60
     assert "nobody/not-a-model" in failure.message
     assert "could not be downloaded" in failure.message
+
+
+def test_a_two_model_draft_takes_the_pipeline_dtype(
+    tiny_model: Path, tiny_draft: Path
+) -> None:
+    import mlx.core as mx
+
+    pipeline = load(str(tiny_model), draft=str(tiny_draft), dtype="bfloat16").unwrap()
+    assert pipeline.draft is not None
+    draft_model = pipeline.draft.drafter.model  # type: ignore[attr-defined]
+    assert draft_model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert pipeline.target.model.model.embed_tokens.weight.dtype == mx.bfloat16  # type: ignore[attr-defined]
