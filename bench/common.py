@@ -98,7 +98,7 @@ def machine_info() -> dict[str, Any]:
             return None
 
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "cpu": model,
         "cores": os.cpu_count(),
         "gpu": gpu,
@@ -367,7 +367,7 @@ def _tokens_through_first_round(stamps: list[float], first_end: float) -> int:
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token, len of the shorter if one is a
     prefix of the other, or None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     if len(a) != len(b):
@@ -388,7 +388,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 

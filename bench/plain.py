@@ -23,7 +23,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     PROMPTS,
     RESULTS,
     first_difference,

@@ -12,7 +12,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import table  # noqa: E402
+from common import table
 
 
 def machine_line(m: dict[str, Any]) -> str:

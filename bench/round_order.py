@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PROMPTS, RESULTS, machine_info, model_folder, specpipe_run  # noqa: E402
+from common import PROMPTS, RESULTS, machine_info, model_folder, specpipe_run
 
 
 def main() -> None:

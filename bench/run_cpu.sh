@@ -16,3 +16,5 @@ python bench/speculative.py --dtype bfloat16 --tokens 32 --prompts code,edit,cha
 python bench/plain.py --models qwen2.5-coder-1.5b-instruct --dtypes bfloat16 --tokens 24 --repeats 4 \
     --out bench/results/plain-cpu-1.5b.json
 python bench/round_order.py
+python bench/plain.py --models smollm2-135m-instruct --dtypes float32 --tokens 48 --repeats 5 \
+    --out bench/results/plain-cpu-smollm2-head.json

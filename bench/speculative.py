@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     PROMPTS,
     RESULTS,
     Run,
@@ -239,7 +239,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
         ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
     }
-    for ax, prompt in zip(axes[0], prompts):
+    for ax, prompt in zip(axes[0], prompts, strict=True):
         runs = payload["prompts"][prompt]["runs"]
         for (lib, method), (color, style, label) in styles.items():
             pts = sorted((r["width"], r["speedup"]) for r in runs if r["library"] == lib and r["method"] == method)
@@ -253,7 +253,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     axes[0][0].set_ylabel("decode tok/s over the same library's plain decode")
     handles = {}
     for ax in axes[0]:
-        for h, label in zip(*ax.get_legend_handles_labels()):
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, h)
     axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
     m = payload["machine"]

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, machine_info, model_folder, table, write_json  # noqa: E402
+from common import RESULTS, machine_info, model_folder, table, write_json
 
 
 def time_specpipe(model: Any, context: int, widths: list[int], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
