@@ -415,7 +415,7 @@ def _speculative_round(
             deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled)
         )
         metrics[slot].record(len(drafts[b]), acc.accepted, delivered[-1].published)
-    _commit(batch, proposal, drafts, acceptances, delivered, verified, metrics)
+    _commit(batch, proposal, drafts, acceptances, delivered, verified)
     if phases is not None:
         phases.commit += lap()
     return [
@@ -431,7 +431,6 @@ def _commit(
     acceptances: list[Acceptance],
     delivered: list[Delivered],
     verified: Any,
-    metrics: list[RowMetrics],
 ) -> None:
     rows = batch.rows
     next_rows = [
