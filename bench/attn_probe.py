@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specpipe.load import load  # noqa: E402
+from specpipe.load import load
 
 model = load(sys.argv[1]).unwrap().model
 for width in (1, 2, 3, 5):
@@ -32,7 +32,6 @@ for width in (1, 2, 3, 5):
           f"growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
 
 # The same with an explicit boolean mask instead of MLX's "causal" string.
-import models.base as base  # noqa: E402
 
 def explicit_mask(offsets, length):  # type: ignore[no-untyped-def]
     if length == 1 and all(o == offsets[0] for o in offsets):

@@ -59,11 +59,17 @@ EDIT_PROMPT = (
     + "```"
 )
 
+PROSE_PROMPT = (
+    "Write a short paragraph for a general audience about why the printing press "
+    "changed Europe in the fifteenth century."
+)
+
 # name -> (text, chat template?)
 PROMPTS: dict[str, tuple[str, bool]] = {
     "code": (CODE_PROMPT, False),
     "chat": (CHAT_PROMPT, True),
     "edit": (EDIT_PROMPT, True),
+    "prose": (PROSE_PROMPT, True),
 }
 
 
@@ -263,7 +269,12 @@ def specpipe_run(pipeline: Any, ids: Sequence[int], max_tokens: int, method: str
         ms_per_round=s.ms_per_round,
         drafted=s.drafted,
         accepted=s.accepted,
-        extra={"prompt_s": s.prompt_seconds, "finish": result.finish_reason},
+        extra={
+            "prompt_s": s.prompt_seconds,
+            "finish": result.finish_reason,
+            **({"depths": {str(d): n for d, n in s.depths}, "gated_share": s.gated_share}
+               if s.depths else {}),
+        },
         cpu_s=clock.cpu,
         load=clock.load,
     )

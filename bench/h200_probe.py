@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from schemas.request import GenerationLimits  # noqa: E402
-from specpipe.api import load  # noqa: E402
+from schemas.request import GenerationLimits
+from specpipe.api import load
 
 target, draft, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 prompt = "def merge_sorted(a, b):\n    " * 4

@@ -24,16 +24,16 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info  # noqa: E402
-from models.build import build_model, quantize_model  # noqa: E402
-from models.mtp import MtpHead  # noqa: E402
-from schemas.hf_hybrid import hybrid_args  # noqa: E402
-from schemas.request import SamplingParams  # noqa: E402
-from specpipe.draft_vocab import DraftVocabulary  # noqa: E402
-from specpipe.drafts.mtp import MtpDrafter  # noqa: E402
-from specpipe.loop import RoundOptions, RowRequest, generate_rows  # noqa: E402
-from specpipe.prefill import prefill_rows  # noqa: E402
-from specpipe.state import RowState  # noqa: E402
+from bench.common import machine_info
+from models.build import build_model, quantize_model
+from models.mtp import MtpHead
+from schemas.hf_hybrid import hybrid_args
+from schemas.request import SamplingParams
+from specpipe.draft_vocab import DraftVocabulary
+from specpipe.drafts.mtp import MtpDrafter
+from specpipe.loop import RoundOptions, RowRequest, generate_rows
+from specpipe.prefill import prefill_rows
+from specpipe.state import RowState
 
 
 def qwen3_next_shape(layers: int, experts: int, hidden: int, vocab: int) -> dict[str, Any]:

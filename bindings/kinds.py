@@ -8,7 +8,7 @@ exactly as the target does (exact-match acceptance is meaningless otherwise).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from returns.result import Failure, Result, Success
 
@@ -22,6 +22,9 @@ from bindings.registry import (
     NativeDraftKind,
 )
 from schemas.errors import BindingError
+
+if TYPE_CHECKING:
+    from models.mtp import DeclaredQuantization
 
 PROBE = "The 3 quick brown foxes jumped över the lazy dog?! 🦊 def f(x):\n\treturn x"
 
@@ -97,8 +100,13 @@ def _mtp_drafter(
     request: DraftLoadRequest,
     companion: Path | None,
     where: str,
+    declared: DeclaredQuantization | None = None,
 ) -> Result[LoadedDraft, BindingError]:
-    """Bind an MTP head (its weights and config) to a hybrid target."""
+    """Bind an MTP head (its weights and config) to a hybrid target.
+    `declared`: the quantization its own config declares
+    (`models.mtp.DeclaredQuantization`), checked against the weights; None
+    for a head bundled in the target's checkpoint, whose packed shapes alone
+    say how it is quantized (as for the target's own layers)."""
     from models.mtp import build_mtp
     from schemas.hf_hybrid import HybridArgs, text_settings
     from specpipe.draft_vocab import configured
@@ -124,7 +132,7 @@ def _mtp_drafter(
                 f"{where}: the MTP head does not fit the target: " + "; ".join(problems)
             )
         )
-    head = build_mtp(args, weights)
+    head = build_mtp(args, weights, declared)
     if not isinstance(head, Success):
         return Failure(BindingError(f"{where}: {head.failure().message}"))
     vocab = configured(request.draft_vocab, args.vocab_size, companion)
@@ -142,8 +150,36 @@ def _mtp_drafter(
     )
     drafter = MtpDrafter(target.model, head.unwrap(), request.policy, vocab.unwrap())
     return bind(graph, needs, request.width).map(
-        lambda b: LoadedDraft(drafter, b.width, "mtp", source=where)
+        lambda b: LoadedDraft(drafter, b.width, "mtp", drafter, where)
     )
+
+
+def _declared_quantization(
+    config: dict[str, Any], where: str
+) -> Result[DeclaredQuantization, BindingError]:
+    """A companion config's MLX quantization block (`quantization`, else an
+    affine `quantization_config`), or None where it declares none."""
+    from models.mtp import DeclaredQuantization
+    from schemas.hf_hybrid import text_settings
+
+    flat = text_settings(config)
+    block = flat.get("quantization")
+    if block is None:
+        fallback = flat.get("quantization_config")
+        if isinstance(fallback, dict) and {"bits", "group_size"} <= fallback.keys():
+            block = fallback
+    if block is not None and not (
+        isinstance(block, dict)
+        and isinstance(block.get("bits"), int)
+        and isinstance(block.get("group_size"), int)
+    ):
+        return Failure(
+            BindingError(
+                f"{where}: config.json's quantization block must be an object with "
+                f"integer bits and group_size, got {block!r}; fix or remove it"
+            )
+        )
+    return Success(DeclaredQuantization(block))
 
 
 def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
@@ -165,7 +201,11 @@ def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
             weights.update(loaded)
     except Exception as exc:
         return Failure(BindingError(f"{folder}: cannot read the MTP weights ({exc})"))
-    return _mtp_drafter(request.target, weights, config, request, folder, str(folder))
+    return _declared_quantization(config, str(folder)).bind(
+        lambda declared: _mtp_drafter(
+            request.target, weights, config, request, folder, str(folder), declared
+        )
+    )
 
 
 def _native_mtp(

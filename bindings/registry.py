@@ -65,7 +65,9 @@ class LoadedDraft:
     drafter: Drafter
     width: int
     kind: str
-    # the model whose steps a draft round pays for (None: model-free), for calibration
+    # what a draft step runs, for calibration: a draft model, or a draft that
+    # times its own step (`specpipe.calibrate.DraftStep`: an MTP head); None
+    # for model-free (host-side) drafts, whose steps count as free
     model: Any = None
     source: str | None = None
 

@@ -20,17 +20,30 @@ from attrs import evolve
 from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
-from models import llama, qwen2, qwen3, qwen3_5, qwen3_next
+from models import llama, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_next
 from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import DecoderArgs, QuantizationConfig
 from schemas.hf_hybrid import HybridArgs
 
-__all__ = ["Model", "build_model", "load_weights", "model_dtype", "quantize_model"]
+__all__ = [
+    "Model",
+    "build_model",
+    "load_weights",
+    "model_dtype",
+    "quantize_layers",
+    "quantize_model",
+    "quantized_layers",
+]
 
 Model: TypeAlias = (
-    llama.Model | qwen2.Model | qwen3.Model | qwen3_next.Model | qwen3_5.Model
+    llama.Model
+    | qwen2.Model
+    | qwen3.Model
+    | qwen3_next.Model
+    | qwen3_5.Model
+    | qwen3_5_moe.Model
 )
 
 
@@ -48,6 +61,13 @@ def _qwen3_5(args: DecoderArgs) -> qwen3_5.Model:
     return qwen3_5.Model(args)
 
 
+def _qwen3_5_moe(args: DecoderArgs) -> qwen3_5_moe.Model:
+    # `qwen3_5_moe` (the multimodal wrapper) and `qwen3_5_moe_text` likewise.
+    if not isinstance(args, HybridArgs):
+        raise ValueError("needs HybridArgs (parse its config with hybrid_args)")
+    return qwen3_5_moe.Model(args)
+
+
 _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "llama": llama.Model,
     "qwen2": qwen2.Model,
@@ -55,12 +75,15 @@ _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "qwen3_5_moe_text": _qwen3_5_moe,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.
 _AS_CAUSAL_LM: Callable[[DecoderArgs], CausalLM] = llama.Model
 _HYBRID_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_next.Model
 _QWEN3_5_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5.Model
+_QWEN3_5_MOE_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5_moe.Model
 
 _AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 # Layers with `to_quantized` (qwen3_next's stacked experts included)
@@ -103,19 +126,25 @@ def quantize_model(model: Model, bits: int, group_size: int) -> None:
 
     `bits` must be one of 2, 3, 4, 5, 6, 8 and `group_size` one of 32, 64, 128.
     """
-    assert bits in _AFFINE_BITS, f"bits must be one of {_AFFINE_BITS}"
-    assert group_size in (32, 64, 128), "group_size must be 32, 64 or 128"
-
-    def eligible(_path: str, module: nn.Module) -> bool:
-        return (
-            isinstance(module, _QUANTIZABLE)
-            and module.weight.shape[-1] % group_size == 0
-        )
-
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=eligible)
+    quantize_layers(model, bits, group_size)
     model.args = evolve(
         model.args, quantization=QuantizationConfig(group_size=group_size, bits=bits)
     )
+
+
+def quantize_layers(module: nn.Module, bits: int, group_size: int) -> None:
+    """`quantize_model`'s layer choice on any module (a draft head too): every
+    float Linear / Embedding / stacked-expert layer whose input width is a
+    multiple of `group_size`; norms and other layers stay in float."""
+    assert bits in _AFFINE_BITS, f"bits must be one of {_AFFINE_BITS}"
+    assert group_size in (32, 64, 128), "group_size must be 32, 64 or 128"
+
+    def eligible(_path: str, layer: nn.Module) -> bool:
+        return (
+            isinstance(layer, _QUANTIZABLE) and layer.weight.shape[-1] % group_size == 0
+        )
+
+    nn.quantize(module, group_size=group_size, bits=bits, class_predicate=eligible)
 
 
 def _quantize_like(
@@ -123,20 +152,31 @@ def _quantize_like(
 ) -> Result[None, LoadError]:
     if args.quantization is None and not any(k.endswith(".scales") for k in weights):
         return Success(None)
-    settings: dict[str, dict[str, Any]] = {}
-    problems: list[str] = []
-    for path, module in model.named_modules():
-        if f"{path}.scales" not in weights or not isinstance(module, _QUANTIZABLE):
-            continue
-        found = _quantized_shape(path, module.weight.shape[-1], weights)
-        if isinstance(found, str):
-            problems.append(found)
-        else:
-            settings[path] = found
+    settings, problems = quantized_layers(model, weights)
     if problems:
         return Failure(LoadError(f"{args.model_type}: " + "; ".join(problems[:_SHOWN])))
     nn.quantize(model, class_predicate=lambda path, _module: settings.get(path, False))
     return Success(None)
+
+
+def quantized_layers(
+    module: nn.Module, weights: Mapping[str, mx.array]
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The layers of (float) `module` that `weights` holds quantized (a
+    `<path>.scales` beside a packed `<path>.weight`), each with its
+    `to_quantized` arguments read from the packed shapes; and the problems
+    (packed shapes that fit no affine quantization)."""
+    settings: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for path, layer in module.named_modules():
+        if f"{path}.scales" not in weights or not isinstance(layer, _QUANTIZABLE):
+            continue
+        found = _quantized_shape(path, layer.weight.shape[-1], weights)
+        if isinstance(found, str):
+            problems.append(found)
+        else:
+            settings[path] = found
+    return settings, problems
 
 
 def _quantized_shape(

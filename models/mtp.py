@@ -19,22 +19,34 @@ A token at position p+1 is paired with the hidden of position p; the pair sits
 at RoPE position p (vLLM passes the target's positions), so `offsets` are the
 hidden's positions.
 
+Qwen3.5 (models/qwen3_5.py, models/qwen3_5_moe.py) wires its head the same
+way (vLLM's `qwen3_5_mtp.py`); the layer's MLP is the target's kind, picked
+from `args` by `make_mlp`: dense for Qwen3.5, a sparse MoE block for Qwen3-Next
+and Qwen3.5 MoE.
+
 Weights: `split_mtp` in models/qwen3_next.py returns them with `mtp.` removed
-and HF conventions converted (zero-centred norms +1, experts stacked).
+and HF conventions converted (zero-centred norms +1, experts stacked). MLX
+affine-quantized heads (`.scales` / `.biases` beside a packed `.weight`) load
+into quantized layers, bits and group size read per layer from the packed
+shapes; a companion's config block is checked against them
+(`DeclaredQuantization`), and `quantization_block` writes one.
 Reference: https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen3_next_mtp.py
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from attrs import frozen
 from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
 from models.base import attention_mask, rope_offset
+from models.build import quantized_layers
 from models.cache import KVCache
 from models.layers import flat_parameters, model_dtype
 from models.qwen3_next import AttentionLayer
@@ -113,12 +125,116 @@ class MtpHead(nn.Module):
         )
 
 
+@frozen
+class DeclaredQuantization:
+    """What a head's config.json says its weights are: the MLX `quantization`
+    block (`{"group_size": g, "bits": b}`, optionally with per-layer entries
+    keyed by the layer's path in the head, each such a dict or `false` for a
+    float layer), or None where the config declares no quantization."""
+
+    block: Mapping[str, Any] | None
+
+    def layer(self, path: str) -> dict[str, Any] | None:
+        """The declared bits and group size of a layer (None: float)."""
+        if self.block is None:
+            return None
+        entry = self.block.get(path, self.block) if path else self.block
+        if not isinstance(entry, Mapping):
+            return None
+        return _plain(entry)
+
+    def problems(self, found: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """How the weights' quantized layers (`found`: path -> settings read
+        from the packed shapes) disagree with this declaration."""
+        fix = "re-convert the target with `specpipe convert --quantize N`"
+        if self.block is None:
+            if not found:
+                return []
+            return [
+                f"the weights are quantized ({_described(found)}) but config.json "
+                'declares no quantization; add its "quantization" block '
+                f"(group_size, bits) or {fix}"
+            ]
+        mode = self.block.get("mode", "affine")
+        if mode != "affine":
+            return [
+                f"config.json declares {mode!r} quantization; only MLX affine "
+                f"quantization is supported ({fix})"
+            ]
+        if not found:
+            return [
+                f"config.json declares {_setting(self.layer(''))} quantization but "
+                f"the weights are float; drop its quantization block or {fix}"
+            ]
+        wrong = [
+            f"{path} is {_setting(got)} in the weights, "
+            f"{_setting(self.layer(path))} in config.json"
+            for path, got in sorted(found.items())
+            if self.layer(path) != _plain(got)
+        ]
+        if not wrong:
+            return []
+        shown = "; ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else "")
+        return [
+            f"config.json's quantization does not match the weights ({shown}); "
+            f"fix its quantization block or {fix}"
+        ]
+
+
+def _plain(settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {"group_size": settings.get("group_size"), "bits": settings.get("bits")}
+
+
+def _setting(settings: Mapping[str, Any] | None) -> str:
+    if settings is None:
+        return "float"
+    return f"{settings.get('bits')}-bit (group size {settings.get('group_size')})"
+
+
+def _described(found: Mapping[str, Mapping[str, Any]]) -> str:
+    kinds = Counter(_setting(s) for s in found.values())
+    return ", ".join(f"{n} layers {what}" for what, n in kinds.most_common())
+
+
+def quantization_block(head: nn.Module) -> dict[str, Any] | None:
+    """The config `quantization` block that describes the head's quantized
+    layers (None when all are float): the most common bits and group size,
+    and a per-layer entry for each layer that differs from them."""
+    layers: dict[str, tuple[int, int]] = {}
+    for path, layer in head.named_modules():
+        group_size = getattr(layer, "group_size", None)
+        bits = getattr(layer, "bits", None)
+        if isinstance(group_size, int) and isinstance(bits, int) and "scales" in layer:
+            layers[path] = (group_size, bits)
+    if not layers:
+        return None
+    (group_size, bits), _ = Counter(layers.values()).most_common(1)[0]
+    block: dict[str, Any] = {"group_size": group_size, "bits": bits}
+    for path, (g, b) in sorted(layers.items()):
+        if (g, b) != (group_size, bits):
+            block[path] = {"group_size": g, "bits": b}
+    return block
+
+
 def build_mtp(
-    args: HybridArgs, weights: Mapping[str, mx.array]
+    args: HybridArgs,
+    weights: Mapping[str, mx.array],
+    declared: DeclaredQuantization | None = None,
 ) -> Result[MtpHead, LoadError]:
     """An MTP head loaded strictly from `split_mtp`'s second dict: the names
-    and shapes must equal the head's parameters."""
+    and shapes must equal the head's parameters. Layers the weights hold
+    quantized become quantized layers first (bits and group size per layer,
+    from the packed shapes); `declared`, when given, must agree with them."""
     head = MtpHead(args)
+    settings, problems = quantized_layers(head, weights)
+    if not problems and declared is not None:
+        problems = declared.problems(settings)
+    if problems:
+        return Failure(
+            LoadError("the MTP weights' quantization: " + "; ".join(problems[:5]))
+        )
+    if settings:
+        nn.quantize(head, class_predicate=lambda path, _m: settings.get(path, False))
     expected = flat_parameters(head)
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())

@@ -23,6 +23,8 @@ tower `model.visual.*`; MLX (mlx-lm / mlx-vlm) conversions
 `vision_tower.*`. `sanitize` maps all of them onto the text model's names and
 drops the vision tower: specpipe decodes text only, so a multimodal
 checkpoint loads as its language model and images are not supported.
+`SplitModel` is all of the above but the dense-MLP check; Qwen3.5 MoE
+(models/qwen3_5_moe.py) builds on it with MoE blocks instead.
 References: transformers `models/qwen3_5/modular_qwen3_5.py`; vLLM
 `model_executor/models/qwen3_5_mtp.py` (MTP weights under top-level `mtp.`).
 """
@@ -69,15 +71,12 @@ class SplitGatedDeltaNet(GatedDeltaMixer):
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
 
-class Model(qwen3_next.Model):
-    """The causal LM: implements `models.base.CausalLM` (the Qwen3-Next model
-    with `SplitGatedDeltaNet` linear layers; see the module doc)."""
+class SplitModel(qwen3_next.Model):
+    """The Qwen3-Next causal LM with `SplitGatedDeltaNet` linear layers and the
+    Qwen3.5 checkpoint forms (module doc): what Qwen3.5 dense and Qwen3.5 MoE
+    (models/qwen3_5_moe.py) share. The MLPs follow `args` (`make_mlp`)."""
 
     def __init__(self, args: HybridArgs) -> None:
-        if args.num_experts:
-            raise ValueError(
-                "Qwen3.5 dense has no experts (parse its config with hybrid_args)"
-            )
         super().__init__(args, SplitGatedDeltaNet)
 
     def split_mtp(
@@ -86,6 +85,19 @@ class Model(qwen3_next.Model):
         """Sanitized weights of this model, and of the MTP head (`mtp.` removed,
         names as in `models.mtp.MtpHead`); any checkpoint form (module doc)."""
         return super().split_mtp(text_weights(weights))
+
+
+class Model(SplitModel):
+    """The causal LM: implements `models.base.CausalLM` (the Qwen3-Next model
+    with `SplitGatedDeltaNet` linear layers and dense MLPs; see the module
+    doc)."""
+
+    def __init__(self, args: HybridArgs) -> None:
+        if args.num_experts:
+            raise ValueError(
+                "Qwen3.5 dense has no experts (parse its config with hybrid_args)"
+            )
+        super().__init__(args)
 
 
 def text_weights(weights: Mapping[str, mx.array]) -> dict[str, mx.array]:

@@ -1,7 +1,8 @@
 """Records for upstream `config.json` files of hybrid (attention + linear
-recurrent) decoders: Qwen3-Next (`model_type` `qwen3_next`) and Qwen3.5 dense
+recurrent) decoders: Qwen3-Next (`model_type` `qwen3_next`), Qwen3.5 dense
 (`qwen3_5_text`, and `qwen3_5`, the multimodal wrapper whose text settings
-live under `text_config`).
+live under `text_config`) and Qwen3.5 MoE (`qwen3_5_moe_text`, and its
+wrapper `qwen3_5_moe`).
 
 `HybridArgs` extends `DecoderArgs`, so every field the pipeline reads on
 `args` (model_type, hidden_size, vocab_size, num_hidden_layers,
@@ -16,8 +17,18 @@ dense MLP of `intermediate_size`; its config defines no MoE keys) and
 `mtp_num_hidden_layers` read as `num_nextn_predict_layers`. Its multimodal
 RoPE (`mrope_section`) is the plain RoPE for text, where the temporal, height
 and width positions are all the token's position.
+
+Qwen3.5 MoE parses like Qwen3.5 dense but keeps its experts: every layer is a
+sparse MoE block (shared expert included). Its config defines neither
+`intermediate_size` (no dense MLP: read as 0 when absent) nor
+`mlp_only_layers`, `decoder_sparse_step` or `norm_topk_prob`: transformers
+deletes those keys and its router always renormalises the top-k weights, so
+they are fixed here to every layer sparse, renormalised, whatever a
+config.json says. `num_experts` and `num_experts_per_tok` default to
+transformers' Qwen3_5MoeTextConfig values (256, 8), not Qwen3-Next's.
 References: transformers `models/qwen3_next/configuration_qwen3_next.py`,
-`models/qwen3_5/configuration_qwen3_5.py`.
+`models/qwen3_5/configuration_qwen3_5.py`,
+`models/qwen3_5_moe/configuration_qwen3_5_moe.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ from schemas.hf import DecoderArgs, normalize_hf_config
 
 # the multimodal wrapper (`Qwen3_5ForConditionalGeneration`) and the text model
 QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-HYBRID_MODEL_TYPES = ("qwen3_next", *QWEN3_5_MODEL_TYPES)
+# the same pair for Qwen3.5 MoE (`Qwen3_5MoeForConditionalGeneration`)
+QWEN3_5_MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+HYBRID_MODEL_TYPES = ("qwen3_next", *QWEN3_5_MODEL_TYPES, *QWEN3_5_MOE_MODEL_TYPES)
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -44,6 +57,11 @@ _DEFAULTS: dict[str, Any] = {
     "head_dim": 256,
     "partial_rotary_factor": 0.25,
     "full_attention_interval": 4,
+}
+# transformers' Qwen3_5MoeTextConfig defaults where they differ from the above
+_QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
 }
 
 
@@ -59,10 +77,10 @@ def _check_layer_kinds(
 
 @frozen(kw_only=True)
 class HybridArgs(DecoderArgs):
-    """Qwen3-Next / Qwen3.5: gated full-attention layers interleaved with
-    GatedDeltaNet linear-attention layers, each followed by a sparse MoE block
-    (shared expert included) or a dense MLP (every layer when num_experts is
-    0, as for Qwen3.5 dense)."""
+    """Qwen3-Next / Qwen3.5 / Qwen3.5 MoE: gated full-attention layers
+    interleaved with GatedDeltaNet linear-attention layers, each followed by a
+    sparse MoE block (shared expert included) or a dense MLP (every layer when
+    num_experts is 0, as for Qwen3.5 dense)."""
 
     # one kind per layer: "linear_attention" or "full_attention"
     layer_types: tuple[str, ...] = field(validator=_check_layer_kinds)
@@ -145,6 +163,8 @@ def normalize_hybrid_config(raw: dict[str, Any]) -> dict[str, Any]:
     cfg = normalize_hf_config(raw)
     if raw.get("model_type") in QWEN3_5_MODEL_TYPES:
         _qwen3_5_settings(raw, cfg)
+    elif raw.get("model_type") in QWEN3_5_MOE_MODEL_TYPES:
+        _qwen3_5_moe_settings(raw, cfg)
     params = raw.get("rope_parameters")
     params = params if isinstance(params, dict) else {}
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
@@ -168,10 +188,30 @@ def normalize_hybrid_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qwen3_5_settings(raw: dict[str, Any], cfg: dict[str, Any]) -> None:
-    """Qwen3.5 dense: no experts, MTP layer count under its own key, and the
-    multimodal RoPE taken as the plain RoPE (text positions)."""
+    """Qwen3.5 dense: no experts, plus what every Qwen3.5 shares."""
     cfg["num_experts"] = 0
     cfg["mlp_only_layers"] = []
+    _qwen3_5_family_settings(raw, cfg)
+
+
+def _qwen3_5_moe_settings(raw: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Qwen3.5 MoE: every layer sparse with renormalised top-k (the keys that
+    could say otherwise do not exist for it), no dense MLP unless a config
+    names one, plus what every Qwen3.5 shares."""
+    for key, value in _QWEN3_5_MOE_DEFAULTS.items():
+        if cfg.get(key) is None:
+            cfg[key] = value
+    cfg["mlp_only_layers"] = []
+    cfg["decoder_sparse_step"] = 1
+    cfg["norm_topk_prob"] = True
+    if cfg.get("intermediate_size") is None:
+        cfg["intermediate_size"] = 0
+    _qwen3_5_family_settings(raw, cfg)
+
+
+def _qwen3_5_family_settings(raw: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Every Qwen3.5: the MTP layer count under its own key, and the
+    multimodal RoPE taken as the plain RoPE (text positions)."""
     mtp_layers = raw.get("mtp_num_hidden_layers")
     if "num_nextn_predict_layers" not in raw and isinstance(mtp_layers, int):
         cfg["num_nextn_predict_layers"] = mtp_layers

@@ -10,8 +10,8 @@ and costs the target's forward over d + 1 positions plus d draft steps, both
 measured on this machine (`CostModel`, see specpipe/calibrate.py). The row's
 depth maximises E(d) / cost(d). When no depth beats plain decoding (depth 0),
 the row is *gated*: it decodes plainly and re-probes with one cheap draft
-every `probe_every` rounds, so a prompt that turns back into code regains
-speculation. Depth never changes the output: every published token is the
+after `probe_every` plain steps (the wait doubling after each probe that
+stays gated), so a prompt that turns back into code regains speculation. Depth never changes the output: every published token is the
 target's own sample.
 """
 
@@ -68,17 +68,28 @@ class AdaptivePolicy:
     prior_alpha: float = 0.5
     prior_weight: float = 2.0  # pseudo-observations behind the prior
     decay: float = 0.9  # per round: older evidence fades so a row can change regime
-    probe_every: int = 8
+    probe_every: int = 8  # plain steps before a gated row's first re-probe
+    max_probe_every: int = 64  # the wait doubles after each probe that stays gated
 
 
 @define
 class RowAdaptation:
-    """One row's acceptance estimate and gate."""
+    """One row's acceptance estimate and gate.
+
+    A gated row decodes plainly and probes with one draft after `interval`
+    plain steps. A probe is not free (a draft model first catches up on the
+    tokens it skipped, and the window is wider than a plain step), so each
+    probe that leaves the row gated doubles the wait, up to
+    `max_probe_every`: a row that never agrees pays a vanishing share of
+    probes, while one that turns predictable again is found within the wait.
+    The first choice of a fresh row probes at once when it would gate: the
+    draft has just read the prompt, so that probe costs no catch-up."""
 
     accepted: float = 0.0
     trials: float = 0.0
-    gated_rounds: int = 0  # choices of depth 0 since the row's start
-    probe_next: bool = False  # set after a plain burst: the next choice probes
+    waited: int = 0  # plain steps since the row last drafted
+    interval: int = 0  # plain steps to wait before the next probe (0: not gated)
+    fresh: bool = True  # no choice made yet
     depths: Counter[int] = field(factory=Counter)
 
     def alpha(self, policy: AdaptivePolicy) -> float:
@@ -86,13 +97,34 @@ class RowAdaptation:
         return num / (self.trials + policy.prior_weight)
 
     def choose(self, policy: AdaptivePolicy, max_depth: int) -> int:
+        fresh, self.fresh = self.fresh, False
         depth, _gain = best_depth(self.alpha(policy), policy.cost, max_depth)
-        if depth == 0 and max_depth > 0:
-            self.gated_rounds += 1
-            if self.probe_next or self.gated_rounds % policy.probe_every == 0:
-                depth = 1  # re-probe: one cheap draft refreshes the estimate
-        self.probe_next = False
-        return depth
+        if depth > 0 or max_depth == 0:
+            self.interval = 0
+            return depth
+        if fresh:
+            return self._probe(policy)
+        if self.interval == 0:  # the gate closes: wait before probing
+            self.interval, self.waited = policy.probe_every, 0
+            return 0
+        if self.waited >= self.interval:
+            return self._probe(policy)
+        return 0
+
+    def _probe(self, policy: AdaptivePolicy) -> int:
+        if self.interval == 0:
+            self.interval = policy.probe_every
+        else:
+            self.interval = min(2 * self.interval, policy.max_probe_every)
+        self.waited = 0
+        return 1  # one cheap draft refreshes the estimate
+
+    def steps_to_probe(self) -> int:
+        """Plain steps this gated row can take before its next probe."""
+        return max(1, self.interval - self.waited)
+
+    def decoded_plainly(self, steps: int) -> None:
+        self.waited += steps
 
     def observe(self, drafted: int, accepted: int, policy: AdaptivePolicy) -> None:
         """A round that offered `drafted` drafts, of which the first `accepted`

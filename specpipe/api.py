@@ -374,19 +374,46 @@ def load(
     if isinstance(adaptive, CostModel):
         policy_adaptive = AdaptivePolicy(adaptive)
     elif adaptive:
-        cost = calibrated(
-            target.model,
-            loaded_draft.model,
-            target.source,
-            loaded_draft.source,
-            dtype or "native",
-            max_width=loaded_draft.width + 1,
-        )
+        cost = calibrate(target, loaded_draft, dtype, loaded_draft.width + 1)
         policy_adaptive = AdaptivePolicy(cost)
     return Success(
         Pipeline(
             target, loaded_draft, device_round, registry, policy_adaptive, phase_timing
         )
+    )
+
+
+def calibrate(
+    target: LoadedModel,
+    draft: LoadedDraft | None,
+    dtype: str | None,
+    max_width: int,
+    refresh: bool = False,
+) -> CostModel:
+    """The pipeline's cached cost model (measured on first use): the target's
+    windows, and a step of the draft as its kind runs one (a draft model's
+    forward, an MTP head's forward and projection, nothing for host-side
+    drafts), cached apart per draft kind and source."""
+    if draft is None:
+        return calibrated(
+            target.model,
+            None,
+            target.source,
+            None,
+            dtype or "native",
+            max_width,
+            refresh,
+        )
+    key = getattr(draft.drafter, "calibration_key", None)  # e.g. mtp/vocab=N
+    return calibrated(
+        target.model,
+        draft.model,
+        target.source,
+        draft.source,
+        dtype or "native",
+        max_width,
+        refresh,
+        draft_kind=key if isinstance(key, str) else draft.kind,
     )
 
 

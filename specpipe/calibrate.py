@@ -2,9 +2,14 @@
 
 The target's forward over a window of width 1..W and one draft step are timed
 on a short random context; the medians form the `CostModel` the adaptive
-drafter maximises tokens per second against. The result is cached per
-(target, draft, dtype, device) under the model cache, and loaded
-automatically when adaptive drafting is on.
+drafter maximises tokens per second against. A draft step is what the draft
+kind runs per drafted token: a two-model draft's forward over one token and
+its LM head's argmax; an MTP head's forward over one (token, hidden) pair and
+the shared projection's argmax (onto its FR-Spec rows when it has a draft
+vocabulary), timed by the drafter itself (`DraftStep`); nothing for ngram,
+which drafts on the host. The result is cached per (target, draft kind and
+source, dtype, device) under the model cache, and loaded automatically when
+adaptive drafting is on.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 from returns.result import Failure, Result
@@ -27,6 +34,20 @@ from specpipe.adaptive import CostModel
 from specpipe.fixtures import cache_root
 
 CONTEXT = 64
+
+
+@runtime_checkable
+class DraftStep(Protocol):
+    """A draft that is not a model of its own (an MTP head riding on the
+    target) and sets up its own timed step."""
+
+    def calibration_step(
+        self, context: mx.array, hidden: mx.array
+    ) -> Callable[[], mx.array]:
+        """Having read `context` [1, C] and the target's hidden states for it
+        (`hidden` [1, C, H], `ModelOutput.hidden`), a callable running one
+        draft step and returning its (unevaluated) draft token ids."""
+        ...
 
 
 def _median_ms(run: object, repeats: int) -> float:
@@ -41,20 +62,25 @@ def _median_ms(run: object, repeats: int) -> float:
 
 
 def measure(
-    target: CausalLM, draft: CausalLM | None, max_width: int = 8, repeats: int = 3
+    target: CausalLM,
+    draft: CausalLM | DraftStep | None,
+    max_width: int = 8,
+    repeats: int = 3,
 ) -> CostModel:
+    """`draft`: a draft model, a `DraftStep` (MTP head), or None (no draft or
+    a host-side one: draft steps cost 0)."""
     vocab = target.args.vocab_size
     context = mx.random.randint(0, vocab, (1, CONTEXT), key=mx.random.key(0)).astype(
         mx.int32
     )
 
-    def prefilled(model: CausalLM) -> object:
+    def prefilled(model: CausalLM) -> tuple[object, mx.array]:
         cache = model.make_cache(1)
-        model(context, cache, [0])
-        mx.eval(cache.arrays())
-        return cache
+        out = model(context, cache, [0])
+        mx.eval(cache.arrays(), out.hidden)
+        return cache, out.hidden
 
-    target_cache = prefilled(target)
+    target_cache, target_hidden = prefilled(target)
     verify_ms = []
     for width in range(1, max_width + 1):
         window = context[:, :width]
@@ -65,21 +91,44 @@ def measure(
 
         verify_ms.append(_median_ms(forward, repeats))
     draft_ms = 0.0
-    if draft is not None:
-        draft_cache = prefilled(draft)
+    if isinstance(draft, DraftStep):
+        step = draft.calibration_step(context, target_hidden)
+
+        def head_step() -> None:
+            mx.eval(step())
+
+        draft_ms = _median_ms(head_step, repeats)
+    elif draft is not None:
+        model = draft
+        draft_cache, _ = prefilled(model)
         token = context[:, :1]
 
         def draft_step() -> None:
-            out = draft(token, draft_cache, [CONTEXT])
-            mx.eval(mx.argmax(draft.lm_head(out.hidden), axis=-1))
+            out = model(token, draft_cache, [CONTEXT])
+            mx.eval(mx.argmax(model.lm_head(out.hidden), axis=-1))
 
         draft_ms = _median_ms(draft_step, repeats)
     return CostModel(tuple(verify_ms), draft_ms)
 
 
-def calibration_path(target_source: str, draft_source: str | None, dtype: str) -> Path:
+def calibration_path(
+    target_source: str,
+    draft_source: str | None,
+    dtype: str,
+    draft_kind: str | None = None,
+) -> Path:
+    """The cache file of a calibration: one per target, draft kind (with any
+    detail that changes a step's cost, e.g. `mtp/vocab=N`) and source, dtype,
+    device and MLX version."""
     key = json.dumps(
-        [target_source, draft_source, dtype, str(mx.default_device()), version("mlx")]
+        [
+            target_source,
+            draft_kind,
+            draft_source,
+            dtype,
+            str(mx.default_device()),
+            version("mlx"),
+        ]
     )
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return cache_root() / "calibration" / f"{digest}.json"
@@ -102,15 +151,16 @@ def save(path: Path, cost: CostModel) -> None:
 
 def calibrated(
     target: CausalLM,
-    draft: CausalLM | None,
+    draft: CausalLM | DraftStep | None,
     target_source: str,
     draft_source: str | None,
     dtype: str,
     max_width: int = 8,
     refresh: bool = False,
+    draft_kind: str | None = None,
 ) -> CostModel:
     """The cached cost model, measuring (and caching) it when absent."""
-    path = calibration_path(target_source, draft_source, dtype)
+    path = calibration_path(target_source, draft_source, dtype, draft_kind)
     if not refresh and path.is_file():
         cached = load_cached(path).value_or(None)
         if cached is not None and len(cached.verify_ms) >= max_width:

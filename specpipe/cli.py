@@ -237,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--model", default=DEFAULT_MODEL)
     cal.add_argument(
-        "--draft", default=None, help="a draft model reference (omit for model-free)"
+        "--draft",
+        default=None,
+        help="the draft as generate's --draft takes it: ngram | auto | mtp | a draft "
+        "model reference or companion folder (omit for none)",
     )
     cal.add_argument("--max-width", type=int, default=8)
     cal.add_argument(
@@ -261,20 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from specpipe.calibrate import calibrated
+    from specpipe.api import calibrate
 
     if args.max_width < 1:
         _fail(f"max-width must be >= 1, got {args.max_width}")
-    target = _unwrap(load_model(args.model, args.dtype))
-    draft = _unwrap(load_model(args.draft, args.dtype)) if args.draft else None
-    cost = calibrated(
-        target.model,
-        draft.model if draft is not None else None,
-        target.source,
-        draft.source if draft is not None else None,
-        args.dtype or "native",
-        max_width=args.max_width,
-        refresh=True,
+    pipeline = _unwrap(load(args.model, draft=args.draft, dtype=args.dtype))
+    cost = calibrate(
+        pipeline.target, pipeline.draft, args.dtype, args.max_width, refresh=True
     )
     print(
         json.dumps(

@@ -22,7 +22,7 @@ from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
 from models.base import CausalLM
-from models.build import build_model, load_weights, quantize_model
+from models.build import build_model, load_weights, quantize_layers, quantize_model
 from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
 from schemas.errors import ConfigError, LoadError
@@ -235,15 +235,23 @@ def save_folder(
     loaded: LoadedModel, out: Path, quantize: int | None = None, group_size: int = 64
 ) -> Result[Path, LoadError]:
     """Write an HF-layout MLX folder (config.json, tokenizer files,
-    model.safetensors) that specpipe, mlx-lm and transformers can load."""
+    model.safetensors) that specpipe, mlx-lm and transformers can load; a
+    checkpoint's MTP head goes to an `mtp/` companion beside it, quantized
+    as the target is (`companion_head`)."""
     from mlx.utils import tree_flatten
 
     model: Any = loaded.model
     if quantize is not None:
         quantize_model(model, quantize, group_size)
+    weights = dict(tree_flatten(model.parameters()))
+    companion = None
+    if loaded.mtp:
+        head = companion_head(loaded, _float_dtype(weights), quantize, group_size)
+        if not isinstance(head, Success):
+            return Failure(head.failure())
+        companion = head.unwrap()
     try:
         with staged_folder(out) as staging:
-            weights = dict(tree_flatten(model.parameters()))
             mx.save_safetensors(
                 str(staging / "model.safetensors"), weights, metadata={"format": "mlx"}
             )
@@ -251,12 +259,8 @@ def save_folder(
                 json.dumps(config_for(loaded, quantize, group_size, weights), indent=2)
             )
             loaded.tokenizer.save(staging)
-            if loaded.mtp:
-                write_companion(
-                    staging / MTP_COMPANION,
-                    loaded,
-                    _cast(loaded.mtp, _float_dtype(weights)),
-                )
+            if companion is not None:
+                write_companion(staging / MTP_COMPANION, loaded, *companion)
     except OSError as exc:
         return Failure(LoadError(f"{out}: cannot write the converted model ({exc})"))
     return Success(out)
@@ -293,17 +297,62 @@ def config_for(
     return cfg
 
 
+def companion_head(
+    loaded: LoadedModel, dtype: mx.Dtype | None, quantize: int | None, group_size: int
+) -> Result[tuple[dict[str, mx.array], dict[str, Any] | None], LoadError]:
+    """The weights of the checkpoint's MTP head as its companion holds them,
+    and the config quantization block describing them (None: float).
+
+    The head is built strictly (a head that does not fit its target fails
+    here, not at load), its float tensors cast to `dtype`; with `quantize`,
+    its float linear layers are quantized as `quantize_model` quantizes the
+    target's (same bits and group size, same layer choice). Norms stay
+    float, and the embedding and vocabulary projection it shares with the
+    target are not part of it. A head the checkpoint already holds quantized
+    keeps its quantized layers."""
+    from models.layers import flat_parameters
+    from models.mtp import build_mtp, quantization_block
+
+    if not isinstance(loaded.args, HybridArgs):
+        return Failure(
+            LoadError(
+                f"{loaded.source}: an MTP head needs a hybrid target, "
+                f"not {loaded.args.model_type}"
+            )
+        )
+    built = build_mtp(loaded.args, _cast(loaded.mtp, dtype))
+    if not isinstance(built, Success):
+        return Failure(
+            LoadError(
+                f"{loaded.source}: cannot convert its MTP head: "
+                f"{built.failure().message}"
+            )
+        )
+    head = built.unwrap()
+    if quantize is not None:
+        quantize_layers(head, quantize, group_size)
+    return Success((flat_parameters(head), quantization_block(head)))
+
+
 def write_companion(
-    folder: Path, loaded: LoadedModel, weights: dict[str, mx.array]
+    folder: Path,
+    loaded: LoadedModel,
+    weights: dict[str, mx.array],
+    quantization: dict[str, Any] | None = None,
 ) -> None:
     """The checkpoint's MTP head as a draft companion: its own config (the
-    target's, stamped `<model_type>_mtp`) and weights named as the head's."""
+    target's, stamped `<model_type>_mtp`, with `quantization` as the
+    quantization block when the head is quantized) and weights named as the
+    head's."""
     folder.mkdir()
     cfg = dict(loaded.raw_config)
     cfg["model_type"] = f"{loaded.args.model_type}_mtp"
     cfg.setdefault("block_size", 3)
     cfg.pop("quantization", None)
     cfg.pop("quantization_config", None)
+    if quantization is not None:
+        cfg["quantization"] = quantization
+        cfg["quantization_config"] = quantization
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     mx.save_safetensors(
         str(folder / "model.safetensors"), weights, metadata={"format": "mlx"}

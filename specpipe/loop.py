@@ -256,10 +256,12 @@ class _Run:
             # Plain decoding: no drafter, or every row gated off until its next
             # probe; bounded so that arrivals and probes get their turn.
             steps = None
-            if batch.draft is not None and options.adaptive is not None:
-                steps = options.adaptive.probe_every
-            elif bounded:
-                steps = _ADMIT_EVERY
+            if batch.draft is not None and adapt is not None:
+                # until the first gated row's next probe
+                steps = min(adapt[s].steps_to_probe() for s in batch.slots)
+            if bounded:
+                steps = min(steps or _ADMIT_EVERY, _ADMIT_EVERY)
+            before = {s: self.metrics[s].gated for s in batch.slots}
             try:
                 _plain_pipelined(
                     batch,
@@ -272,8 +274,9 @@ class _Run:
             except Exception as exc:
                 self.fail_live("target forward", exc)
                 return
-            for slot in batch.slots:
-                self.adapt[slot].probe_next = True
+            if adapt is not None:
+                for slot, gated in before.items():
+                    adapt[slot].decoded_plainly(self.metrics[slot].gated - gated)
             return
         t0 = time.perf_counter()
         try:
@@ -291,6 +294,8 @@ class _Run:
             self.round_ms[slot].append(elapsed)
             if options.adaptive is not None:
                 self.adapt[slot].observe(drafted, accepted, options.adaptive)
+                if depths[i] == 0:
+                    self.adapt[slot].decoded_plainly(1)
             if delivered.finish is None:
                 keep.append(i)
             else:

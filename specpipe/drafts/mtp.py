@@ -20,7 +20,7 @@ rows of the target's vocabulary projection only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -194,3 +194,46 @@ class MtpDrafter:
             ids,
             head,
         )
+
+    @property
+    def calibration_key(self) -> str:
+        """What sets a draft step's cost apart in the calibration cache."""
+        if self.vocab is None:
+            return self.kind
+        return f"{self.kind}/vocab={self.vocab.size}"
+
+    def calibration_step(
+        self, context: mx.array, hidden: mx.array
+    ) -> Callable[[], mx.array]:
+        """One chained draft step, as a round pays for each drafted token
+        (`specpipe.calibrate.DraftStep`): the head first reads the context's
+        pairs, then each call runs its forward over one (token, hidden) pair
+        and draws greedily through the shared projection (its FR-Spec rows
+        when a draft vocabulary is set)."""
+        length = int(context.shape[1])
+        cache = self.head.make_cache(1)
+        out = self.head(
+            self.target.embed(context[:, 1:]),
+            self.target.final_norm(hidden[:, :-1]),
+            cache,
+            [0],
+        )
+        normed = self.head.normed(out[:, -1:])
+        mx.eval(normed, cache.arrays())
+        token = context[:, -1:]
+        ids = rows = None
+        if self.vocab is not None:
+            ids = self.vocab.array()
+            rows = self.target.head_weights().take(ids)
+            mx.eval(ids, rows.weight, rows.scales, rows.biases)
+
+        def step() -> mx.array:  # [1, 1] int32
+            out = self.head(
+                self.target.embed(token), normed, cache, [length - 1], step=1
+            )
+            last = self.head.normed(out)
+            if ids is None or rows is None:
+                return mx.argmax(self.target.project(last), axis=-1)
+            return mx.take(ids, mx.argmax(rows.project(last), axis=-1))
+
+        return step

@@ -17,7 +17,6 @@ dt_bias are non-trivial.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,67 +44,29 @@ from schemas.request import GenerationLimits, SamplingParams
 from specpipe import api
 from specpipe.load import LoadedModel, load, save_folder
 from tests.cli.conftest import write_tiny_model
+from tests.models import hybrid_support as support
+from tests.models.hybrid_support import (
+    FOLDER_VOCAB,
+    TOL,
+    VISION,
+    VOCAB,
+    TorchMtp,
+    as_np,
+    hf_logits,
+    hf_weights,
+    mtp_weights,
+    randomize,
+    step,
+    token_ids,
+)
 
 pytestmark = pytest.mark.reference
 
-VOCAB = 128
 TEXT: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
+    **support.LAYOUT,
     "intermediate_size": 96,
-    "num_hidden_layers": 4,
-    "layer_types": [
-        "linear_attention",
-        "full_attention",
-        "linear_attention",
-        "full_attention",
-    ],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 8,
-    "linear_value_head_dim": 8,
-    "max_position_embeddings": 512,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 1e6,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": support.QWEN3_5_ROPE,
 }
-VISION: dict[str, Any] = {
-    "depth": 1,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_heads": 2,
-    "out_hidden_size": 64,
-    "patch_size": 4,
-    "temporal_patch_size": 1,
-    "num_position_embeddings": 16,
-}
-FOLDER_VOCAB = 320  # the tiny tokenizer's ids fit
-TOL = 1e-4
-# window-vs-one-by-one: same math, different matmul shapes (measured on CPU
-# float32: bit-identical)
-ROLLBACK_TOL = 2e-5
-
-
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)  # an ordinary RMSNorm weight
-            elif "norm" in name:
-                param.copy_(0.1 * noise)  # zero-centred: an offset from 1
-            elif name.endswith(("A_log", "dt_bias")):
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(0.15 * noise)
 
 
 def text_config(**overrides: Any) -> Any:
@@ -133,59 +94,9 @@ def make_multimodal(seed: int = 3) -> Any:
     return model.eval()
 
 
-def hf_weights(module: torch.nn.Module, prefix: str = "") -> dict[str, mx.array]:
-    return {
-        prefix + k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()
-    }
-
-
 def ours(hf: Any) -> Model:
-    args = hybrid_args(hf.config.to_dict(), "test config").unwrap()
-    model = build_model(args).unwrap()
-    assert isinstance(model, Model)
-    loaded = load_weights(model, hf_weights(hf), args)
-    assert loaded == Success(None), loaded
+    model: Model = support.ours(hf, Model)
     return model
-
-
-def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
-    with torch.no_grad():
-        logits: np.ndarray = hf(input_ids=torch.tensor(ids)).logits.numpy()
-    return logits
-
-
-def as_np(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32))
-
-
-def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, size=shape)
-
-
-def step(
-    model: Any,
-    cache: HybridCache,
-    ids: np.ndarray | Sequence[Sequence[int]],  # [B, L]
-    offsets: Sequence[int],
-    kept: Sequence[int] | None = None,
-) -> np.ndarray:  # [B, L, V]
-    """One forward, then commit `kept` (default: every position)."""
-    grid = mx.array(np.asarray(ids), dtype=mx.int32)
-    out = model(grid, cache, offsets)
-    assert out.delta is not None
-    out.delta.commit(
-        list(kept) if kept is not None else [grid.shape[1]] * grid.shape[0]
-    )
-    mx.eval(out.logits, *cache.arrays())
-    return as_np(out.logits)
-
-
-def one_by_one(
-    model: Model, cache: HybridCache, tokens: Sequence[int], offset: int
-) -> np.ndarray:  # [len(tokens), V] for one row
-    return np.stack(
-        [step(model, cache, [[t]], [offset + i])[0, 0] for i, t in enumerate(tokens)]
-    )
 
 
 @pytest.fixture(scope="module")
@@ -264,9 +175,7 @@ def test_qwen3_5_needs_dense_hybrid_args(pair: tuple[Any, Model]) -> None:
 def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
     hf, model = pair
     assert model.padding_safe is False
-    ids = token_ids((2, 12))
-    logits = step(model, model.make_cache(2), ids, [0, 0])
-    assert np.abs(logits - hf_logits(hf, ids)).max() < TOL
+    assert support.prefill_error(hf, model) < TOL
 
 
 @pytest.mark.parametrize("prompt", [6, PER_POSITION_MAX + 6])
@@ -276,22 +185,12 @@ def test_prefill_then_decode_matches_full_sequence(
     """Past PER_POSITION_MAX the prefill keeps only its final state (and runs
     the chunked rule)."""
     hf, model = pair
-    ids = token_ids((1, prompt + 5), seed=2)
-    reference = hf_logits(hf, ids)[0]
-    cache = model.make_cache(1)
-    head = step(model, cache, ids[:, :prompt], [0])[0]
-    decoded = one_by_one(model, cache, list(ids[0, prompt:]), prompt)
-    assert np.abs(head - reference[:prompt]).max() < TOL
-    assert np.abs(decoded - reference[prompt:]).max() < TOL
+    assert max(support.prefill_then_decode_errors(hf, model, prompt)) < TOL
 
 
 @pytest.fixture(scope="module")
 def prefilled(pair: tuple[Any, Model]) -> tuple[HybridCache, int]:
-    _, model = pair
-    prompt = token_ids((1, 7), seed=3)
-    cache = model.make_cache(1)
-    step(model, cache, prompt, [0])
-    return cache, prompt.shape[1]
+    return support.prefilled(pair[1])
 
 
 @settings(
@@ -311,59 +210,14 @@ def test_committing_k_of_a_window_equals_decoding_k_tokens(
     window: list[int],
     further: list[int],
 ) -> None:
-    _, model = pair
     base, length = prefilled
-    spec = base.take_rows([0])
-    verified = step(model, spec, [window], [length], kept=[kept])[0]
-    after_spec = one_by_one(model, spec, further, length + kept)
-
-    plain = base.take_rows([0])
-    accepted = one_by_one(model, plain, window[:kept], length) if kept else None
-    after_plain = one_by_one(model, plain, further, length + kept)
-
-    if accepted is not None:
-        assert np.abs(verified[:kept] - accepted).max() < ROLLBACK_TOL
-    assert np.abs(after_spec - after_plain).max() < ROLLBACK_TOL
-    for ours_, theirs in zip(
-        spec.conv + spec.recurrent, plain.conv + plain.recurrent, strict=True
-    ):
-        assert np.abs(as_np(ours_) - as_np(theirs)).max() < ROLLBACK_TOL
+    support.check_commit_k_of_a_window(pair[1], base, length, kept, window, further)
 
 
 def test_rows_keeping_different_counts_equal_each_row_alone(
     pair: tuple[Any, Model],
 ) -> None:
-    """B=3 rows at different offsets keep (1, 4, 2) of a window of 4, then
-    decode two more tokens together; each row equals itself run alone."""
-    _, model = pair
-    lengths, kept = [5, 9, 7], [1, 4, 2]
-    prompts = [list(token_ids((n,), seed=10 + i)) for i, n in enumerate(lengths)]
-    windows = token_ids((3, 4), seed=20)
-    further = token_ids((3, 2), seed=21)
-
-    singles = []
-    for prompt in prompts:
-        single = model.make_cache(1)
-        step(model, single, [prompt], [0])
-        singles.append(single)
-    batch = HybridCache.concat_rows(singles)
-    verified = step(model, batch, windows, lengths, kept=kept)
-    ends = [n + k for n, k in zip(lengths, kept, strict=True)]
-    after = [
-        step(model, batch, further[:, i : i + 1], [e + i for e in ends])
-        for i in range(2)
-    ]
-
-    for row, prompt in enumerate(prompts):
-        alone = model.make_cache(1)
-        step(model, alone, [prompt], [0])
-        accepted = one_by_one(
-            model, alone, list(windows[row, : kept[row]]), lengths[row]
-        )
-        tail = one_by_one(model, alone, list(further[row]), ends[row])
-        assert np.abs(verified[row, : kept[row]] - accepted).max() < ROLLBACK_TOL
-        got = np.stack([a[row, 0] for a in after])
-        assert np.abs(got - tail).max() < ROLLBACK_TOL
+    support.check_rows_keeping_different_counts(pair[1])
 
 
 # --- checkpoint forms -------------------------------------------------------
@@ -380,54 +234,21 @@ def test_missing_split_projection_is_a_load_error_naming_it(
     assert "model.layers.2.linear_attn.in_proj_b.weight" in result.failure().message
 
 
-class TorchMtp(torch.nn.Module):
-    """The Qwen3.5 MTP head from HF building blocks, wired as vLLM's
-    `Qwen3_5MultiTokenPredictor` (transformers ships no MTP module)."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.pre_fc_norm_embedding = hf_qwen3_5.Qwen3_5RMSNorm(hidden, eps)
-        self.pre_fc_norm_hidden = hf_qwen3_5.Qwen3_5RMSNorm(hidden, eps)
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        full = config.layer_types.index("full_attention")
-        self.layers = torch.nn.ModuleList(
-            [hf_qwen3_5.Qwen3_5DecoderLayer(config, full)]
-        )
-        self.norm = hf_qwen3_5.Qwen3_5RMSNorm(hidden, eps)
-        self.rotary = hf_qwen3_5.Qwen3_5TextRotaryEmbedding(config)
-
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        length = embeds.shape[1]
-        x = self.fc(
-            torch.cat(
-                [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
-                dim=-1,
-            )
-        )
-        positions = torch.arange(length)[None]
-        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
-        x = self.layers[0](
-            x,
-            position_embeddings=self.rotary(x, positions),
-            attention_mask=causal,
-            position_ids=positions,
-        )
-        normed: torch.Tensor = self.norm(x)
-        return normed
+def torch_mtp(config: Any) -> TorchMtp:
+    """The Qwen3.5 head's reference wiring (vLLM's
+    `Qwen3_5MultiTokenPredictor`)."""
+    return TorchMtp(
+        config,
+        hf_qwen3_5.Qwen3_5RMSNorm,
+        hf_qwen3_5.Qwen3_5DecoderLayer,
+        hf_qwen3_5.Qwen3_5TextRotaryEmbedding,
+    )
 
 
 def checkpoint(hf: Any, reference: TorchMtp) -> dict[str, mx.array]:
     """HF names and conventions: `model.language_model.*`, `model.visual.*`,
     a tied `lm_head.weight`, zero-centred norms, and the head under `mtp.*`."""
-    return {
-        **hf_weights(hf),
-        **{
-            k: v
-            for k, v in hf_weights(reference, "mtp.").items()
-            if not k.startswith("mtp.rotary")
-        },
-    }
+    return {**hf_weights(hf), **mtp_weights(reference)}
 
 
 def write_folder(folder: Path, hf: Any, weights: dict[str, mx.array]) -> Path:
@@ -444,7 +265,7 @@ def multimodal(
     """The multimodal HF model, its MTP reference, and a saved HF folder of
     both."""
     hf = make_multimodal()
-    reference: Any = TorchMtp(hf.config.text_config)
+    reference = torch_mtp(hf.config.text_config)
     randomize(reference, seed=7)
     reference.eval()
     folder = tmp_path_factory.mktemp("qwen3_5") / "random"
@@ -531,12 +352,9 @@ def test_mtp_head_of_the_checkpoint_matches_its_reference_wiring(
         model.embed(grid[:, 1:]), context[:, :-1], head.make_cache(2), [0, 0]
     )
     logits = as_np(head.logits(drafted, model))
-    tokens = torch.tensor(ids)
-    language = hf.model.language_model
-    with torch.no_grad():
-        hidden = language(input_ids=tokens).last_hidden_state  # after the norm
-        embeds = language.embed_tokens(tokens)
-        expected = hf.lm_head(reference(embeds[:, 1:], hidden[:, :-1])).numpy()
+    expected = support.mtp_reference(
+        hf.model.language_model, hf.lm_head, reference, ids
+    )
     assert np.abs(logits - expected).max() < TOL
 
 

@@ -14,7 +14,6 @@ decoding those k tokens one by one, for every k, every row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -45,55 +44,31 @@ from schemas.converter import structure, unstructure
 from schemas.errors import ConfigError
 from schemas.hf import DecoderArgs
 from schemas.hf_hybrid import HybridArgs, hybrid_args
+from tests.models import hybrid_support as support
+from tests.models.hybrid_support import (
+    ROLLBACK_TOL,
+    TOL,
+    VOCAB,
+    TorchMtp,
+    as_np,
+    hf_logits,
+    hf_weights,
+    mtp_weights,
+    per_expert,
+    randomize,
+    step,
+    token_ids,
+)
 
 pytestmark = pytest.mark.reference
 
-VOCAB = 128
 TINY: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
+    **support.LAYOUT,
+    **support.EXPERTS,
     "intermediate_size": 96,
-    "num_hidden_layers": 4,
-    "layer_types": [
-        "linear_attention",
-        "full_attention",
-        "linear_attention",
-        "full_attention",
-    ],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 8,
-    "linear_value_head_dim": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 48,
     "mlp_only_layers": [2],
-    "max_position_embeddings": 512,
     "attn_implementation": "eager",
 }
-TOL = 1e-4
-# window-vs-one-by-one: same math, different matmul shapes, so at most the
-# last bits may differ (measured on CPU float32: bit-identical)
-ROLLBACK_TOL = 2e-5
-
-
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)  # an ordinary RMSNorm weight
-            elif "norm" in name:
-                param.copy_(0.1 * noise)  # zero-centred: an offset from 1
-            elif name.endswith(("A_log", "dt_bias")):
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(0.15 * noise)
 
 
 def make_hf(seed: int = 0, **overrides: Any) -> Any:
@@ -104,12 +79,6 @@ def make_hf(seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
-def hf_weights(module: torch.nn.Module, prefix: str = "") -> dict[str, mx.array]:
-    return {
-        prefix + k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()
-    }
-
-
 def args_of(hf: Any) -> HybridArgs:
     parsed = hybrid_args(hf.config.to_dict(), "test config")
     assert isinstance(parsed, Success), parsed
@@ -118,52 +87,8 @@ def args_of(hf: Any) -> HybridArgs:
 
 
 def ours(hf: Any) -> Model:
-    args = args_of(hf)
-    model = build_model(args).unwrap()
-    assert isinstance(model, Model)
-    loaded = load_weights(model, hf_weights(hf), args)
-    assert loaded == Success(None), loaded
+    model: Model = support.ours(hf, Model)
     return model
-
-
-def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
-    with torch.no_grad():
-        logits: np.ndarray = hf(torch.tensor(ids)).logits.numpy()
-    return logits
-
-
-def as_np(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32))
-
-
-def token_ids(shape: tuple[int, ...], seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=shape)
-
-
-def step(
-    model: Model,
-    cache: HybridCache,
-    ids: np.ndarray | Sequence[Sequence[int]],  # [B, L]
-    offsets: Sequence[int],
-    kept: Sequence[int] | None = None,
-) -> np.ndarray:  # [B, L, V]
-    """One forward, then commit `kept` (default: every position)."""
-    grid = mx.array(np.asarray(ids), dtype=mx.int32)
-    out = model(grid, cache, offsets)
-    assert out.delta is not None
-    out.delta.commit(
-        list(kept) if kept is not None else [grid.shape[1]] * grid.shape[0]
-    )
-    mx.eval(out.logits, *cache.arrays())
-    return as_np(out.logits)
-
-
-def one_by_one(
-    model: Model, cache: HybridCache, tokens: Sequence[int], offset: int
-) -> np.ndarray:  # [len(tokens), V] for one row
-    return np.stack(
-        [step(model, cache, [[t]], [offset + i])[0, 0] for i, t in enumerate(tokens)]
-    )
 
 
 @pytest.fixture(scope="module")
@@ -286,9 +211,7 @@ def test_qwen3_next_needs_hybrid_args() -> None:
 def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
     hf, model = pair
     assert model.padding_safe is False
-    ids = token_ids((2, 12))
-    logits = step(model, model.make_cache(2), ids, [0, 0])
-    assert np.abs(logits - hf_logits(hf, ids)).max() < TOL
+    assert support.prefill_error(hf, model) < TOL
 
 
 @pytest.mark.parametrize("prompt", [6, PER_POSITION_MAX + 6])
@@ -298,13 +221,7 @@ def test_prefill_then_decode_matches_full_sequence(
     """Past PER_POSITION_MAX the prefill keeps only its final state (and HF
     takes its chunked path)."""
     hf, model = pair
-    ids = token_ids((1, prompt + 5), seed=2)
-    reference = hf_logits(hf, ids)[0]
-    cache = model.make_cache(1)
-    head = step(model, cache, ids[:, :prompt], [0])[0]
-    decoded = one_by_one(model, cache, list(ids[0, prompt:]), prompt)
-    assert np.abs(head - reference[:prompt]).max() < TOL
-    assert np.abs(decoded - reference[prompt:]).max() < TOL
+    assert max(support.prefill_then_decode_errors(hf, model, prompt)) < TOL
 
 
 @pytest.mark.parametrize("stress", ["random", "same-keys-no-decay", "strong-decay"])
@@ -334,11 +251,7 @@ def test_chunked_rule_equals_the_step_recurrence(stress: str) -> None:
 
 @pytest.fixture(scope="module")
 def prefilled(pair: tuple[Any, Model]) -> tuple[HybridCache, int]:
-    _, model = pair
-    prompt = token_ids((1, 7), seed=3)
-    cache = model.make_cache(1)
-    step(model, cache, prompt, [0])
-    return cache, prompt.shape[1]
+    return support.prefilled(pair[1])
 
 
 @settings(
@@ -358,61 +271,14 @@ def test_committing_k_of_a_window_equals_decoding_k_tokens(
     window: list[int],
     further: list[int],
 ) -> None:
-    _, model = pair
     base, length = prefilled
-    spec = base.take_rows([0])
-    verified = step(model, spec, [window], [length], kept=[kept])[0]
-    after_spec = one_by_one(model, spec, further, length + kept)
-
-    plain = base.take_rows([0])
-    accepted = one_by_one(model, plain, window[:kept], length) if kept else None
-    after_plain = one_by_one(model, plain, further, length + kept)
-
-    if accepted is not None:
-        assert np.abs(verified[:kept] - accepted).max() < ROLLBACK_TOL
-    assert np.abs(after_spec - after_plain).max() < ROLLBACK_TOL
-    # the committed linear-layer states themselves (the KV beyond each
-    # row's length may differ: stale drafts there are masked, then overwritten)
-    for ours_, theirs in zip(
-        spec.conv + spec.recurrent, plain.conv + plain.recurrent, strict=True
-    ):
-        assert np.abs(as_np(ours_) - as_np(theirs)).max() < ROLLBACK_TOL
+    support.check_commit_k_of_a_window(pair[1], base, length, kept, window, further)
 
 
 def test_rows_keeping_different_counts_equal_each_row_alone(
     pair: tuple[Any, Model],
 ) -> None:
-    """B=3 rows at different offsets keep (1, 4, 2) of a window of 4, then
-    decode two more tokens together; each row equals itself run alone."""
-    _, model = pair
-    lengths, kept = [5, 9, 7], [1, 4, 2]
-    prompts = [list(token_ids((n,), seed=10 + i)) for i, n in enumerate(lengths)]
-    windows = token_ids((3, 4), seed=20)
-    further = token_ids((3, 2), seed=21)
-
-    singles = []
-    for prompt in prompts:
-        single = model.make_cache(1)
-        step(model, single, [prompt], [0])
-        singles.append(single)
-    batch = HybridCache.concat_rows(singles)
-    verified = step(model, batch, windows, lengths, kept=kept)
-    ends = [n + k for n, k in zip(lengths, kept, strict=True)]
-    after = [
-        step(model, batch, further[:, i : i + 1], [e + i for e in ends])
-        for i in range(2)
-    ]
-
-    for row, prompt in enumerate(prompts):
-        alone = model.make_cache(1)
-        step(model, alone, [prompt], [0])
-        accepted = one_by_one(
-            model, alone, list(windows[row, : kept[row]]), lengths[row]
-        )
-        tail = one_by_one(model, alone, list(further[row]), ends[row])
-        assert np.abs(verified[row, : kept[row]] - accepted).max() < ROLLBACK_TOL
-        got = np.stack([a[row, 0] for a in after])
-        assert np.abs(got - tail).max() < ROLLBACK_TOL
+    support.check_rows_keeping_different_counts(pair[1])
 
 
 def test_take_rows_and_concat_rows_keep_rows_intact(pair: tuple[Any, Model]) -> None:
@@ -488,25 +354,6 @@ def test_bfloat16_errs_like_transformers_bfloat16(pair: tuple[Any, Model]) -> No
 
 
 # --- weights --------------------------------------------------------------
-
-
-def per_expert(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """transformers 5 stacked experts -> the per-expert names of released
-    checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...)."""
-    out: dict[str, mx.array] = {}
-    for key, value in weights.items():
-        if key.endswith("experts.gate_up_proj"):
-            stem, half = key[: -len("gate_up_proj")], value.shape[1] // 2
-            for e in range(value.shape[0]):
-                out[f"{stem}{e}.gate_proj.weight"] = value[e, :half]
-                out[f"{stem}{e}.up_proj.weight"] = value[e, half:]
-        elif key.endswith("experts.down_proj"):
-            stem = key[: -len("down_proj")]
-            for e in range(value.shape[0]):
-                out[f"{stem}{e}.down_proj.weight"] = value[e]
-        else:
-            out[key] = value
-    return out
 
 
 def test_checkpoint_expert_names_and_mlx_layout_load_the_same(
@@ -585,59 +432,23 @@ def test_4bit_model_with_quantized_experts_computes_its_dequantized_weights(
 # --- MTP head -------------------------------------------------------------
 
 
-class TorchMtp(torch.nn.Module):
-    """The MTP head from HF building blocks, wired as vLLM's
-    `Qwen3NextMultiTokenPredictor` (transformers ships no MTP module)."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.pre_fc_norm_embedding = hf_qwen3_next.Qwen3NextRMSNorm(hidden, eps)
-        self.pre_fc_norm_hidden = hf_qwen3_next.Qwen3NextRMSNorm(hidden, eps)
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        # a full-attention layer index whose MLP kind equals MTP layer 0's
-        full = config.layer_types.index("full_attention")
-        self.layers = torch.nn.ModuleList(
-            [hf_qwen3_next.Qwen3NextDecoderLayer(config, full)]
-        )
-        self.norm = hf_qwen3_next.Qwen3NextRMSNorm(hidden, eps)
-        self.rotary = hf_qwen3_next.Qwen3NextRotaryEmbedding(config)
-
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        length = embeds.shape[1]
-        x = self.fc(
-            torch.cat(
-                [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
-                dim=-1,
-            )
-        )
-        positions = torch.arange(length)[None]
-        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
-        x = self.layers[0](
-            x,
-            position_embeddings=self.rotary(x, positions),
-            attention_mask=causal,
-            position_ids=positions,
-        )
-        normed: torch.Tensor = self.norm(x)
-        return normed
+def torch_mtp(config: Any) -> TorchMtp:
+    """The Qwen3-Next head's reference wiring (vLLM's
+    `Qwen3NextMultiTokenPredictor`)."""
+    return TorchMtp(
+        config,
+        hf_qwen3_next.Qwen3NextRMSNorm,
+        hf_qwen3_next.Qwen3NextDecoderLayer,
+        hf_qwen3_next.Qwen3NextRotaryEmbedding,
+    )
 
 
 @pytest.fixture(scope="module")
 def mtp_pair(pair: tuple[Any, Model]) -> tuple[Any, Model, TorchMtp, MtpHead]:
     hf, model = pair
-    reference = TorchMtp(hf.config).eval()
+    reference = torch_mtp(hf.config).eval()
     randomize(reference, seed=7)
-    checkpoint = {
-        **hf_weights(hf),
-        **per_expert(
-            {
-                k: v
-                for k, v in hf_weights(reference, "mtp.").items()
-                if not k.startswith("mtp.rotary")
-            }
-        ),
-    }
+    checkpoint = {**hf_weights(hf), **per_expert(mtp_weights(reference))}
     main, mtp = model.split_mtp(checkpoint)
     assert not any(k.startswith("mtp.") for k in main)
     assert main.keys() == flat_parameters(model).keys()
@@ -648,14 +459,7 @@ def mtp_pair(pair: tuple[Any, Model]) -> tuple[Any, Model, TorchMtp, MtpHead]:
 def mtp_reference(
     hf: Any, reference: TorchMtp, ids: np.ndarray
 ) -> np.ndarray:  # [B, L-1, V]: token p+1 paired with the post-norm hidden at p
-    tokens = torch.tensor(ids)
-    with torch.no_grad():
-        hidden = hf.model(tokens).last_hidden_state  # after the final norm
-        embeds = hf.model.embed_tokens(tokens)
-        logits: np.ndarray = hf.lm_head(
-            reference(embeds[:, 1:], hidden[:, :-1])
-        ).numpy()
-    return logits
+    return support.mtp_reference(hf.model, hf.lm_head, reference, ids)
 
 
 def test_mtp_head_matches_its_reference_wiring(

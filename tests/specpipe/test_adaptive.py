@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -62,18 +63,50 @@ def test_cost_model_extrapolates_linearly() -> None:
     assert CostModel((5.0,)).verify(9) == 5.0
 
 
-def test_gate_closes_and_probes() -> None:
-    policy = AdaptivePolicy(CPU_LIKE, probe_every=4)
+def _gated_choices(row: RowAdaptation, policy: AdaptivePolicy, n: int) -> list[int]:
+    """n choices of a row whose every probe is rejected, one plain step per 0."""
+    choices = []
+    for _ in range(n):
+        depth = row.choose(policy, 4)
+        choices.append(depth)
+        if depth == 0:
+            row.decoded_plainly(1)
+        else:
+            row.observe(depth, 0, policy)
+    return choices
+
+
+def test_gate_closes_and_probes_with_backoff() -> None:
+    policy = AdaptivePolicy(CPU_LIKE, probe_every=4, max_probe_every=16)
     row = RowAdaptation()
     for _ in range(6):  # every draft rejected: the estimate drops, the gate closes
         row.observe(2, 0, policy)
-    choices = [row.choose(policy, 4) for _ in range(8)]
-    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
-    row.probe_next = True
-    assert row.choose(policy, 4) == 1
+    choices = _gated_choices(row, policy, 60)
+    probes = [i for i, depth in enumerate(choices) if depth]
+    # a fresh row probes at once (its draft has just read the prompt), then
+    # the wait doubles after each probe that stays gated, up to the cap
+    assert probes[0] == 0
+    gaps = [b - a - 1 for a, b in itertools.pairwise(probes)]
+    assert gaps == [4, 8, 16, 16]
     for _ in range(20):  # the row turns predictable: speculation comes back
         row.observe(4, 4, policy)
     assert row.choose(policy, 4) >= 3
+    assert row.interval == 0  # the backoff is reset
+    for _ in range(30):  # and unpredictable again: the gate closes, waits, probes
+        row.observe(4, 0, policy)
+    again = _gated_choices(row, policy, 10)
+    assert again[:5] == [0, 0, 0, 0, 1]  # 4 plain steps (the closing one first), a probe
+
+
+def test_probe_steps_bound_plain_bursts() -> None:
+    policy = AdaptivePolicy(CPU_LIKE, probe_every=4)
+    row = RowAdaptation(fresh=False, accepted=0.0, trials=20.0)
+    assert row.choose(policy, 4) == 0
+    assert row.steps_to_probe() == 4
+    row.decoded_plainly(3)
+    assert row.steps_to_probe() == 1
+    row.decoded_plainly(1)
+    assert row.choose(policy, 4) == 1
 
 
 def test_estimate_tracks_acceptance() -> None:

@@ -1,0 +1,287 @@
+"""Adaptive drafting against plain decoding, every fixed width and mlx-lm's
+speculative decoding, on code, chat and prose prompts, in one process run.
+
+The issue's goals, checked at the end of the run and written to the JSON:
+- adaptive >= 0.98x plain decode on every prompt class (never a loss);
+- adaptive within 5 % of the best fixed width on code;
+- adaptive ahead of mlx-lm's speculative decoding (at its best width) on every
+  class, compared as speedup over each library's own plain decode.
+
+Every specpipe output must equal specpipe's plain greedy decode (a
+difference fails the run unless --no-assert). Weights load once: the
+adaptive pipeline comes from the public `specpipe.load(..., adaptive=True)`
+(which calibrates on first use and caches the cost model); the fixed widths
+and plain decode reuse its loaded models (`attrs.evolve` of the Pipeline).
+Runs are interleaved per prompt (plain, fixed widths, adaptive, then mlx-lm)
+so slow drifts in machine load hit all methods of a prompt alike.
+
+    python bench/adaptive.py --dtype bfloat16 --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    PROMPTS,
+    RESULTS,
+    Run,
+    first_difference,
+    machine_info,
+    mlxlm_load,
+    mlxlm_plain,
+    mlxlm_speculative,
+    model_folder,
+    specpipe_run,
+    table,
+    write_json,
+)
+
+NEVER_LOSE = 0.98  # adaptive / plain, every class
+NEAR_BEST = 0.95  # adaptive / best fixed width, code
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
+                        help="a draft model reference, or 'ngram' (model-free; no mlx-lm peer)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompts", default="code,chat,prose")
+    parser.add_argument("--widths", default="1,2,3,4,6", help="fixed two-model widths")
+    parser.add_argument("--max-depth", type=int, default=6, help="adaptive: deepest window")
+    parser.add_argument("--mlxlm-widths", default="2,4,6")
+    parser.add_argument("--no-mlxlm", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "adaptive.json"))
+    parser.add_argument("--plot", default=str(RESULTS / "adaptive.png"))
+    parser.add_argument("--no-assert", action="store_true")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the plot and tables from a result file")
+    args = parser.parse_args()
+    if args.replot:
+        import json
+
+        payload = json.loads(Path(args.replot).read_text())
+        report(payload)
+        plot(payload, Path(args.plot))
+        return
+
+    from attrs import asdict, evolve
+
+    import specpipe
+
+    started = time.perf_counter()
+    machine = machine_info()
+    target_folder = model_folder(args.target, args.dtype)
+    ngram = args.draft == "ngram"
+    draft_folder = args.draft if ngram else model_folder(args.draft, args.dtype)
+    print(f"target {target_folder}\ndraft  {draft_folder}", file=sys.stderr, flush=True)
+
+    adaptive = specpipe.load(
+        str(target_folder), draft=str(draft_folder), num_draft_tokens=args.max_depth,
+        dtype=args.dtype, adaptive=True,
+    ).unwrap()
+    assert adaptive.draft is not None and adaptive.adaptive is not None
+    plain = evolve(adaptive, draft=None, adaptive=None)
+    fixed = {
+        k: evolve(adaptive, adaptive=None, draft=evolve(adaptive.draft, width=k))
+        for k in ints(args.widths)
+    }
+    peer = peer_draft = None
+    lm_widths = [] if args.no_mlxlm or ngram else ints(args.mlxlm_widths)
+    if lm_widths:
+        draft_model: Any = adaptive.draft.model
+        peer = mlxlm_load(target_folder, plain.target.model)
+        peer_draft = mlxlm_load(draft_folder, draft_model)
+    eos = frozenset(plain.target.tokenizer.eos_token_ids)
+
+    # warm-up, excluded: every code path once, a few tokens
+    warm = list(plain.encode("def f(x):", False).unwrap())
+    for pipe in (plain, fixed[min(fixed)], adaptive):
+        specpipe_run(pipe, warm, 4, "warm-up")
+    if peer is not None:
+        mlxlm_plain(peer, warm, 4, eos)
+        mlxlm_speculative(peer, peer_draft, warm, 4, lm_widths[0], eos)
+
+    payload: dict[str, Any] = {
+        "machine": machine,
+        "target": str(target_folder),
+        "draft": str(draft_folder),
+        "dtype": args.dtype,
+        "max_tokens": args.tokens,
+        "max_depth": args.max_depth,
+        "cost_model": asdict(adaptive.adaptive.cost),
+        "policy": {k: v for k, v in asdict(adaptive.adaptive).items() if k != "cost"},
+        "drafter": adaptive.draft.kind,
+        "prompts": {},
+    }
+    failures: list[str] = []
+
+    def record(prompt: str, run: Run, reference: list[int]) -> None:
+        diff = first_difference(run.tokens, reference)
+        entry = run.summary()
+        entry["equals_specpipe_plain"] = diff is None
+        entry["first_difference"] = diff
+        block = payload["prompts"][prompt]
+        base = block["plain"].get(run.library)
+        entry["speedup"] = run.decode_tps / base["decode_tps"] if base else 1.0
+        block["runs"].append(entry)
+        if diff is not None and run.library == "specpipe":
+            failures.append(f"{prompt}: specpipe {run.method} k={run.width} differs at token {diff}")
+        write_json(Path(args.out), payload)
+        depths = run.extra.get("depths")
+        print(
+            f"  {prompt:5s} {run.library:8s} {run.method:11s} k={run.width}: {run.decode_tps:.3f} tok/s "
+            f"x{entry['speedup']:.2f} acc.len {run.acceptance_length:.2f} {run.ms_per_round:.0f} ms/round "
+            f"{'depths ' + str(depths) if depths else ''} {'==' if diff is None else f'DIFF@{diff}'} "
+            f"[{time.perf_counter() - started:.0f}s]",
+            file=sys.stderr, flush=True,
+        )
+
+    for prompt in args.prompts.split(","):
+        text, chat = PROMPTS[prompt]
+        ids = list(plain.encode(text, chat).unwrap())
+        payload["prompts"][prompt] = {"prompt_tokens": len(ids), "plain": {}, "runs": []}
+        block = payload["prompts"][prompt]
+        ref = specpipe_run(plain, ids, args.tokens, "plain")
+        block["plain"]["specpipe"] = ref.summary()
+        block["reference_text"] = plain.target.tokenizer.decode(ref.tokens)
+        record(prompt, ref, ref.tokens)
+        for pipe in fixed.values():
+            record(prompt, specpipe_run(pipe, ids, args.tokens, "fixed"), ref.tokens)
+        run = specpipe_run(adaptive, ids, args.tokens, "adaptive")
+        run.width = args.max_depth
+        record(prompt, run, ref.tokens)
+        if peer is not None:
+            lm_plain = mlxlm_plain(peer, ids, args.tokens, eos)
+            block["plain"]["mlx-lm"] = lm_plain.summary()
+            record(prompt, lm_plain, ref.tokens)
+            for k in lm_widths:
+                record(prompt, mlxlm_speculative(peer, peer_draft, ids, args.tokens, k, eos), ref.tokens)
+
+    payload["goals"] = goals(payload)
+    payload["elapsed_s"] = time.perf_counter() - started
+    write_json(Path(args.out), payload)
+    report(payload)
+    if args.plot:
+        plot(payload, Path(args.plot))
+    if failures:
+        print("\nLOSSLESSNESS FAILURES:\n  " + "\n  ".join(failures))
+        if not args.no_assert:
+            raise SystemExit(1)
+
+
+def summarise(block: dict[str, Any]) -> dict[str, Any]:
+    """Per prompt: adaptive, best fixed width and mlx-lm's best, as speedups
+    over each library's own plain decode."""
+    runs = block["runs"]
+    ours = [r for r in runs if r["library"] == "specpipe"]
+    fixed = [r for r in ours if r["method"] == "fixed"]
+    adaptive = next(r for r in ours if r["method"] == "adaptive")
+    best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
+    peer = [r for r in runs if r["library"] == "mlx-lm" and r["method"] == "speculative"]
+    peer_best = max(peer, key=lambda r: r["speedup"]) if peer else None
+    return {
+        "adaptive": adaptive["speedup"],
+        "adaptive_depths": adaptive["extra"].get("depths", {}),
+        "gated_share": adaptive["extra"].get("gated_share", 0.0),
+        "best_fixed": best["speedup"] if best else None,
+        "best_fixed_width": best["width"] if best else None,
+        "mlxlm_best": peer_best["speedup"] if peer_best else None,
+        "mlxlm_best_width": peer_best["width"] if peer_best else None,
+    }
+
+
+def goals(payload: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for prompt, block in payload["prompts"].items():
+        s = summarise(block)
+        checks = {"never_loses": s["adaptive"] >= NEVER_LOSE}
+        if prompt == "code" and s["best_fixed"]:
+            checks["near_best_fixed"] = s["adaptive"] >= NEAR_BEST * s["best_fixed"]
+        if s["mlxlm_best"] is not None:
+            checks["ahead_of_mlxlm"] = s["adaptive"] > s["mlxlm_best"]
+        out[prompt] = {**s, "checks": checks}
+    return out
+
+
+def report(payload: dict[str, Any]) -> None:
+    m = payload["machine"]
+    print(
+        f"\nadaptive drafting, {Path(payload['target']).name} + {Path(payload['draft']).name} "
+        f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} ({m['cpu']}), {m['date']}"
+    )
+    print(f"cost model: {payload['cost_model']}")
+    for prompt, block in payload["prompts"].items():
+        print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
+        rows = [
+            [
+                r["library"], r["method"], r["width"], r["n_tokens"], r["decode_tps"], r["speedup"],
+                r["acceptance_length"], r["ms_per_round"],
+                r["extra"].get("depths", ""),
+                "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
+            ]
+            for r in block["runs"]
+        ]
+        print(table(["library", "method", "k", "tokens", "tok/s", "speedup", "tokens/round", "ms/round",
+                     "depths (adaptive)", "== specpipe plain"], rows))
+    rows = []
+    for prompt, g in payload.get("goals", goals(payload)).items():
+        rows.append([
+            prompt, g["adaptive"], f"{g['best_fixed']:.3f} (k={g['best_fixed_width']})" if g["best_fixed"] else "-",
+            f"{g['mlxlm_best']:.3f} (k={g['mlxlm_best_width']})" if g["mlxlm_best"] is not None else "-",
+            g["gated_share"], ", ".join(f"{k}: {'ok' if v else 'MISSED'}" for k, v in g["checks"].items()),
+        ])
+    print("\n" + table(["prompt", "adaptive", "best fixed", "mlx-lm best", "gated share", "goals"], rows))
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = list(payload["prompts"])
+    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True)
+    for ax, prompt in zip(axes[0], prompts, strict=True):
+        runs = payload["prompts"][prompt]["runs"]
+        for (lib, method), (color, style, label) in {
+            ("specpipe", "fixed"): ("C0", "o-", f"specpipe {payload.get('drafter', '')} fixed width"),
+            ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
+        }.items():
+            pts = sorted((r["width"], r["speedup"]) for r in runs if r["library"] == lib and r["method"] == method)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
+        adaptive = next(r for r in runs if r["method"] == "adaptive")
+        ax.axhline(adaptive["speedup"], color="C2", lw=2, label=f"specpipe adaptive (max {adaptive['width']})")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(NEVER_LOSE, color="grey", lw=0.8, ls=":")
+        ax.set_title(f"prompt '{prompt}'")
+        ax.set_xlabel("draft width k")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode tok/s over the same library's plain decode")
+    axes[0][0].legend(fontsize=8)
+    m = payload["machine"]
+    fig.suptitle(
+        f"adaptive drafting: {Path(payload['target']).name} + {Path(payload['draft']).name} "
+        f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} {m['cpu']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Calibration with an MTP draft: one head step is timed (not counted free),
+cached apart from other draft kinds, and adaptive drafting with it stays
+lossless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_mtp_companion import LIMITS, PROMPTS, write_hybrid
+
+from schemas.request import SamplingParams
+from specpipe.adaptive import CostModel
+from specpipe.api import calibrate, load
+from specpipe.calibrate import DraftStep, calibration_path, load_cached, measure
+from specpipe.draft_vocab import DraftVocabulary
+from specpipe.drafts.mtp import MtpDrafter
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hybrid(tmp_path_factory.mktemp("calhybrid") / "target")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_mtp_calibration_times_the_head(hybrid: Path, cache: Path) -> None:
+    plain = load(str(hybrid)).unwrap()
+    mtp = load(str(hybrid), draft="mtp").unwrap()
+    assert mtp.draft is not None and isinstance(mtp.draft.drafter, DraftStep)
+
+    none_cost = calibrate(plain.target, None, None, max_width=3)
+    mtp_cost = calibrate(mtp.target, mtp.draft, None, max_width=3)
+    assert none_cost.draft_ms == 0.0
+    assert mtp_cost.draft_ms > 0.0
+    assert len(mtp_cost.verify_ms) == 3
+
+    source = str(hybrid)
+    none_path = calibration_path(source, None, "native")
+    mtp_path = calibration_path(source, mtp.draft.source, "native", "mtp")
+    assert none_path != mtp_path
+    assert load_cached(mtp_path).unwrap() == mtp_cost
+    assert load_cached(none_path).unwrap() == none_cost
+    assert {p.name for p in (cache / "calibration").iterdir()} == {
+        none_path.name,
+        mtp_path.name,
+    }
+    # the same source under another kind (a two-model draft) is another entry
+    assert calibration_path(source, mtp.draft.source, "native", "two-model") != mtp_path
+    # ngram drafts on the host: free, and cached apart from no draft
+    ngram = load(str(hybrid), draft="ngram").unwrap()
+    assert calibrate(ngram.target, ngram.draft, None, max_width=3).draft_ms == 0.0
+    assert calibration_path(source, None, "native", "ngram") != none_path
+    # a second call reads the cache (a measurement would differ in time)
+    assert calibrate(mtp.target, mtp.draft, None, max_width=3) == mtp_cost
+
+
+def test_mtp_step_with_a_draft_vocabulary(hybrid: Path) -> None:
+    pipeline = load(str(hybrid), draft="mtp").unwrap()
+    assert pipeline.draft is not None
+    drafter = pipeline.draft.drafter
+    assert isinstance(drafter, MtpDrafter)
+    vocab = DraftVocabulary.create(range(0, 320, 4), 320).unwrap()
+    subset = MtpDrafter(drafter.target, drafter.head, vocab=vocab)
+    assert subset.calibration_key == "mtp/vocab=80"
+    assert drafter.calibration_key == "mtp"
+    cost = measure(pipeline.target.model, subset, max_width=2, repeats=2)
+    assert cost.draft_ms > 0.0
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)]
+)
+def test_adaptive_mtp_output_equals_plain(
+    hybrid: Path, cache: Path, sampling: SamplingParams
+) -> None:
+    plain = load(str(hybrid)).unwrap().generate_batch(PROMPTS, sampling, LIMITS)
+    pipeline = load(str(hybrid), draft="mtp", num_draft_tokens=3, adaptive=True)
+    adaptive = pipeline.unwrap()
+    assert adaptive.adaptive is not None and adaptive.adaptive.cost.draft_ms > 0.0
+    results = adaptive.generate_batch(PROMPTS, sampling, LIMITS).unwrap()
+    assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
+    assert all(sum(n for _, n in r.stats.depths) > 0 for r in results)
+    assert all(not r.stats.draft_errors for r in results)
+    # a cost model that makes drafting pay: rows draft, output unchanged
+    cheap = CostModel(verify_ms=(10.0, 10.1, 10.2, 10.3), draft_ms=0.1)
+    eager = load(str(hybrid), draft="mtp", num_draft_tokens=3, adaptive=cheap)
+    eager_results = eager.unwrap().generate_batch(PROMPTS, sampling, LIMITS).unwrap()
+    assert [r.tokens for r in eager_results] == [r.tokens for r in plain.unwrap()]
+    assert all(r.stats.drafted > 0 for r in eager_results)
