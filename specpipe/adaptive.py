@@ -26,11 +26,14 @@ from attrs import define, field, frozen
 @frozen
 class CostModel:
     """Milliseconds on this machine. `verify_ms[w - 1]`: one target forward over a
-    window of width w; `draft_ms`: one draft step; `draft_fixed_ms`: per round."""
+    window of width w; `draft_ms`: one draft step; `draft_fixed_ms`: per round;
+    `plain_ms`: a plain decode step, pipelined as the loop runs it."""
 
     verify_ms: tuple[float, ...]
     draft_ms: float = 0.0
     draft_fixed_ms: float = 0.0
+    # a plain step as the decode loop runs it (pipelined); 0: verify_ms[0]
+    plain_ms: float = 0.0
 
     def verify(self, width: int) -> float:
         if width <= len(self.verify_ms):
@@ -42,7 +45,7 @@ class CostModel:
 
     def round_ms(self, depth: int) -> float:
         if depth == 0:
-            return self.verify(1)
+            return self.plain_ms or self.verify(1)
         return self.verify(depth + 1) + depth * self.draft_ms + self.draft_fixed_ms
 
 

@@ -137,3 +137,13 @@ def test_adaptive_output_equals_plain(
         results = pipeline.generate_batch(prompts, sampling, limits).unwrap()
         assert [r.tokens for r in results] == [r.tokens for r in plain]
         assert all(sum(n for _, n in r.stats.depths) > 0 for r in results)
+
+
+def test_plain_step_cost_is_the_pipelined_one() -> None:
+    cost = CostModel(verify_ms=(10.0, 11.0, 12.0), draft_ms=1.0, plain_ms=7.0)
+    assert cost.round_ms(0) == 7.0
+    assert cost.round_ms(2) == 12.0 + 2 * 1.0
+    assert CostModel(verify_ms=(10.0,)).round_ms(0) == 10.0  # not measured: a lone step
+    # a pipelined plain step that cheap makes a 2-token window at 14 ms lose
+    # even at full acceptance: 2 tokens / 14 ms < 1 token / 7 ms
+    assert best_depth(1.0, CostModel((10.0, 14.0), plain_ms=7.0), 1)[0] == 0

@@ -37,6 +37,7 @@ def test_mtp_calibration_times_the_head(hybrid: Path, cache: Path) -> None:
     mtp_cost = calibrate(mtp.target, mtp.draft, None, max_width=3)
     assert none_cost.draft_ms == 0.0
     assert mtp_cost.draft_ms > 0.0
+    assert mtp_cost.plain_ms > 0.0 and none_cost.plain_ms > 0.0  # pipelined plain step
     assert len(mtp_cost.verify_ms) == 3
 
     source = str(hybrid)
