@@ -20,7 +20,7 @@ for width in (1, 2, 3, 5):
     mx.eval(cache.arrays())
     ids = ctx[:, :width]
     fixed, growing = [], []
-    for i in range(30):
+    for _ in range(30):
         t = time.perf_counter()
         mx.eval(model(ids, cache, [128]).logits)
         fixed.append((time.perf_counter() - t) * 1000)
@@ -52,7 +52,7 @@ for width in (2, 3, 5):
     mx.eval(cache.arrays())
     ids = ctx[:, :width]
     growing = []
-    for i in range(30):
+    for _ in range(30):
         t = time.perf_counter()
         mx.eval(model(ids, cache, [170 + i]).logits)
         growing.append((time.perf_counter() - t) * 1000)
@@ -95,7 +95,7 @@ for width in (2, 3, 5):
     mx.eval(cache.arrays())
     ids = ctx[:, :width]
     growing = []
-    for i in range(30):
+    for _ in range(30):
         t = time.perf_counter()
         mx.eval(model(ids, cache, [200 + i]).logits)
         growing.append((time.perf_counter() - t) * 1000)

@@ -6,6 +6,7 @@
 #   call 2 (carry .whlB, with part_ab and tokq/ = the Qwen tokenizer files):
 #       bash bench/h200_run.sh setup plain
 #   call 3: bash bench/h200_run.sh spec mtp
+# (2026-11-30, second session: call 2 `setup adaptive`, call 3 `adaptive-ngram mtp mtp-sampled`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -34,6 +35,20 @@ for step in "$@"; do
     python3 bench/speculative.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
         --tokens 128 --sweep-prompts code,chat,edit --ngram-widths 2,4,6 --no-assert \
         --out $OUT/speculative-h200.json --plot $OUT/speculative-h200.png || echo "STEP FAILED: $?"
+    ;;
+  adaptive)
+    python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
+        --tokens 128 --widths 1,2,3,4,6 --max-depth 6 --mlxlm-widths 2,4,6 --no-assert \
+        --out $OUT/adaptive-h200.json --plot $OUT/adaptive-h200.png || echo "STEP FAILED: $?"
+    ;;
+  adaptive-ngram)
+    python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft ngram --dtype bfloat16 \
+        --tokens 128 --widths 2,4,6,8 --max-depth 8 --no-mlxlm --no-assert \
+        --out $OUT/adaptive-ngram-h200.json --plot $OUT/adaptive-ngram-h200.png || echo "STEP FAILED: $?"
+    ;;
+  mtp-sampled)
+    python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \
+        --fr-size 32768 --sampling qwen --out $OUT/mtp-sampled-h200.json || echo "STEP FAILED: $?"
     ;;
   mtp)
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \

@@ -74,20 +74,34 @@ class Sink:
         return True
 
 
-def generate(model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int) -> tuple[list[int], Any, float]:
+SAMPLINGS = {
+    "greedy": SamplingParams(),
+    # Qwen's recommended sampling for its instruct models: the draft samples
+    # with the same filters (coupled draw), so top-k/top-p run over its vocabulary
+    "qwen": SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=0),
+}
+
+
+def generate(
+    model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int,
+    sampling: SamplingParams = SAMPLINGS["greedy"],
+) -> tuple[list[int], Any, float]:
     sink = Sink()
     start = time.perf_counter()
     result = generate_rows(
-        model, [RowRequest(prompt, SamplingParams(), n, sink)], (), drafter, RoundOptions(depth=depth)
+        model, [RowRequest(prompt, sampling, n, sink)], (), drafter, RoundOptions(depth=depth)
     )[0]
     mx.synchronize()
     return sink.tokens, result, time.perf_counter() - start
 
 
-def draft_chain_ms(drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int, repeats: int) -> float:
+def draft_chain_ms(
+    drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int, repeats: int,
+    sampling: SamplingParams = SAMPLINGS["greedy"],
+) -> float:
     """The draft chain alone: open rows after a real prefill, then time
     `propose` + evaluation of its tokens (the head's KV writes are scratch)."""
-    row = RowState.start(prompt, 64, SamplingParams())
+    row = RowState.start(prompt, 64, sampling)
     cache, hidden = prefill_rows(model, [row], keep_hidden=True)
     rows = drafter.open([row], hidden)
     # One real round first, so the head has paired the prompt and the timed
@@ -120,6 +134,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--fr-size", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -137,13 +152,15 @@ def main() -> None:
     mx.eval(head.parameters())
     prompt = tuple(int(t) for t in mx.random.randint(0, args.vocab, (48,), key=mx.random.key(1)).tolist())
 
-    generate(model, prompt, 4, None, 0)  # warm-up
-    plain, plain_result, plain_s = generate(model, prompt, args.tokens, None, 0)
+    sampling = SAMPLINGS[args.sampling]
+    generate(model, prompt, 4, None, 0, sampling)  # warm-up
+    plain, plain_result, _ = generate(model, prompt, args.tokens, None, 0, sampling)
     report: dict[str, Any] = {
         "machine": machine_info(),
         "config": config,
         "dtype": args.dtype,
         "quantize": args.quantize,
+        "sampling": args.sampling,
         "plain": {
             "tokens": len(plain),
             "decode_tps": len(plain) / plain_result.decode_seconds,
@@ -157,7 +174,7 @@ def main() -> None:
     for depth in [int(d) for d in args.depths.split(",")]:
         for name, listed in (("full", None), (f"fr{args.fr_size}", vocab)):
             drafter = MtpDrafter(model, head, vocab=listed)
-            tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth)
+            tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth, sampling)
             # bf16 on a GPU: a window's logits may differ from single-token
             # logits in the last bits, which flips near-tied argmaxes of random
             # weights; recorded, not hidden (see DESIGN, losslessness caveat)
@@ -181,7 +198,7 @@ def main() -> None:
                 {
                     "depth": depth,
                     "vocab": name,
-                    "ms": draft_chain_ms(drafter, model, prompt, depth, args.repeats),
+                    "ms": draft_chain_ms(drafter, model, prompt, depth, args.repeats, sampling),
                 }
             )
             print(json.dumps(report["mtp"][-1]), json.dumps(report["draft_chain"][-1]), flush=True)
