@@ -17,6 +17,7 @@ target's own sample.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -53,6 +54,7 @@ def expected_tokens(alpha: float, depth: int) -> float:
     return sum(alpha**i for i in range(depth + 1))
 
 
+@functools.lru_cache(maxsize=1024)
 def best_depth(alpha: float, cost: CostModel, max_depth: int) -> tuple[int, float]:
     """The depth with the highest expected tokens per ms, and its speedup over
     plain decoding (1.0 for depth 0). Ties go to the shallower depth."""
@@ -86,13 +88,17 @@ class RowAdaptation:
     `max_probe_every`: a row that never agrees pays a vanishing share of
     probes, while one that turns predictable again is found within the wait.
     The first choice of a fresh row probes at once when it would gate: the
-    draft has just read the prompt, so that probe costs no catch-up."""
+    draft has just read the prompt, so that probe costs no catch-up. When the
+    cost model says no depth wins even if every draft is accepted (a draft
+    nearly as slow as the target, or windows far dearer than plain steps, as
+    on an overhead-bound GPU), the row never drafts at all."""
 
     accepted: float = 0.0
     trials: float = 0.0
     waited: int = 0  # plain steps since the row last drafted
     interval: int = 0  # plain steps to wait before the next probe (0: not gated)
     fresh: bool = True  # no choice made yet
+    hopeless: bool = False  # no depth can beat plain decoding, even fully accepted
     depths: Counter[int] = field(factory=Counter)
 
     def alpha(self, policy: AdaptivePolicy) -> float:
@@ -101,8 +107,15 @@ class RowAdaptation:
 
     def choose(self, policy: AdaptivePolicy, max_depth: int) -> int:
         fresh, self.fresh = self.fresh, False
+        if max_depth == 0:
+            return 0
+        if best_depth(1.0, policy.cost, max_depth)[0] == 0:
+            # even a draft that is always accepted loses to plain decoding on
+            # this machine: never probe
+            self.hopeless = True
+            return 0
         depth, _gain = best_depth(self.alpha(policy), policy.cost, max_depth)
-        if depth > 0 or max_depth == 0:
+        if depth > 0:
             self.interval = 0
             return depth
         if fresh:
@@ -122,8 +135,11 @@ class RowAdaptation:
         self.waited = 0
         return 1  # one cheap draft refreshes the estimate
 
-    def steps_to_probe(self) -> int:
-        """Plain steps this gated row can take before its next probe."""
+    def steps_to_probe(self) -> int | None:
+        """Plain steps this gated row can take before its next probe (None:
+        it never probes)."""
+        if self.hopeless:
+            return None
         return max(1, self.interval - self.waited)
 
     def decoded_plainly(self, steps: int) -> None:

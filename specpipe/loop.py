@@ -258,7 +258,8 @@ class _Run:
             steps = None
             if batch.draft is not None and adapt is not None:
                 # until the first gated row's next probe
-                steps = min(adapt[s].steps_to_probe() for s in batch.slots)
+                waits = [adapt[s].steps_to_probe() for s in batch.slots]
+                steps = min((w for w in waits if w is not None), default=None)
             if bounded:
                 steps = min(steps or _ADMIT_EVERY, _ADMIT_EVERY)
             before = {s: self.metrics[s].gated for s in batch.slots}

@@ -147,3 +147,17 @@ def test_plain_step_cost_is_the_pipelined_one() -> None:
     # a pipelined plain step that cheap makes a 2-token window at 14 ms lose
     # even at full acceptance: 2 tokens / 14 ms < 1 token / 7 ms
     assert best_depth(1.0, CostModel((10.0, 14.0), plain_ms=7.0), 1)[0] == 0
+
+
+def test_a_draft_that_cannot_win_is_never_tried() -> None:
+    # overhead-bound GPU: a 2-wide window costs 3 plain steps, a draft step
+    # almost one; even full acceptance loses, so the row never probes
+    cost = CostModel(verify_ms=(5.0, 12.0, 12.0, 12.0), draft_ms=3.6, plain_ms=4.0)
+    policy = AdaptivePolicy(cost, probe_every=2)
+    row = RowAdaptation()
+    choices = []
+    for _ in range(50):
+        choices.append(row.choose(policy, 3))
+        row.decoded_plainly(1)
+    assert choices == [0] * 50
+    assert row.steps_to_probe() is None
