@@ -18,6 +18,7 @@ target's own sample.
 from __future__ import annotations
 
 import functools
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 
@@ -49,22 +50,70 @@ class CostModel:
             return self.plain_ms or self.verify(1)
         return self.verify(depth + 1) + depth * self.draft_ms + self.draft_fixed_ms
 
+    def rounds(self, max_depth: int) -> tuple[float, ...]:
+        """`round_ms(d)` for d = 0..max_depth."""
+        return tuple(self.round_ms(d) for d in range(max_depth + 1))
+
 
 def expected_tokens(alpha: float, depth: int) -> float:
     return sum(alpha**i for i in range(depth + 1))
 
 
-@functools.lru_cache(maxsize=1024)
 def best_depth(alpha: float, cost: CostModel, max_depth: int) -> tuple[int, float]:
     """The depth with the highest expected tokens per ms, and its speedup over
     plain decoding (1.0 for depth 0). Ties go to the shallower depth."""
-    plain = 1.0 / cost.round_ms(0)
+    return best_of(alpha, cost.rounds(max_depth))
+
+
+@functools.lru_cache(maxsize=4096)
+def best_of(alpha: float, rounds: tuple[float, ...]) -> tuple[int, float]:
+    """`best_depth` over explicit round costs: `rounds[d]` ms for depth d."""
+    plain = 1.0 / rounds[0]
     best, best_rate = 0, plain
-    for depth in range(1, max_depth + 1):
-        rate = expected_tokens(alpha, depth) / cost.round_ms(depth)
+    for depth in range(1, len(rounds)):
+        rate = expected_tokens(alpha, depth) / rounds[depth]
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = depth, rate
     return best, best_rate / plain
+
+
+@define
+class ObservedCosts:
+    """What rounds cost in this run, by depth (0: one plain step): the median
+    of the last `window` rounds of each depth the batch ran, at the current
+    batch size. The calibration is the prior; a depth the run has measured
+    uses its measurement, and one it has not uses the prior scaled by the
+    median ratio measured/prior of the drafting depths it has (a machine
+    busier or idler than at calibration scales every depth alike). On an H200 the
+    calibrated forward of a window missed what a round adds per drafted
+    position (sampling and reading the window, the walk, the commit): an
+    8-deep n-gram round cost 10.4 ms where the calibration said 8.2, and a
+    fixed calibration chose it over a 2-deep round that cost 7.9 ms."""
+
+    prior: CostModel
+    window: int = 8
+    batch: int = 0
+    seen: dict[int, list[float]] = field(factory=dict)
+
+    def observe(self, depth: int, ms: float, batch: int) -> None:
+        if batch != self.batch:  # costs depend on the batch size
+            self.seen.clear()
+            self.batch = batch
+        times = self.seen.setdefault(depth, [])
+        times.append(ms)
+        del times[: -self.window]
+
+    def rounds(self, max_depth: int) -> tuple[float, ...]:
+        prior = self.prior.rounds(max_depth)
+        measured = {
+            d: statistics.median(t) for d, t in self.seen.items() if d <= max_depth
+        }
+        ratios = [measured[d] / prior[d] for d in measured if d > 0]
+        scale = statistics.median(ratios) if ratios else 1.0
+        return tuple(
+            measured[d] if d in measured else prior[d] * scale
+            for d in range(max_depth + 1)
+        )
 
 
 @frozen
@@ -75,6 +124,9 @@ class AdaptivePolicy:
     decay: float = 0.9  # per round: older evidence fades so a row can change regime
     probe_every: int = 8  # plain steps before a gated row's first re-probe
     max_probe_every: int = 64  # the wait doubles after each probe that stays gated
+    # measure rounds as they run and let the measurements replace the
+    # calibration (`ObservedCosts`); off: the calibration alone decides
+    observe_costs: bool = True
 
 
 @define
@@ -105,16 +157,25 @@ class RowAdaptation:
         num = self.accepted + policy.prior_alpha * policy.prior_weight
         return num / (self.trials + policy.prior_weight)
 
-    def choose(self, policy: AdaptivePolicy, max_depth: int) -> int:
+    def choose(
+        self,
+        policy: AdaptivePolicy,
+        max_depth: int,
+        rounds: tuple[float, ...] | None = None,
+    ) -> int:
+        """This round's depth. `rounds`: ms per round by depth (default: the
+        policy's calibration; the loop passes `ObservedCosts.rounds`)."""
         fresh, self.fresh = self.fresh, False
         if max_depth == 0:
             return 0
-        if best_depth(1.0, policy.cost, max_depth)[0] == 0:
-            # even a draft that is always accepted loses to plain decoding on
-            # this machine: never probe
-            self.hopeless = True
+        if rounds is None:
+            rounds = policy.cost.rounds(max_depth)
+        # even a draft that is always accepted loses to plain decoding on this
+        # machine: never probe
+        self.hopeless = best_of(1.0, rounds)[0] == 0
+        if self.hopeless:
             return 0
-        depth, _gain = best_depth(self.alpha(policy), policy.cost, max_depth)
+        depth, _gain = best_of(self.alpha(policy), rounds)
         if depth > 0:
             self.interval = 0
             return depth

@@ -18,7 +18,7 @@ from attrs import define, evolve, field, frozen
 
 from models.base import CausalLM
 from schemas.request import SamplingParams
-from specpipe.adaptive import AdaptivePolicy, RowAdaptation
+from specpipe.adaptive import AdaptivePolicy, ObservedCosts, RowAdaptation
 from specpipe.draft import Drafter, DraftRows, Proposal
 from specpipe.metrics import PhaseTimes, RowMetrics
 from specpipe.output import Delivered, FinishReason, TokenSink, deliver
@@ -173,6 +173,11 @@ class _Run:
         self.prompt_seconds: list[float] = []
         self.decode_start: list[float] = []
         self.adapt: list[RowAdaptation] = []
+        self.costs = (
+            ObservedCosts(options.adaptive.cost)
+            if options.adaptive is not None and options.adaptive.observe_costs
+            else None
+        )
         self.phases = PhaseTimes() if options.phase_timing else None
 
     def admit(self, requests: Sequence[RowRequest]) -> None:
@@ -247,7 +252,8 @@ class _Run:
         """One speculative round, or a burst of pipelined plain steps."""
         batch, options = self.batch, self.options
         adapt = self.adapt if options.adaptive is not None else None
-        depths = _choose_depths(batch, options, adapt)
+        rounds = self.costs.rounds(options.depth) if self.costs is not None else None
+        depths = _choose_depths(batch, options, adapt, rounds)
         # A drafter that reads the target's hidden states must see every round.
         pipelined = not _needs_history(batch) and (
             batch.draft is None or not batch.draft.needs_target_hidden
@@ -263,6 +269,8 @@ class _Run:
             if bounded:
                 steps = min(steps or _ADMIT_EVERY, _ADMIT_EVERY)
             before = {s: self.metrics[s].gated for s in batch.slots}
+            live = len(batch.rows)
+            t0 = time.perf_counter()
             try:
                 _plain_pipelined(
                     batch,
@@ -276,8 +284,13 @@ class _Run:
                 self.fail_live("target forward", exc)
                 return
             if adapt is not None:
+                taken = 0
                 for slot, gated in before.items():
+                    taken = max(taken, self.metrics[slot].gated - gated)
                     adapt[slot].decoded_plainly(self.metrics[slot].gated - gated)
+                if self.costs is not None and taken:
+                    ms = (time.perf_counter() - t0) * 1000.0 / taken
+                    self.costs.observe(0, ms, live)
             return
         t0 = time.perf_counter()
         try:
@@ -288,6 +301,8 @@ class _Run:
             self.fail_live("target forward", exc)
             return
         elapsed = (time.perf_counter() - t0) * 1000.0
+        if self.costs is not None:
+            self.costs.observe(max(depths), elapsed, len(batch.rows))
         keep: list[int] = []
         for i, (slot, (delivered, drafted, accepted)) in enumerate(
             zip(batch.slots, outcome, strict=True)
@@ -318,7 +333,10 @@ _ADMIT_EVERY = 8  # plain steps between looks for arrivals
 
 
 def _choose_depths(
-    batch: _Batch, options: RoundOptions, adapt: list[RowAdaptation] | None
+    batch: _Batch,
+    options: RoundOptions,
+    adapt: list[RowAdaptation] | None,
+    rounds: tuple[float, ...] | None = None,
 ) -> list[int]:
     """Each live row's depth this round (0: plain), capped by its budget."""
     if batch.draft is None:
@@ -327,7 +345,7 @@ def _choose_depths(
     for row, slot in zip(batch.rows, batch.slots, strict=True):
         depth = options.depth
         if adapt is not None and options.adaptive is not None:
-            depth = adapt[slot].choose(options.adaptive, options.depth)
+            depth = adapt[slot].choose(options.adaptive, options.depth, rounds)
             adapt[slot].record(depth)
         # Drafts past a row's budget could never be published.
         depths.append(max(0, min(depth, row.remaining - 1)))

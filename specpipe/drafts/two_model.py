@@ -45,6 +45,10 @@ class SubsetHead:
         return self.weights.project(model.final_norm(hidden))
 
 
+def _on_gpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 @frozen
 class TwoModelRows:
     needs_target_hidden = False
@@ -53,10 +57,21 @@ class TwoModelRows:
     lengths: tuple[int, ...]  # per row, tokens the draft has processed
     policy: DraftPolicy
     vocab: SubsetHead | None = None
+    # The draft's first forward of a round reads every token it has not seen
+    # (one in steady state; more after plain steps of a gated row or a long
+    # accepted window). On a GPU, MLX compiles a window's kernels per shape (a
+    # new one cost ~50 ms on an H200, bench/RESULTS.md), so that width is
+    # rounded up to a power of two there: a handful of shapes for any run. The
+    # padding positions lie past every row's tokens, are never attended by
+    # its real positions (causal mask), and are overwritten by the draft steps
+    # that follow and by later rounds.
+    bucket: bool = field(factory=_on_gpu)
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
         tails = [row.tokens[n:] for row, n in zip(rows, self.lengths, strict=True)]
         width = max(len(t) for t in tails)
+        if self.bucket and width > 1:
+            width = 1 << (width - 1).bit_length()
         grid = [list(t) + [t[-1]] * (width - len(t)) for t in tails]
         ids = mx.array(grid, dtype=mx.int32)
         params = [self.policy.draft_params(row.sampling) for row in rows]
@@ -129,12 +144,19 @@ class TwoModelDrafter:
     policy: DraftPolicy = field(factory=DraftPolicy)
     vocab: DraftVocabulary | None = None
     kind: str = "two-model"
+    bucket_catch_up: bool | None = None  # None: on a GPU (see TwoModelRows.bucket)
 
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None
     ) -> DraftRows:
         cache, _ = prefill_rows(self.model, rows)
         head = SubsetHead.of(self.model, self.vocab) if self.vocab is not None else None
+        bucket = _on_gpu() if self.bucket_catch_up is None else self.bucket_catch_up
         return TwoModelRows(
-            self.model, cache, tuple(row.length for row in rows), self.policy, head
+            self.model,
+            cache,
+            tuple(row.length for row in rows),
+            self.policy,
+            head,
+            bucket,
         )

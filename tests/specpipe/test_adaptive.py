@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import statistics
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from schemas.request import GenerationLimits, SamplingParams
 from specpipe.adaptive import (
     AdaptivePolicy,
     CostModel,
+    ObservedCosts,
     RowAdaptation,
     best_depth,
     expected_tokens,
@@ -161,3 +163,65 @@ def test_a_draft_that_cannot_win_is_never_tried() -> None:
         row.decoded_plainly(1)
     assert choices == [0] * 50
     assert row.steps_to_probe() is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_gated_rows_catch_up_through_padded_windows_losslessly(
+    tmp_path: Path, temperature: float
+) -> None:
+    """A gated two-model row's draft catches up on 9, 17, ... tokens at each
+    probe; with GPU bucketing (forced here on the CPU) that window is padded
+    to 16, 32, ...: the padding must change nothing."""
+    from attrs import evolve
+
+    target = write_tiny_model(tmp_path / "target")
+    draft = write_tiny_model(tmp_path / "draft", seed=5)  # disagrees: the gate closes
+    prompts = ["def fibonacci(n):", "Hello world"]
+    sampling = SamplingParams(temperature=temperature, top_k=50, seed=2)
+    limits = GenerationLimits(max_tokens=48)
+    plain = (
+        load(str(target)).unwrap().generate_batch(prompts, sampling, limits).unwrap()
+    )
+    pipeline = load(
+        str(target), draft=str(draft), num_draft_tokens=4, adaptive=CPU_LIKE
+    ).unwrap()
+    assert pipeline.draft is not None and pipeline.adaptive is not None
+    # the synthetic costs decide (measured ones of a tiny model would not gate)
+    pipeline = evolve(pipeline, adaptive=evolve(pipeline.adaptive, observe_costs=False))
+    for bucket in (False, True):
+        drafter = evolve(pipeline.draft.drafter, bucket_catch_up=bucket)  # type: ignore[misc]
+        padded = evolve(pipeline, draft=evolve(pipeline.draft, drafter=drafter))
+        results = padded.generate_batch(prompts, sampling, limits).unwrap()
+        assert [r.tokens for r in results] == [r.tokens for r in plain]
+        for r in results:
+            depths = dict(r.stats.depths)
+            assert depths.get(0, 0) > 0 and depths.get(1, 0) >= 2  # gated, probed again
+
+
+def test_observed_costs_replace_and_rescale_the_calibration() -> None:
+    prior = CostModel(verify_ms=(10.0, 10.0, 10.0, 10.0, 10.0), draft_ms=0.0, plain_ms=5.0)
+    costs = ObservedCosts(prior, window=3)
+    assert costs.rounds(4) == (5.0, 10.0, 10.0, 10.0, 10.0)  # nothing seen: the prior
+    for ms in (20.0, 14.0, 16.0, 400.0, 16.0):  # depth 2; an outlier in the window
+        costs.observe(2, ms, batch=1)
+    # depth 2 measured (median of the last 3: 16, 400, 16), other depths scaled by 1.6
+    assert costs.rounds(4) == pytest.approx((8.0, 16.0, 16.0, 16.0, 16.0))
+    costs.observe(0, 4.0, batch=1)
+    costs.observe(4, 30.0, batch=1)
+    rounds = costs.rounds(4)
+    assert rounds[0] == 4.0 and rounds[2] == 16.0 and rounds[4] == 30.0
+    assert rounds[1] == pytest.approx(10.0 * statistics.median([1.6, 3.0]))
+    costs.observe(1, 9.0, batch=2)  # another batch size: start over
+    assert costs.rounds(2) == pytest.approx((4.5, 9.0, 10.0 * 0.9))
+
+
+def test_a_row_follows_measured_round_costs() -> None:
+    # calibrated: deep n-gram windows look free; measured: each drafted
+    # position costs ~0.4 ms more (the H200 case), so a row whose drafts stop
+    # agreeing after ~1 position does best at a shallow depth
+    prior = CostModel(verify_ms=(5.0, *([8.0] * 8)), plain_ms=5.0)
+    policy = AdaptivePolicy(prior)
+    row = RowAdaptation(fresh=False, accepted=9.0, trials=19.0)  # alpha ~0.5
+    assert row.choose(policy, 8) == 8  # the calibration alone: deepest
+    measured = tuple([5.0] + [7.5 + 0.4 * d for d in range(1, 9)])
+    assert row.choose(policy, 8, measured) <= 3
