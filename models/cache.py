@@ -16,6 +16,10 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+# Windows up to this long attend over the whole capacity on a GPU: verify
+# windows, and a two-model draft's catch-up after up to 64 plain steps of a
+# gated row (padded to a power of two, specpipe/drafts/two_model.py).
+BUCKETED_WINDOW = 128
 _STEP = 256
 
 
@@ -64,7 +68,7 @@ class KVCache:
         """How many key positions a window of `length` at `offsets` attends
         over: max(offsets) + length, or the whole capacity for a short window
         on a GPU (see `bucket_windows`); positions past a query's own are masked."""
-        if self.bucket_windows and 1 < length <= 64:
+        if self.bucket_windows and 1 < length <= BUCKETED_WINDOW:
             return self.capacity
         return max(offsets) + length
 
