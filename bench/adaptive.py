@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--max-depth", type=int, default=6, help="adaptive: deepest window")
     parser.add_argument("--mlxlm-widths", default="2,4,6")
     parser.add_argument("--no-mlxlm", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each specpipe configuration and mlx-lm's plain decode this many times "
+                             "(interleaved); the run with the median tok/s is kept")
     parser.add_argument("--out", default=str(RESULTS / "adaptive.json"))
     parser.add_argument("--plot", default=str(RESULTS / "adaptive.png"))
     parser.add_argument("--no-assert", action="store_true")
@@ -120,6 +123,7 @@ def main() -> None:
         "dtype": args.dtype,
         "max_tokens": args.tokens,
         "max_depth": args.max_depth,
+        "repeats": args.repeats,
         "cost_model": asdict(adaptive.adaptive.cost),
         "policy": {k: v for k, v in asdict(adaptive.adaptive).items() if k != "cost"},
         "drafter": adaptive.draft.kind,
@@ -153,19 +157,30 @@ def main() -> None:
         ids = list(plain.encode(text, chat).unwrap())
         payload["prompts"][prompt] = {"prompt_tokens": len(ids), "plain": {}, "runs": []}
         block = payload["prompts"][prompt]
-        ref = specpipe_run(plain, ids, args.tokens, "plain")
+        # every configuration `repeats` times, in rounds over all of them
+        configs: list[tuple[str, Any]] = [("plain", plain)]
+        configs += [("fixed", pipe) for pipe in fixed.values()]
+        configs.append(("adaptive", adaptive))
+        if peer is not None:
+            configs.append(("mlx-lm plain", None))
+        runs: list[list[Run]] = [[] for _ in configs]
+        for _ in range(args.repeats):
+            for i, (method, pipe) in enumerate(configs):
+                if pipe is None:
+                    runs[i].append(mlxlm_plain(peer, ids, args.tokens, eos))
+                else:
+                    runs[i].append(specpipe_run(pipe, ids, args.tokens, method))
+        kept = [median_run(r) for r in runs]
+        ref = kept[0]
         block["plain"]["specpipe"] = ref.summary()
         block["reference_text"] = plain.target.tokenizer.decode(ref.tokens)
-        record(prompt, ref, ref.tokens)
-        for pipe in fixed.values():
-            record(prompt, specpipe_run(pipe, ids, args.tokens, "fixed"), ref.tokens)
-        run = specpipe_run(adaptive, ids, args.tokens, "adaptive")
-        run.width = args.max_depth
-        record(prompt, run, ref.tokens)
+        for (method, _), run in zip(configs, kept, strict=True):
+            if method == "adaptive":
+                run.width = args.max_depth
+            if method == "mlx-lm plain":
+                block["plain"]["mlx-lm"] = run.summary()
+            record(prompt, run, ref.tokens)
         if peer is not None:
-            lm_plain = mlxlm_plain(peer, ids, args.tokens, eos)
-            block["plain"]["mlx-lm"] = lm_plain.summary()
-            record(prompt, lm_plain, ref.tokens)
             for k in lm_widths:
                 record(prompt, mlxlm_speculative(peer, peer_draft, ids, args.tokens, k, eos), ref.tokens)
 
@@ -179,6 +194,14 @@ def main() -> None:
         print("\nLOSSLESSNESS FAILURES:\n  " + "\n  ".join(failures))
         if not args.no_assert:
             raise SystemExit(1)
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The run with the median decode speed; every repeat's speed kept in it."""
+    ordered = sorted(runs, key=lambda r: r.decode_tps)
+    kept = ordered[(len(ordered) - 1) // 2]
+    kept.extra["repeat_tps"] = [r.decode_tps for r in runs]
+    return kept
 
 
 def summarise(block: dict[str, Any]) -> dict[str, Any]:

@@ -38,12 +38,12 @@ for step in "$@"; do
     ;;
   adaptive)
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
-        --tokens 128 --widths 1,2,3,4,6 --max-depth 6 --mlxlm-widths 2,4,6 --no-assert \
+        --tokens 128 --widths 1,2,3,4,6 --max-depth 6 --mlxlm-widths 2,4,6 --repeats 3 --no-assert \
         --out $OUT/adaptive-h200.json --plot $OUT/adaptive-h200.png || echo "STEP FAILED: $?"
     ;;
   adaptive-ngram)
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft ngram --dtype bfloat16 \
-        --tokens 128 --widths 2,4,6,8 --max-depth 8 --no-mlxlm --no-assert \
+        --tokens 128 --widths 2,4,6,8 --max-depth 8 --no-mlxlm --repeats 3 --no-assert \
         --out $OUT/adaptive-ngram-h200.json --plot $OUT/adaptive-ngram-h200.png || echo "STEP FAILED: $?"
     ;;
   mtp-sampled)
