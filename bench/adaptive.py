@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--prompts", default="code,chat,prose")
-    parser.add_argument("--widths", default="1,2,3,4,6", help="fixed two-model widths")
+    parser.add_argument("--widths", default="1,2,3,4,6", help="fixed widths ('' for none)")
     parser.add_argument("--max-depth", type=int, default=6, help="adaptive: deepest window")
     parser.add_argument("--mlxlm-widths", default="2,4,6")
     parser.add_argument("--no-mlxlm", action="store_true")
@@ -110,7 +110,7 @@ def main() -> None:
 
     # warm-up, excluded: every code path once, a few tokens
     warm = list(plain.encode("def f(x):", False).unwrap())
-    for pipe in (plain, fixed[min(fixed)], adaptive):
+    for pipe in (plain, *list(fixed.values())[:1], adaptive):
         specpipe_run(pipe, warm, 4, "warm-up")
     if peer is not None:
         mlxlm_plain(peer, warm, 4, eos)

@@ -88,7 +88,9 @@ class ObservedCosts:
     calibrated forward of a window missed what a round adds per drafted
     position (sampling and reading the window, the walk, the commit): an
     8-deep n-gram round cost 10.4 ms where the calibration said 8.2, and a
-    fixed calibration chose it over a 2-deep round that cost 7.9 ms."""
+    fixed calibration chose it over a 2-deep round that cost 7.9 ms. The loop
+    times a few plain steps first (`plain_unmeasured`), so every depth is
+    weighed against plain decoding as it runs now, not as calibrated."""
 
     prior: CostModel
     window: int = 8
@@ -102,6 +104,10 @@ class ObservedCosts:
         times = self.seen.setdefault(depth, [])
         times.append(ms)
         del times[: -self.window]
+
+    def plain_unmeasured(self, batch: int) -> bool:
+        """No plain step timed yet at this batch size."""
+        return batch != self.batch or 0 not in self.seen
 
     def rounds(self, max_depth: int) -> tuple[float, ...]:
         prior = self.prior.rounds(max_depth)

@@ -252,17 +252,31 @@ class _Run:
         """One speculative round, or a burst of pipelined plain steps."""
         batch, options = self.batch, self.options
         adapt = self.adapt if options.adaptive is not None else None
-        rounds = self.costs.rounds(options.depth) if self.costs is not None else None
-        depths = _choose_depths(batch, options, adapt, rounds)
         # A drafter that reads the target's hidden states must see every round.
         pipelined = not _needs_history(batch) and (
             batch.draft is None or not batch.draft.needs_target_hidden
         )
+        costs = self.costs
+        # Adaptive: plain decoding as it runs now is what every depth competes
+        # with; measure it first (and again when the batch size changes).
+        measure_plain = (
+            costs is not None
+            and pipelined
+            and batch.draft is not None
+            and costs.plain_unmeasured(len(batch.rows))
+        )
+        if measure_plain:
+            depths = [0] * len(batch.rows)
+        else:
+            rounds = costs.rounds(options.depth) if costs is not None else None
+            depths = _choose_depths(batch, options, adapt, rounds)
         if max(depths) == 0 and pipelined:
             # Plain decoding: no drafter, or every row gated off until its next
             # probe; bounded so that arrivals and probes get their turn.
             steps = None
-            if batch.draft is not None and adapt is not None:
+            if measure_plain:
+                steps = _MEASURE_PLAIN_STEPS
+            elif batch.draft is not None and adapt is not None:
                 # until the first gated row's next probe
                 waits = [adapt[s].steps_to_probe() for s in batch.slots]
                 steps = min((w for w in waits if w is not None), default=None)
@@ -330,6 +344,7 @@ class _Run:
 
 
 _ADMIT_EVERY = 8  # plain steps between looks for arrivals
+_MEASURE_PLAIN_STEPS = 4  # adaptive: plain steps that time plain decoding in-run
 
 
 def _choose_depths(

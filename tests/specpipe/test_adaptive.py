@@ -97,7 +97,13 @@ def test_gate_closes_and_probes_with_backoff() -> None:
     for _ in range(30):  # and unpredictable again: the gate closes, waits, probes
         row.observe(4, 0, policy)
     again = _gated_choices(row, policy, 10)
-    assert again[:5] == [0, 0, 0, 0, 1]  # 4 plain steps (the closing one first), a probe
+    assert again[:5] == [
+        0,
+        0,
+        0,
+        0,
+        1,
+    ]  # 4 plain steps (the closing one first), a probe
 
 
 def test_probe_steps_bound_plain_bursts() -> None:
@@ -199,7 +205,9 @@ def test_gated_rows_catch_up_through_padded_windows_losslessly(
 
 
 def test_observed_costs_replace_and_rescale_the_calibration() -> None:
-    prior = CostModel(verify_ms=(10.0, 10.0, 10.0, 10.0, 10.0), draft_ms=0.0, plain_ms=5.0)
+    prior = CostModel(
+        verify_ms=(10.0, 10.0, 10.0, 10.0, 10.0), draft_ms=0.0, plain_ms=5.0
+    )
     costs = ObservedCosts(prior, window=3)
     assert costs.rounds(4) == (5.0, 10.0, 10.0, 10.0, 10.0)  # nothing seen: the prior
     for ms in (20.0, 14.0, 16.0, 400.0, 16.0):  # depth 2; an outlier in the window
@@ -225,3 +233,31 @@ def test_a_row_follows_measured_round_costs() -> None:
     assert row.choose(policy, 8) == 8  # the calibration alone: deepest
     measured = tuple([5.0] + [7.5 + 0.4 * d for d in range(1, 9)])
     assert row.choose(policy, 8, measured) <= 3
+
+
+def test_plain_decoding_is_timed_first_at_each_batch_size() -> None:
+    costs = ObservedCosts(GPU_LIKE)
+    assert costs.plain_unmeasured(2)
+    costs.observe(3, 12.0, batch=2)
+    assert costs.plain_unmeasured(2)
+    costs.observe(0, 5.0, batch=2)
+    assert not costs.plain_unmeasured(2)
+    assert costs.plain_unmeasured(1)  # a row left: its costs start over
+
+
+def test_a_run_times_plain_steps_before_drafting(tmp_path: Path) -> None:
+    target = write_tiny_model(tmp_path / "target")
+    limits = GenerationLimits(max_tokens=24)
+    prompts = ["def fibonacci(n):", "Hello world"]
+    plain = load(str(target)).unwrap().generate_batch(prompts, SamplingParams(), limits)
+    # the target drafting for itself: every draft is accepted
+    pipeline = load(
+        str(target), draft=str(target), num_draft_tokens=4, adaptive=GPU_LIKE
+    )
+    results = (
+        pipeline.unwrap().generate_batch(prompts, SamplingParams(), limits).unwrap()
+    )
+    assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
+    for r in results:
+        assert r.stats.gated_share > 0  # the first steps were plain, timed
+        assert r.stats.accepted > 0  # then it drafted
