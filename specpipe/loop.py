@@ -316,7 +316,10 @@ class _Run:
             return
         elapsed = (time.perf_counter() - t0) * 1000.0
         if self.costs is not None:
-            self.costs.observe(max(depths), elapsed, len(batch.rows))
+            # a round costs what its window was: the drafts offered (an n-gram
+            # lookup may offer fewer than the depth asked for)
+            offered = max((drafted for _, drafted, _ in outcome), default=0)
+            self.costs.observe(offered, elapsed, len(batch.rows))
         keep: list[int] = []
         for i, (slot, (delivered, drafted, accepted)) in enumerate(
             zip(batch.slots, outcome, strict=True)
