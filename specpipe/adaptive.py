@@ -18,6 +18,7 @@ target's own sample.
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ class CostModel:
     draft_fixed_ms: float = 0.0
     # a plain step as the decode loop runs it (pipelined); 0: verify_ms[0]
     plain_ms: float = 0.0
+    # a draft model's extra cost per token it catches up on (a gated row's
+    # draft reads the tokens decoded plainly before it can draft again)
+    catch_up_ms: float = 0.0
 
     def verify(self, width: int) -> float:
         if width <= len(self.verify_ms):
@@ -130,6 +134,10 @@ class AdaptivePolicy:
     decay: float = 0.9  # per round: older evidence fades so a row can change regime
     probe_every: int = 8  # plain steps before a gated row's first re-probe
     max_probe_every: int = 64  # the wait doubles after each probe that stays gated
+    # a gated row's probes may cost at most this share of the time it decodes
+    # plainly: the gate's loss against plain decoding is bounded by it
+    probe_share: float = 0.02
+    probe_depth: int = 1  # drafts per probe
     # measure rounds as they run and let the measurements replace the
     # calibration (`ObservedCosts`); off: the calibration alone decides
     observe_costs: bool = True
@@ -157,6 +165,7 @@ class RowAdaptation:
     interval: int = 0  # plain steps to wait before the next probe (0: not gated)
     fresh: bool = True  # no choice made yet
     hopeless: bool = False  # no depth can beat plain decoding, even fully accepted
+    next_probe: int | None = 0  # gated: plain steps before the next probe (None: never)
     depths: Counter[int] = field(factory=Counter)
 
     def alpha(self, policy: AdaptivePolicy) -> float:
@@ -189,10 +198,28 @@ class RowAdaptation:
             return self._probe(policy)
         if self.interval == 0:  # the gate closes: wait before probing
             self.interval, self.waited = policy.probe_every, 0
-            return 0
-        if self.waited >= self.interval:
+        self.next_probe = self._probe_wait(policy, rounds)
+        if self.next_probe is not None and self.waited >= self.next_probe:
             return self._probe(policy)
         return 0
+
+    def _probe_wait(
+        self, policy: AdaptivePolicy, rounds: tuple[float, ...]
+    ) -> int | None:
+        """Plain steps after the last probe before the next may run: at least
+        `interval`, and until the probe's extra cost over plain decoding (a
+        1-deep round, plus the draft's catch-up on every token decoded since,
+        less the tokens it is expected to publish) fits in `probe_share` of
+        the plain steps' time. None: it never fits (a catch-up dearer per
+        token than the share, as for a 0.5B draft on a 2-core CPU)."""
+        plain = rounds[0]
+        excess = rounds[1] - (1.0 + self.alpha(policy)) * plain
+        per_step = policy.probe_share * plain - policy.cost.catch_up_ms
+        if excess <= 0:
+            return self.interval
+        if per_step <= 0:
+            return None
+        return max(self.interval, math.ceil(excess / per_step))
 
     def _probe(self, policy: AdaptivePolicy) -> int:
         if self.interval == 0:
@@ -200,14 +227,14 @@ class RowAdaptation:
         else:
             self.interval = min(2 * self.interval, policy.max_probe_every)
         self.waited = 0
-        return 1  # one cheap draft refreshes the estimate
+        return policy.probe_depth  # a cheap draft or two refreshes the estimate
 
     def steps_to_probe(self) -> int | None:
         """Plain steps this gated row can take before its next probe (None:
         it never probes)."""
-        if self.hopeless:
+        if self.hopeless or self.next_probe is None:
             return None
-        return max(1, self.interval - self.waited)
+        return max(1, self.next_probe - self.waited)
 
     def decoded_plainly(self, steps: int) -> None:
         self.waited += steps

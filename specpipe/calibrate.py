@@ -34,6 +34,9 @@ from specpipe.adaptive import CostModel
 from specpipe.fixtures import cache_root
 
 CONTEXT = 64
+# what a calibration measures; a new field makes older caches stale
+FORMAT = "cost-model-3"  # 3: plain_ms and catch_up_ms
+CATCH_UP = 16
 async_eval = cast(Callable[..., None], mx.async_eval)  # untyped in MLX's stubs
 
 
@@ -92,7 +95,7 @@ def measure(
 
         verify_ms.append(_median_ms(forward, repeats))
     plain_ms = _pipelined_step_ms(target, target_cache, context[:, -1:], repeats)
-    draft_ms = 0.0
+    draft_ms = catch_up_ms = 0.0
     if isinstance(draft, DraftStep):
         step = draft.calibration_step(context, target_hidden)
 
@@ -110,7 +113,20 @@ def measure(
             mx.eval(mx.argmax(model.lm_head(out.hidden), axis=-1))
 
         draft_ms = _median_ms(draft_step, repeats)
-    return CostModel(tuple(verify_ms), draft_ms, plain_ms=plain_ms)
+        # a catch-up of CATCH_UP tokens (a gated row's draft reading what was
+        # decoded plainly), as a cost per token beyond a single step
+        window = context[:, :CATCH_UP]
+
+        def catch_up() -> None:
+            out = model(window, draft_cache, [CONTEXT])
+            mx.eval(mx.argmax(model.lm_head(out.hidden[:, -1:]), axis=-1))
+
+        catch_up_ms = max(0.0, _median_ms(catch_up, repeats) - draft_ms) / (
+            CATCH_UP - 1
+        )
+    return CostModel(
+        tuple(verify_ms), draft_ms, plain_ms=plain_ms, catch_up_ms=catch_up_ms
+    )
 
 
 def _pipelined_step_ms(
@@ -147,6 +163,7 @@ def calibration_path(
     device and MLX version."""
     key = json.dumps(
         [
+            FORMAT,
             target_source,
             draft_kind,
             draft_source,

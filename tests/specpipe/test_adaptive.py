@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from pathlib import Path
 
 import pytest
+from attrs import evolve
 
 from schemas.request import GenerationLimits, SamplingParams
 from specpipe.adaptive import (
@@ -79,7 +81,10 @@ def _gated_choices(row: RowAdaptation, policy: AdaptivePolicy, n: int) -> list[i
 
 
 def test_gate_closes_and_probes_with_backoff() -> None:
-    policy = AdaptivePolicy(CPU_LIKE, probe_every=4, max_probe_every=16)
+    # probe_share 1: the cost budget never binds here (tested below)
+    policy = AdaptivePolicy(
+        CPU_LIKE, probe_every=4, max_probe_every=16, probe_share=1.0
+    )
     row = RowAdaptation()
     for _ in range(6):  # every draft rejected: the estimate drops, the gate closes
         row.observe(2, 0, policy)
@@ -107,7 +112,7 @@ def test_gate_closes_and_probes_with_backoff() -> None:
 
 
 def test_probe_steps_bound_plain_bursts() -> None:
-    policy = AdaptivePolicy(CPU_LIKE, probe_every=4)
+    policy = AdaptivePolicy(CPU_LIKE, probe_every=4, probe_share=1.0)
     row = RowAdaptation(fresh=False, accepted=0.0, trials=20.0)
     assert row.choose(policy, 4) == 0
     assert row.steps_to_probe() == 4
@@ -260,4 +265,40 @@ def test_a_run_times_plain_steps_before_drafting(tmp_path: Path) -> None:
     assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
     for r in results:
         assert r.stats.gated_share > 0  # the first steps were plain, timed
-        assert r.stats.accepted > 0  # then it drafted
+        assert sum(n for _, n in r.stats.depths) > 0  # then it chose depths
+
+
+@pytest.mark.parametrize(
+    ("catch_up_ms", "share", "wait"),
+    [
+        # a probe costs 16.8 ms (a 1-deep round) and publishes ~1 token of a
+        # 10 ms plain step: 6.8 ms extra (alpha ~0 after rejections)
+        (0.0, 0.02, 34),  # 6.8 / (0.02 * 10) plain steps
+        (0.0, 0.10, 7),  # ceil(6.8 / 1.0)
+        (0.5, 0.10, 14),  # 6.8 / (1.0 - 0.5): each waited step adds catch-up
+        (0.2, 0.02, None),  # catch-up dearer per token than the share: never
+    ],
+)
+def test_probes_spend_at_most_their_share_of_plain_time(
+    catch_up_ms: float, share: float, wait: int | None
+) -> None:
+    cost = evolve(CPU_LIKE, catch_up_ms=catch_up_ms)
+    policy = AdaptivePolicy(cost, probe_every=4, probe_share=share)
+    row = RowAdaptation(fresh=False, accepted=0.0, trials=200.0)
+    assert row.choose(policy, 4) == 0  # the gate closes
+    alpha = row.alpha(policy)
+    expected = (
+        None
+        if wait is None
+        else max(
+            4, math.ceil((16.8 - (1 + alpha) * 10.0) / (share * 10.0 - catch_up_ms))
+        )
+    )
+    assert expected == wait or wait is None
+    assert row.steps_to_probe() == wait
+    if wait is None:
+        return
+    row.decoded_plainly(wait - 1)
+    assert row.choose(policy, 4) == 0
+    row.decoded_plainly(1)
+    assert row.choose(policy, 4) == 1
