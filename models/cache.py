@@ -20,6 +20,13 @@ import mlx.core as mx
 # windows, and a two-model draft's catch-up after up to 64 plain steps of a
 # gated row (padded to a power of two, specpipe/drafts/two_model.py).
 BUCKETED_WINDOW = 128
+
+
+def on_gpu() -> bool:
+    """Whether MLX runs on a GPU now (where window shapes are bucketed)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 _STEP = 256
 
 
@@ -45,7 +52,7 @@ class KVCache:
         # ~8 ms on an H200 (bench/attn_probe.py). On a GPU, short windows
         # therefore attend over the whole capacity (a multiple of 256) under
         # an explicit mask, so the key length changes only when the cache grows.
-        self.bucket_windows = mx.default_device().type == mx.DeviceType.gpu
+        self.bucket_windows = on_gpu()
         self.keys: list[mx.array] = []  # per layer [B, Hkv, C, D]
         self.values: list[mx.array] = []  # per layer [B, Hkv, C, D]
 

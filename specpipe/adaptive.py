@@ -164,7 +164,6 @@ class RowAdaptation:
     waited: int = 0  # plain steps since the row last drafted
     interval: int = 0  # plain steps to wait before the next probe (0: not gated)
     fresh: bool = True  # no choice made yet
-    hopeless: bool = False  # no depth can beat plain decoding, even fully accepted
     next_probe: int | None = 0  # gated: plain steps before the next probe (None: never)
     depths: Counter[int] = field(factory=Counter)
 
@@ -187,8 +186,8 @@ class RowAdaptation:
             rounds = policy.cost.rounds(max_depth)
         # even a draft that is always accepted loses to plain decoding on this
         # machine: never probe
-        self.hopeless = best_of(1.0, rounds)[0] == 0
-        if self.hopeless:
+        if best_of(1.0, rounds)[0] == 0:
+            self.next_probe = None
             return 0
         depth, _gain = best_of(self.alpha(policy), rounds)
         if depth > 0:
@@ -232,7 +231,7 @@ class RowAdaptation:
     def steps_to_probe(self) -> int | None:
         """Plain steps this gated row can take before its next probe (None:
         it never probes)."""
-        if self.hopeless or self.next_probe is None:
+        if self.next_probe is None:
             return None
         return max(1, self.next_probe - self.waited)
 

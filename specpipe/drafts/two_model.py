@@ -18,6 +18,7 @@ import mlx.core as mx
 from attrs import evolve, field, frozen
 
 from models.base import CausalLM, ModelOutput
+from models.cache import on_gpu
 from models.vocab_head import HeadWeights
 from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, Proposal
@@ -45,10 +46,6 @@ class SubsetHead:
         return self.weights.project(model.final_norm(hidden))
 
 
-def _on_gpu() -> bool:
-    return mx.default_device().type == mx.DeviceType.gpu
-
-
 @frozen
 class TwoModelRows:
     needs_target_hidden = False
@@ -65,7 +62,7 @@ class TwoModelRows:
     # padding positions lie past every row's tokens, are never attended by
     # its real positions (causal mask), and are overwritten by the draft steps
     # that follow and by later rounds.
-    bucket: bool = field(factory=_on_gpu)
+    bucket: bool = field(factory=on_gpu)
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
         tails = [row.tokens[n:] for row, n in zip(rows, self.lengths, strict=True)]
@@ -151,7 +148,7 @@ class TwoModelDrafter:
     ) -> DraftRows:
         cache, _ = prefill_rows(self.model, rows)
         head = SubsetHead.of(self.model, self.vocab) if self.vocab is not None else None
-        bucket = _on_gpu() if self.bucket_catch_up is None else self.bucket_catch_up
+        bucket = on_gpu() if self.bucket_catch_up is None else self.bucket_catch_up
         return TwoModelRows(
             self.model,
             cache,
