@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.hybrid_cache import WindowStates
+from models.parallel import Linear
 from schemas.hf_hybrid import HybridArgs
 
 
@@ -235,7 +236,7 @@ class GatedDeltaMixer(nn.Module):
         self.dt_bias = mx.ones((self.value_heads,))
         self.A_log = mx.zeros((self.value_heads,))
         self.norm = GatedRMSNorm(self.value_dim, args.rms_norm_eps)
-        self.out_proj = nn.Linear(values, args.hidden_size, bias=False)
+        self.out_proj = Linear(values, args.hidden_size, bias=False)
 
     def project(
         self,
@@ -295,8 +296,8 @@ class GatedDeltaNet(GatedDeltaMixer):
         keys = self.key_heads * self.key_dim
         values = self.value_heads * self.value_dim
         hidden = args.hidden_size
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * keys + 2 * values, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.value_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden, 2 * keys + 2 * values, bias=False)
+        self.in_proj_ba = Linear(hidden, 2 * self.value_heads, bias=False)
 
     def project(
         self,

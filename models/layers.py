@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from models.base import Mask, RoPE
 from models.cache import KVCache
+from models.parallel import Linear
 from schemas.hf import DecoderArgs
 
 
@@ -36,9 +37,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:  # [B, L, H] -> [B, L, H]
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -61,14 +62,10 @@ class Attention(nn.Module):
         self.head_dim = args.dim_per_head
         self.scale = self.head_dim**-0.5
         hidden = args.hidden_size
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(
-            hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias
-        )
-        self.v_proj = nn.Linear(
-            hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=spec.o_bias)
+        self.q_proj = Linear(hidden, self.heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=spec.o_bias)
         self.q_norm: nn.RMSNorm | None = None
         self.k_norm: nn.RMSNorm | None = None
         if spec.qk_norm:

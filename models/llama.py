@@ -16,6 +16,7 @@ import mlx.nn as nn
 from models.base import Mask, ModelOutput, attention_mask, rope_offset
 from models.cache import KVCache
 from models.layers import MLP, Attention, BlockSpec, model_dtype
+from models.parallel import Embedding, Linear
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 
@@ -47,7 +48,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: DecoderArgs, spec: BlockSpec) -> None:
         super().__init__()
-        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = nn.Embedding(
+        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = Embedding(
             args.vocab_size, args.hidden_size
         )
         self.layers = [
@@ -85,7 +86,7 @@ class Model(nn.Module):
             # `lm_head` is also the name of the protocol method, so the
             # projection lives only under the module's dict key; that key is
             # what parameter names use, so `lm_head.weight` loads unchanged.
-            self["lm_head"] = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @staticmethod
     def block_spec(args: DecoderArgs) -> BlockSpec:

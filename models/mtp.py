@@ -49,6 +49,7 @@ from models.base import attention_mask, rope_offset
 from models.build import quantized_layers
 from models.cache import KVCache
 from models.layers import flat_parameters, model_dtype
+from models.parallel import Linear
 from models.qwen3_next import AttentionLayer
 from schemas.errors import LoadError
 from schemas.hf_hybrid import HybridArgs
@@ -70,7 +71,7 @@ class MtpHead(nn.Module):
         hidden, eps = args.hidden_size, args.rms_norm_eps
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = Linear(2 * hidden, hidden, bias=False)
         # vLLM numbers the MTP layers from 0 for the dense-vs-MoE choice too.
         self.layers = [
             AttentionLayer(args, i, i) for i in range(args.num_nextn_predict_layers)

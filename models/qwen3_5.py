@@ -34,10 +34,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from models import qwen3_next
 from models.gated_delta import GatedDeltaMixer
+from models.parallel import Linear
 from schemas.hf_hybrid import HybridArgs
 
 # Prefixes of vision-tower weights (HF multimodal, MLX-VLM conversions).
@@ -57,10 +57,10 @@ class SplitGatedDeltaNet(GatedDeltaMixer):
         super().__init__(args)
         hidden = args.hidden_size
         values = self.value_heads * self.value_dim
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_channels, bias=False)
-        self.in_proj_z = nn.Linear(hidden, values, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.value_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.value_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden, self.conv_channels, bias=False)
+        self.in_proj_z = Linear(hidden, values, bias=False)
+        self.in_proj_b = Linear(hidden, self.value_heads, bias=False)
+        self.in_proj_a = Linear(hidden, self.value_heads, bias=False)
 
     def project(
         self,

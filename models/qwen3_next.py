@@ -34,6 +34,7 @@ from models.cache import KVCache
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
 from models.layers import MLP, model_dtype
+from models.parallel import Embedding, Linear
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 from schemas.hf_hybrid import LINEAR_ATTENTION, HybridArgs
@@ -55,10 +56,10 @@ class GatedAttention(nn.Module):
         self.head_dim = args.dim_per_head
         self.scale = self.head_dim**-0.5
         hidden, bias = args.hidden_size, args.attention_bias
-        self.q_proj = nn.Linear(hidden, 2 * self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, 2 * self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = RoPE(args.rotary_dims, args.rope)
@@ -251,12 +252,12 @@ class SparseMoeBlock(nn.Module):
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
         hidden = args.hidden_size
-        self.gate = nn.Linear(hidden, args.num_experts, bias=False)
+        self.gate = Linear(hidden, args.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(
             hidden, args.moe_intermediate_size, args.num_experts
         )
         self.shared_expert = MLP(hidden, args.shared_expert_intermediate_size, False)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:  # [B, L, H] -> [B, L, H]
         shape = x.shape
@@ -343,7 +344,7 @@ class Qwen3NextModel(nn.Module):
         self, args: HybridArgs, mixer: type[GatedDeltaMixer] = GatedDeltaNet
     ) -> None:
         super().__init__()
-        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = nn.Embedding(
+        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = Embedding(
             args.vocab_size, args.hidden_size
         )
         self.layers: list[AttentionLayer | LinearLayer] = []
@@ -396,7 +397,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             # As in models/llama.py: the projection lives under the dict key
             # only, since `lm_head` is also the protocol method's name.
-            self["lm_head"] = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(
         self,

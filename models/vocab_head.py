@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from attrs import frozen
 
+from models.parallel import project
+
 
 @frozen
 class HeadWeights:
@@ -48,15 +50,11 @@ class HeadWeights:
         )
 
     def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., N]
-        if self.bits:
-            assert self.scales is not None
-            return mx.quantized_matmul(
-                normed,
-                self.weight,
-                self.scales,
-                self.biases,
-                transpose=True,
-                group_size=self.group_size,
-                bits=self.bits,
-            )
-        return normed @ self.weight.T
+        return project(
+            normed,
+            self.weight,
+            self.scales,
+            self.biases,
+            group_size=self.group_size,
+            bits=self.bits,
+        )

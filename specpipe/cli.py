@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from returns.result import Success
 
+from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.api import load
 from specpipe.load import DEFAULT_MODEL, save_folder
@@ -137,6 +138,13 @@ def _convert(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specpipe", description="Lossless speculative decoding on MLX."
+    )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="CPU threads each weight product is split over when running on the CPU "
+        "(default: $SPECPIPE_CPU_THREADS, else every CPU this process may use; 1 = no split)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -311,6 +319,11 @@ def _draft_vocab(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    try:
+        set_cpu_threads(args.cpu_threads)
+        cpu_threads()
+    except ValueError as exc:
+        _fail(f"{exc}")
     args.func(args)
 
 

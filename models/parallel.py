@@ -1,0 +1,197 @@
+"""Weight products split over CPU threads.
+
+MLX's CPU backend runs each stream's work on one thread, so a model decoded
+on the CPU uses one core however many the machine has (on Linux the bundled
+BLAS is single-threaded too). Every projection in these models goes through
+`project`, which on the CPU splits the weight by output rows into one block
+per thread, multiplies each block on its own CPU stream (its own thread) and
+concatenates the blocks. Each output value is still one dot product over the
+same inputs by the same kernel, so the result is bit-identical to the
+unsplit product (tests/models/test_parallel.py checks that).
+
+On a GPU, and for products too small to be worth a thread handoff, nothing
+is split. The thread count defaults to the CPUs this process may run on
+(Linux; 1 on macOS, whose Accelerate BLAS threads its own products); the
+environment variable `SPECPIPE_CPU_THREADS` or `set_cpu_threads` overrides it
+(1 turns the split off).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import cache
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Products with fewer than this many weights (inputs x outputs) stay whole:
+# below ~0.5M weights a CPU product takes well under a millisecond and the
+# handoff between threads is a visible share of it.
+MIN_SPLIT_WEIGHTS = 1 << 19
+
+_ENV = "SPECPIPE_CPU_THREADS"
+_threads: int | None = None
+
+
+def _detected_threads() -> int:
+    if platform.system() == "Darwin":
+        return 1
+    affinity = getattr(os, "sched_getaffinity", None)
+    count = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, min(count, 16))
+
+
+def _env_threads() -> int | None:
+    raw = os.environ.get(_ENV)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"{_ENV}={raw!r} is not a whole number; set it to the number of CPU "
+            "threads to use (1 turns the split off) or unset it"
+        ) from None
+    if value < 1:
+        raise ValueError(f"{_ENV}={raw!r} must be at least 1 (1 turns the split off)")
+    return value
+
+
+def cpu_threads() -> int:
+    """The number of CPU threads a product is split over."""
+    global _threads
+    if _threads is None:
+        _threads = _env_threads() or _detected_threads()
+    return _threads
+
+
+def set_cpu_threads(count: int | None) -> None:
+    """Split CPU products over `count` threads (1: no split; None: detect again)."""
+    global _threads
+    if count is not None and count < 1:
+        raise ValueError(f"CPU threads must be at least 1, got {count}")
+    _threads = count
+
+
+@cache
+def _streams(count: int) -> tuple[mx.Stream, ...]:
+    return tuple(mx.new_stream(mx.cpu) for _ in range(count))
+
+
+def _blocks(x: mx.array, rows: int) -> int:
+    """How many row blocks a product of `x` with `rows` output rows splits into."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return 1
+    threads = cpu_threads()
+    if threads < 2 or rows < 2 * threads or rows * x.shape[-1] < MIN_SPLIT_WEIGHTS:
+        return 1
+    return threads
+
+
+def project(
+    x: mx.array,  # [..., I]
+    weight: mx.array,  # [O, I] float, or [O, I * bits / 32] packed
+    scales: mx.array | None = None,
+    biases: mx.array | None = None,
+    *,
+    group_size: int = 64,
+    bits: int = 0,  # 0: float weight
+    mode: str = "affine",
+) -> mx.array:  # [..., O]
+    """`x @ weight.T` (quantized when `bits`), split over CPU threads."""
+
+    def product(rows: slice, stream: mx.Stream | None) -> mx.array:
+        if not bits:
+            return mx.matmul(x, weight[rows].T, stream=stream)
+        assert scales is not None, "a quantized product needs its scales"
+        return mx.quantized_matmul(
+            x,
+            weight[rows],
+            scales[rows],
+            biases[rows] if biases is not None else None,
+            transpose=True,
+            group_size=group_size,
+            bits=bits,
+            mode=mode,
+            stream=stream,
+        )
+
+    rows = int(weight.shape[0])
+    count = _blocks(x, rows)
+    if count == 1:
+        return product(slice(None), None)
+    step = -(-rows // count)
+    parts = [
+        product(slice(start, min(start + step, rows)), stream)
+        for start, stream in zip(range(0, rows, step), _streams(count), strict=False)
+    ]
+    return mx.concatenate(parts, axis=-1)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose product is split over CPU threads."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = project(x, self.weight)
+        return y + self.bias if "bias" in self else y
+
+    def to_quantized(
+        self,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+        quantize_input: bool = False,
+    ) -> nn.Module:
+        if mode != "affine" or quantize_input:
+            return super().to_quantized(group_size, bits, mode, quantize_input)
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose product is split over CPU threads."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = project(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        return y + self["bias"] if "bias" in self else y
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose tied-head use (`as_linear`) is split over CPU threads."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return project(x, self.weight)
+
+    def to_quantized(
+        self,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+        quantize_input: bool = False,
+    ) -> nn.Module:
+        if mode != "affine" or quantize_input:
+            return super().to_quantized(group_size, bits, mode, quantize_input)
+        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose `as_linear` is split over CPU threads."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return project(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )

@@ -1,0 +1,149 @@
+"""Products split over CPU threads (models/parallel.py) equal unsplit ones, bit for bit.
+
+Splitting by output rows leaves each output value one dot product over the
+same inputs, so split and unsplit products must agree exactly, float and
+quantized, for thread counts that divide the rows and ones that do not; a
+whole model's logits must agree exactly too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from returns.result import Success
+
+import models.parallel as parallel
+from models.build import build_model, quantize_model
+from models.parallel import Linear, QuantizedEmbedding, QuantizedLinear, project
+from schemas.converter import hf as hf_converter
+from schemas.converter import structure
+from schemas.hf import DecoderArgs, normalize_hf_config
+
+
+@pytest.fixture(autouse=True)
+def split_everything(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Split even the tiny products of these tests; restore the thread count."""
+    monkeypatch.setattr(parallel, "MIN_SPLIT_WEIGHTS", 0)
+    yield
+    parallel.set_cpu_threads(None)
+
+
+def _same(a: mx.array, b: mx.array) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(
+        np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+    )
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("window", [1, 5])
+def test_float_product_split_equals_whole(
+    dtype: mx.Dtype, threads: int, window: int
+) -> None:
+    mx.random.seed(threads * 10 + window)
+    weight = mx.random.normal((250, 96)).astype(
+        dtype
+    )  # 250 rows: not divisible by 3 or 4
+    x = mx.random.normal((2, window, 96)).astype(dtype)
+    parallel.set_cpu_threads(1)
+    whole = project(x, weight)
+    parallel.set_cpu_threads(threads)
+    assert parallel._blocks(x, 250) == threads
+    _same(project(x, weight), whole)
+    _same(whole, x @ weight.T)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_quantized_product_split_equals_whole(bits: int, threads: int) -> None:
+    mx.random.seed(bits + threads)
+    weight = mx.random.normal((130, 128))
+    packed, scales, biases = mx.quantize(weight, group_size=64, bits=bits)
+    x = mx.random.normal((3, 128))
+    expected = mx.quantized_matmul(
+        x, packed, scales, biases, transpose=True, group_size=64, bits=bits
+    )
+    parallel.set_cpu_threads(threads)
+    assert parallel._blocks(x, 130) == threads
+    _same(project(x, packed, scales, biases, group_size=64, bits=bits), expected)
+
+
+def _tiny_args(**overrides: Any) -> DecoderArgs:
+    raw = {
+        "model_type": "qwen2",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        **overrides,
+    }
+    result = structure(
+        hf_converter, normalize_hf_config(raw), DecoderArgs, "test config"
+    )
+    assert isinstance(result, Success), result
+    args: DecoderArgs = result.unwrap()
+    return args
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("bits", [0, 4])
+def test_model_logits_split_equal_whole(tied: bool, bits: int) -> None:
+    mx.random.seed(7)
+    model = build_model(_tiny_args(tie_word_embeddings=tied)).unwrap()
+    if bits:
+        quantize_model(model, bits, 64)
+        assert isinstance(model.model.layers[0].mlp.gate_proj, QuantizedLinear)
+        if tied:
+            assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    else:
+        assert isinstance(model.model.layers[0].mlp.gate_proj, Linear)
+    mx.eval(model.parameters())
+    ids = mx.array([[5, 17, 99, 3, 250, 42, 8], [1, 2, 3, 4, 5, 6, 7]], dtype=mx.int32)
+
+    def logits(threads: int) -> mx.array:
+        parallel.set_cpu_threads(threads)
+        cache = model.make_cache(2)
+        cache.reserve(16)
+        first = model(ids[:, :5], cache, [0, 0]).logits
+        rest = model(ids[:, 5:], cache, [5, 5]).logits
+        return mx.concatenate([first, rest], axis=1)
+
+    _same(logits(3), logits(1))
+
+
+def test_small_products_stay_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    parallel.set_cpu_threads(2)
+    x = mx.zeros((1, 64))
+    assert parallel._blocks(x, 3) == 1  # fewer rows than two per thread
+    monkeypatch.setattr(parallel, "MIN_SPLIT_WEIGHTS", 64 * 100 + 1)
+    assert parallel._blocks(x, 100) == 1
+    assert parallel._blocks(x, 101) == 2
+
+
+def test_thread_count_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        parallel.set_cpu_threads(0)
+    parallel.set_cpu_threads(None)
+    monkeypatch.setenv("SPECPIPE_CPU_THREADS", "3")
+    assert parallel.cpu_threads() == 3
+    parallel.set_cpu_threads(None)
+    monkeypatch.setenv("SPECPIPE_CPU_THREADS", "many")
+    with pytest.raises(
+        ValueError, match="SPECPIPE_CPU_THREADS='many' is not a whole number"
+    ):
+        parallel.cpu_threads()
+    parallel.set_cpu_threads(None)
+    monkeypatch.setenv("SPECPIPE_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="must be at least 1"):
+        parallel.cpu_threads()
+    parallel.set_cpu_threads(None)
+    monkeypatch.delenv("SPECPIPE_CPU_THREADS")
+    assert parallel.cpu_threads() >= 1
