@@ -79,6 +79,8 @@ PROMPTS: dict[str, tuple[str, bool]] = {
 def machine_info() -> dict[str, Any]:
     import importlib.metadata as md
 
+    from models.parallel import cpu_threads
+
     model = "unknown"
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -107,6 +109,7 @@ def machine_info() -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "cpu": model,
         "cores": os.cpu_count(),
+        "specpipe_cpu_threads": cpu_threads(),
         "gpu": gpu,
         "device": str(mx.default_device()),
         "python": platform.python_version(),
