@@ -28,6 +28,7 @@ import mlx.core as mx
 from returns.result import Failure, Result
 
 from models.base import CausalLM
+from models.parallel import cpu_threads
 from schemas.converter import strict, structure
 from schemas.errors import ConfigError
 from specpipe.adaptive import CostModel
@@ -160,7 +161,10 @@ def calibration_path(
 ) -> Path:
     """The cache file of a calibration: one per target, draft kind (with any
     detail that changes a step's cost, e.g. `mtp/vocab=N`) and source, dtype,
-    device and MLX version."""
+    device (with the CPU thread split on a CPU) and MLX version."""
+    device = str(mx.default_device())
+    if mx.default_device().type == mx.DeviceType.cpu:
+        device += f"/threads={cpu_threads()}"
     key = json.dumps(
         [
             FORMAT,
@@ -168,7 +172,7 @@ def calibration_path(
             draft_kind,
             draft_source,
             dtype,
-            str(mx.default_device()),
+            device,
             version("mlx"),
         ]
     )

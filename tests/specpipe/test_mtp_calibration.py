@@ -93,3 +93,19 @@ def test_adaptive_mtp_output_equals_plain(
     eager_results = eager.unwrap().generate_batch(PROMPTS, sampling, LIMITS).unwrap()
     assert [r.tokens for r in eager_results] == [r.tokens for r in plain.unwrap()]
     assert all(r.stats.drafted > 0 for r in eager_results)
+
+
+def test_cpu_thread_split_is_part_of_the_calibration_key() -> None:
+    """A calibration taken with products split over N CPU threads does not
+    stand for another split (the costs differ by up to ~1.7x)."""
+    import models.parallel as parallel
+
+    try:
+        parallel.set_cpu_threads(1)
+        one = calibration_path("some/model", None, "bfloat16")
+        parallel.set_cpu_threads(2)
+        two = calibration_path("some/model", None, "bfloat16")
+    finally:
+        parallel.set_cpu_threads(None)
+    assert mx.default_device().type == mx.DeviceType.cpu
+    assert one != two
