@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from test_mtp_companion import LIMITS, PROMPTS, write_hybrid
 
