@@ -6,7 +6,8 @@
 #   call 2 (carry .whlB, with part_ab and tokq/ = the Qwen tokenizer files):
 #       bash bench/h200_run.sh setup plain
 #   call 3: bash bench/h200_run.sh spec mtp
-# (2026-11-30, second session: call 2 `setup adaptive`, call 3 `adaptive-ngram mtp mtp-sampled`)
+# (2026-11-30, second session: call 2 `setup adaptive`, call 3 `adaptive-ngram mtp mtp-sampled`;
+#  2026-12-01: call 2 `setup-min mtp-rows`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -15,12 +16,13 @@ export PYTHONPATH=$HOME/site
 export SPECPIPE_CACHE=/tmp/spcache
 for step in "$@"; do
   case $step in
-  setup)
+  setup|setup-min)
     cat $S/part_aa .whlB/part_ab > $S/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 1
     rm -f $S/part_aa
     python3 -m pip install -q --no-index --no-deps --no-compile --target $HOME/site $S/*.whl || exit 1
     python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device())" || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    [ "$step" = setup-min ] && continue  # no random Qwen2.5 folders (MTP steps build their own model)
     mkdir -p $HOME/tokq && cp .whlB/tokq/* $HOME/tokq/
     python3 bench/random_weights.py --shape qwen2.5-0.5b --dtype bfloat16 --tokenizer $HOME/tokq $R/qwen2.5-0.5b-bf16 || exit 1
     python3 bench/random_weights.py --shape qwen2.5-1.5b --dtype bfloat16 --tokenizer $HOME/tokq $R/qwen2.5-1.5b-bf16 || exit 1
@@ -49,6 +51,12 @@ for step in "$@"; do
   mtp-sampled)
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \
         --fr-size 32768 --sampling qwen --out $OUT/mtp-sampled-h200.json || echo "STEP FAILED: $?"
+    ;;
+  mtp-rows)
+    python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 \
+        --fr-size 32768 --sampling qwen --rows 1,8,32 --out $OUT/mtp-rows-sampled-h200.json || echo "STEP FAILED: $?"
+    python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 \
+        --fr-size 32768 --rows 1,8,32 --out $OUT/mtp-rows-h200.json || echo "STEP FAILED: $?"
     ;;
   mtp)
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \

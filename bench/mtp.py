@@ -97,24 +97,26 @@ def generate(
 
 def draft_chain_ms(
     drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int, repeats: int,
-    sampling: SamplingParams = SAMPLINGS["greedy"],
+    sampling: SamplingParams = SAMPLINGS["greedy"], batch: int = 1,
 ) -> float:
-    """The draft chain alone: open rows after a real prefill, then time
-    `propose` + evaluation of its tokens (the head's KV writes are scratch)."""
-    row = RowState.start(prompt, 64, sampling)
-    cache, hidden = prefill_rows(model, [row], keep_hidden=True)
-    rows = drafter.open([row], hidden)
+    """The draft chain alone for `batch` rows: open rows after a real prefill,
+    then time `propose` + evaluation of its tokens (the head's KV writes are
+    scratch). Row b's prompt is `prompt` rotated by b tokens (distinct rows of
+    one length)."""
+    rows = [RowState.start(prompt[b:] + prompt[:b], 64, sampling) for b in range(batch)]
+    cache, hidden = prefill_rows(model, rows, keep_hidden=True)
+    opened = drafter.open(rows, hidden)
     # One real round first, so the head has paired the prompt and the timed
     # chains start from a one-token tail, as in steady-state decoding.
-    proposal = rows.propose([row], depth)
-    verified = model(mx.array([[row.pending]]), cache, [row.length])
-    token = int(mx.argmax(verified.logits[0, -1]).item())
-    rows = rows.prepare_commit([row], proposal, [()], [0], verified).commit()
-    row = row.advanced((token,))
+    proposal = opened.propose(rows, depth)
+    verified = model(mx.array([[row.pending] for row in rows]), cache, [row.length for row in rows])
+    tokens = mx.argmax(verified.logits[:, -1], axis=-1).tolist()
+    opened = opened.prepare_commit(rows, proposal, [()] * batch, [0] * batch, verified).commit()
+    rows = [row.advanced((int(t),)) for row, t in zip(rows, tokens, strict=True)]
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        proposal = rows.propose([row], depth)
+        proposal = opened.propose(rows, depth)
         assert proposal.device is not None
         mx.eval(proposal.device)
         if i:
@@ -135,6 +137,7 @@ def main() -> None:
     parser.add_argument("--fr-size", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy")
+    parser.add_argument("--rows", default="1", help="batch sizes for the draft-chain timing, e.g. 1,8,32")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -194,14 +197,20 @@ def main() -> None:
                     "first_difference": first_diff,
                 }
             )
-            report["draft_chain"].append(
-                {
-                    "depth": depth,
-                    "vocab": name,
-                    "ms": draft_chain_ms(drafter, model, prompt, depth, args.repeats, sampling),
-                }
-            )
-            print(json.dumps(report["mtp"][-1]), json.dumps(report["draft_chain"][-1]), flush=True)
+            for batch in [int(b) for b in args.rows.split(",")]:
+                report["draft_chain"].append(
+                    {
+                        "depth": depth,
+                        "vocab": name,
+                        "rows": batch,
+                        "ms": draft_chain_ms(
+                            drafter, model, prompt, depth, args.repeats, sampling, batch
+                        ),
+                    }
+                )
+            print(json.dumps(report["mtp"][-1]), flush=True)
+            for entry in report["draft_chain"][-len(args.rows.split(",")):]:
+                print(json.dumps(entry), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report["plain"]))

@@ -98,11 +98,18 @@ def project(
     group_size: int = 64,
     bits: int = 0,  # 0: float weight
     mode: str = "affine",
+    bias: mx.array | None = None,  # [O], added inside the float product
 ) -> mx.array:  # [..., O]
-    """`x @ weight.T` (quantized when `bits`), split over CPU threads."""
+    """`x @ weight.T (+ bias)` (quantized when `bits`), split over CPU threads.
+
+    A float product adds `bias` inside the product (`addmm`, as `nn.Linear`
+    does: one rounding); a quantized one adds it after, as
+    `nn.QuantizedLinear` does."""
 
     def product(rows: slice, stream: mx.Stream | None) -> mx.array:
         if not bits:
+            if bias is not None:
+                return mx.addmm(bias[rows], x, weight[rows].T, stream=stream)
             return mx.matmul(x, weight[rows].T, stream=stream)
         assert scales is not None, "a quantized product needs its scales"
         return mx.quantized_matmul(
@@ -120,21 +127,24 @@ def project(
     rows = int(weight.shape[0])
     count = _blocks(x, rows)
     if count == 1:
-        return product(slice(None), None)
-    step = -(-rows // count)
-    parts = [
-        product(slice(start, min(start + step, rows)), stream)
-        for start, stream in zip(range(0, rows, step), _streams(count), strict=False)
-    ]
-    return mx.concatenate(parts, axis=-1)
+        y = product(slice(None), None)
+    else:
+        step = -(-rows // count)
+        parts = [
+            product(slice(start, min(start + step, rows)), stream)
+            for start, stream in zip(
+                range(0, rows, step), _streams(count), strict=False
+            )
+        ]
+        y = mx.concatenate(parts, axis=-1)
+    return y + bias if bits and bias is not None else y
 
 
 class Linear(nn.Linear):
     """`nn.Linear` whose product is split over CPU threads."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = project(x, self.weight)
-        return y + self.bias if "bias" in self else y
+        return project(x, self.weight, bias=self.get("bias"))
 
     def to_quantized(
         self,
@@ -152,7 +162,7 @@ class QuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose product is split over CPU threads."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = project(
+        return project(
             x,
             self["weight"],
             self["scales"],
@@ -160,8 +170,8 @@ class QuantizedLinear(nn.QuantizedLinear):
             group_size=self.group_size,
             bits=self.bits,
             mode=self.mode,
+            bias=self.get("bias"),
         )
-        return y + self["bias"] if "bias" in self else y
 
 
 class Embedding(nn.Embedding):

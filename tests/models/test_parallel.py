@@ -12,13 +12,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from returns.result import Success
 
 import models.parallel as parallel
 from models.build import build_model, quantize_model
-from models.parallel import Linear, QuantizedEmbedding, QuantizedLinear, project
+from models.parallel import (
+    Embedding,
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    project,
+)
 from schemas.converter import hf as hf_converter
 from schemas.converter import structure
 from schemas.hf import DecoderArgs, normalize_hf_config
@@ -56,6 +63,36 @@ def test_float_product_split_equals_whole(
     assert parallel._blocks(x, 250) == threads
     _same(project(x, weight), whole)
     _same(whole, x @ weight.T)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 28])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_layers_equal_mlx_layers(
+    dtype: mx.Dtype, window: int, bias: bool
+) -> None:
+    """The layers compute exactly what MLX's own do (a float bias is added
+    inside the product, `addmm`, not after it: one rounding, not two)."""
+    mx.random.seed(window)
+    reference = nn.Linear(96, 250, bias=bias)
+    reference.set_dtype(dtype)
+    ours = Linear(96, 250, bias=bias)
+    ours.update(reference.parameters())
+    x = mx.random.normal((2, window, 96)).astype(dtype)
+    parallel.set_cpu_threads(3)
+    _same(ours(x), reference(x))
+    q_reference = reference.to_quantized(group_size=32, bits=4)
+    q_ours = ours.to_quantized(group_size=32, bits=4)
+    assert isinstance(q_ours, QuantizedLinear)
+    _same(q_ours(x), q_reference(x))
+    table = nn.Embedding(250, 96)
+    table.set_dtype(dtype)
+    split_table = Embedding(250, 96)
+    split_table.update(table.parameters())
+    _same(split_table.as_linear(x), table.as_linear(x))
+    q_table = split_table.to_quantized(group_size=32, bits=8)
+    assert isinstance(q_table, QuantizedEmbedding)
+    _same(q_table.as_linear(x), table.to_quantized(group_size=32, bits=8).as_linear(x))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
