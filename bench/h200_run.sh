@@ -52,6 +52,10 @@ for step in "$@"; do
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \
         --fr-size 32768 --sampling qwen --out $OUT/mtp-sampled-h200.json || echo "STEP FAILED: $?"
     ;;
+  gemm)
+    python3 bench/gemm_probe.py --out $OUT/gemm-probe-h200.json || echo "STEP FAILED: $?"
+    python3 bench/gemm_probe.py --fused --rows 1,2,5,8 --out $OUT/gemm-probe-fused-h200.json || echo "STEP FAILED: $?"
+    ;;
   mtp-rows)
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 \
         --fr-size 32768 --sampling qwen --rows 1,8,32 --out $OUT/mtp-rows-sampled-h200.json || echo "STEP FAILED: $?"

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from models.base import Mask, RoPE
 from models.cache import KVCache
+from models.fuse import FusedProjection, fuse, fused_or_none
 from models.parallel import Linear
 from schemas.hf import DecoderArgs
 
@@ -40,9 +41,21 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.intermediate = intermediate
+        self._gate_up: FusedProjection | None = None
+
+    def fuse_projections(self) -> bool:
+        """Run gate and up as one product from now on (models/fuse.py)."""
+        self._gate_up = fuse((self.gate_proj, self.up_proj))
+        return self._gate_up is not None
 
     def __call__(self, x: mx.array) -> mx.array:  # [B, L, H] -> [B, L, H]
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = fused_or_none(self._gate_up, (self.gate_proj, self.up_proj))
+        if fused is None:
+            return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        both = fused(x)
+        n = self.intermediate
+        return self.down_proj(nn.silu(both[..., :n]) * both[..., n:])
 
 
 class Attention(nn.Module):
@@ -72,6 +85,28 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = RoPE(self.head_dim, args.rope)
+        self._qkv: FusedProjection | None = None
+
+    def fuse_projections(self) -> bool:
+        """Run q, k and v as one product from now on (models/fuse.py)."""
+        self._qkv = fuse((self.q_proj, self.k_proj, self.v_proj))
+        return self._qkv is not None
+
+    def _project_qkv(
+        self, x: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:  # [B, L, H] -> [B, L, heads, D] x3
+        batch, length, _ = x.shape
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = fused_or_none(self._qkv, parts)
+        if fused is None:
+            return (
+                self.q_proj(x).reshape(batch, length, self.heads, self.head_dim),
+                self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim),
+                self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim),
+            )
+        heads, kv = self.heads, self.kv_heads
+        qkv = fused(x).reshape(batch, length, heads + 2 * kv, self.head_dim)
+        return qkv[:, :, :heads], qkv[:, :, heads : heads + kv], qkv[:, :, heads + kv :]
 
     def __call__(
         self,
@@ -82,9 +117,7 @@ class Attention(nn.Module):
         rope_at: int | mx.array,  # scalar or [B]
     ) -> mx.array:  # [B, L, H]
         batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
+        q, k, v = self._project_qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)

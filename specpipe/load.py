@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
 from models.base import CausalLM
 from models.build import build_model, load_weights, quantize_layers, quantize_model
+from models.fuse import fuse_projections
 from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
 from schemas.errors import ConfigError, LoadError
@@ -65,7 +67,16 @@ def load(
 ) -> Result[LoadedModel, LoadError]:
     """Load a model reference (default: the embedded default model)."""
     ref = ref or DEFAULT_MODEL
-    return parse_dtype(dtype).bind(lambda dt: _load(ref, dt))
+    return parse_dtype(dtype).bind(lambda dt: _load(ref, dt)).map(_fused)
+
+
+def _fused(loaded: LoadedModel) -> LoadedModel:
+    """Each layer's q/k/v and gate/up products run as one (models/fuse.py);
+    done after loading, when the checkpoint's arrays have no other holder, so
+    the fused arrays replace them rather than doubling them."""
+    if isinstance(loaded.model, nn.Module):
+        fuse_projections(loaded.model)
+    return loaded
 
 
 def _load(ref: str, dtype: mx.Dtype | None) -> Result[LoadedModel, LoadError]:
