@@ -39,19 +39,20 @@ class FusedProjection:
     """One product standing for `len(sizes)` projections of the same input."""
 
     arrays: dict[str, mx.array]  # weight / scales / biases / bias, rows concatenated
-    installed: tuple[tuple[mx.array, ...], ...]  # per part, the views it was given
+    installed: tuple[tuple[tuple[str, mx.array], ...], ...]  # per part, (name, view)
     sizes: tuple[int, ...]  # output rows per part
     group_size: int = 64
     bits: int = 0
     mode: str = "affine"
 
     def current(self, parts: Sequence[nn.Module]) -> bool:
-        """Whether every part still holds the views it was given."""
-        return all(
-            len(views) == len(names := _present(part))
-            and all(part[n] is v for n, v in zip(names, views, strict=True))
-            for part, views in zip(parts, self.installed, strict=True)
-        )
+        """Whether every part still holds the views it was given (checked on
+        every call: plain loops, it is on the host's path each forward)."""
+        for part, views in zip(parts, self.installed, strict=True):
+            for name, view in views:
+                if part.get(name) is not view:
+                    return False
+        return True
 
     def __call__(self, x: mx.array) -> mx.array:  # [..., I] -> [..., sum(sizes)]
         a = self.arrays
@@ -97,14 +98,14 @@ def fuse(parts: Sequence[nn.Module]) -> FusedProjection | None:
     arrays = {n: mx.concatenate([p[n] for p in parts], axis=0) for n in names}
     mx.eval(arrays)
     sizes = tuple(int(p["weight"].shape[0]) for p in parts)
-    installed: list[tuple[mx.array, ...]] = []
+    installed: list[tuple[tuple[str, mx.array], ...]] = []
     start = 0
     for part, size in zip(parts, sizes, strict=True):
         views = tuple(arrays[n][start : start + size] for n in names)
         mx.eval(views)
         for n, v in zip(names, views, strict=True):
             part[n] = v
-        installed.append(views)
+        installed.append(tuple(zip(names, views, strict=True)))
         start += size
     first = parts[0]
     if isinstance(first, nn.QuantizedLinear):
