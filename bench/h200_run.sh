@@ -52,6 +52,10 @@ for step in "$@"; do
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \
         --fr-size 32768 --sampling qwen --out $OUT/mtp-sampled-h200.json || echo "STEP FAILED: $?"
     ;;
+  round-order)
+    python3 bench/round_order.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --widths 1,2,4 \
+        --tokens 128 --out $OUT/round-order-h200.json || echo "STEP FAILED: $?"
+    ;;
   gemm)
     python3 bench/gemm_probe.py --out $OUT/gemm-probe-h200.json || echo "STEP FAILED: $?"
     python3 bench/gemm_probe.py --fused --rows 1,2,5,8 --out $OUT/gemm-probe-fused-h200.json || echo "STEP FAILED: $?"
