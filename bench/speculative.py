@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--ngram-widths", default="2,4,6")
     parser.add_argument("--ngram-prompts", default="edit,code,chat")
     parser.add_argument("--two-model-prompts", default="code,chat,edit")
+    parser.add_argument("--draft-vocab", help="an FR-Spec list (draft_vocab.json): also run two-model "
+                        "with the draft projecting onto it (method 'two-model-fr', same widths)")
     parser.add_argument("--no-mlxlm", action="store_true")
     parser.add_argument("--own-weights", action="store_true",
                         help="let mlx-lm load its own copy of the weights (default: share specpipe's buffers)")
@@ -95,6 +97,12 @@ def main() -> None:
     short = ints(args.short_widths)
     widths = sorted(set(widths) | set(short))
     two_model = {k: evolve(two, draft=evolve(two.draft, width=k)) for k in widths}
+    two_model_fr: dict[int, Any] = {}
+    if args.draft_vocab:
+        fr = registry.load("two-model", DraftLoadRequest(
+            target=two.target, source=str(draft_folder), width=1, draft_vocab=args.draft_vocab,
+            dtype=args.dtype)).unwrap()
+        two_model_fr = {k: evolve(two, draft=evolve(fr, width=k)) for k in widths}
     ngram = {
         k: evolve(
             plain,
@@ -119,6 +127,8 @@ def main() -> None:
     warm_ids = list(plain.encode("def f(x):", False).unwrap())
     specpipe_run(plain, warm_ids, 4, "plain")
     specpipe_run(two_model[widths[0]], warm_ids, 4, "two-model")
+    if two_model_fr:
+        specpipe_run(two_model_fr[widths[0]], warm_ids, 4, "two-model-fr")
     if ng_widths:
         specpipe_run(ngram[ng_widths[0]], warm_ids, 4, "ngram")
     if peer is not None:
@@ -134,6 +144,7 @@ def main() -> None:
         "model_dtypes": dtypes,
         "mlx_lm_weights": "own copy" if args.own_weights else "shared with specpipe (same buffers)",
         "max_tokens": args.tokens,
+        "draft_vocab": args.draft_vocab,
         "prompts": {},
     }
     failures: list[str] = []
@@ -188,6 +199,8 @@ def main() -> None:
             for k in sorted(set(sp_k) | set(lm_k)):
                 if k in sp_k:
                     record(prompt, specpipe_run(two_model[k], ids, args.tokens, "two-model"), reference)
+                if k in sp_k and k in two_model_fr:
+                    record(prompt, specpipe_run(two_model_fr[k], ids, args.tokens, "two-model-fr"), reference)
                 if peer is not None and k in lm_k:
                     record(prompt, mlxlm_speculative(peer, peer_draft, ids, args.tokens, k, eos), reference)
 
@@ -236,6 +249,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True)
     styles = {
         ("specpipe", "two-model"): ("C0", "o-", "specpipe two-model"),
+        ("specpipe", "two-model-fr"): ("C3", "D-", "specpipe two-model, FR-Spec draft"),
         ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
         ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
     }
