@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--widths", default="1,2,3,4,6", help="fixed widths ('' for none)")
     parser.add_argument("--max-depth", type=int, default=6, help="adaptive: deepest window")
     parser.add_argument("--mlxlm-widths", default="2,4,6")
+    parser.add_argument("--draft-vocab", help="FR-Spec list for the draft model (fixed widths and adaptive alike)")
     parser.add_argument("--no-mlxlm", action="store_true")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each specpipe configuration and mlx-lm's plain decode this many times "
@@ -92,7 +93,7 @@ def main() -> None:
 
     adaptive = specpipe.load(
         str(target_folder), draft=str(draft_folder), num_draft_tokens=args.max_depth,
-        dtype=args.dtype, adaptive=True,
+        dtype=args.dtype, adaptive=True, draft_vocab=args.draft_vocab,
     ).unwrap()
     assert adaptive.draft is not None and adaptive.adaptive is not None
     plain = evolve(adaptive, draft=None, adaptive=None)
@@ -123,6 +124,7 @@ def main() -> None:
         "dtype": args.dtype,
         "max_tokens": args.tokens,
         "max_depth": args.max_depth,
+        "draft_vocab": args.draft_vocab,
         "repeats": args.repeats,
         "cost_model": asdict(adaptive.adaptive.cost),
         "policy": {k: v for k, v in asdict(adaptive.adaptive).items() if k != "cost"},
