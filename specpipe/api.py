@@ -405,6 +405,9 @@ def calibrate(
             refresh,
         )
     key = getattr(draft.drafter, "calibration_key", None)  # e.g. mtp/vocab=N
+    head = getattr(
+        draft.drafter, "calibration_head", None
+    )  # FR-Spec rows of a draft model
     return calibrated(
         target.model,
         draft.model,
@@ -414,6 +417,7 @@ def calibrate(
         max_width,
         refresh,
         draft_kind=key if isinstance(key, str) else draft.kind,
+        draft_head=head() if callable(head) else None,
     )
 
 

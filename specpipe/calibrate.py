@@ -29,6 +29,7 @@ from returns.result import Failure, Result
 
 from models.base import CausalLM
 from models.parallel import cpu_threads
+from models.vocab_head import HeadWeights
 from schemas.converter import strict, structure
 from schemas.errors import ConfigError
 from specpipe.adaptive import CostModel
@@ -71,9 +72,11 @@ def measure(
     draft: CausalLM | DraftStep | None,
     max_width: int = 8,
     repeats: int = 3,
+    draft_head: HeadWeights | None = None,
 ) -> CostModel:
     """`draft`: a draft model, a `DraftStep` (MTP head), or None (no draft or
-    a host-side one: draft steps cost 0)."""
+    a host-side one: draft steps cost 0). `draft_head`: the rows a draft
+    model projects onto (an FR-Spec list), when not its whole head."""
     vocab = target.args.vocab_size
     context = mx.random.randint(0, vocab, (1, CONTEXT), key=mx.random.key(0)).astype(
         mx.int32
@@ -109,9 +112,14 @@ def measure(
         draft_cache, _ = prefilled(model)
         token = context[:, :1]
 
+        def project(hidden: mx.array) -> mx.array:
+            if draft_head is None:
+                return model.lm_head(hidden)
+            return draft_head.project(model.final_norm(hidden))
+
         def draft_step() -> None:
             out = model(token, draft_cache, [CONTEXT])
-            mx.eval(mx.argmax(model.lm_head(out.hidden), axis=-1))
+            mx.eval(mx.argmax(project(out.hidden), axis=-1))
 
         draft_ms = _median_ms(draft_step, repeats)
         # a catch-up of CATCH_UP tokens (a gated row's draft reading what was
@@ -120,7 +128,7 @@ def measure(
 
         def catch_up() -> None:
             out = model(window, draft_cache, [CONTEXT])
-            mx.eval(mx.argmax(model.lm_head(out.hidden[:, -1:]), axis=-1))
+            mx.eval(mx.argmax(project(out.hidden[:, -1:]), axis=-1))
 
         catch_up_ms = max(0.0, _median_ms(catch_up, repeats) - draft_ms) / (
             CATCH_UP - 1
@@ -204,6 +212,7 @@ def calibrated(
     max_width: int = 8,
     refresh: bool = False,
     draft_kind: str | None = None,
+    draft_head: HeadWeights | None = None,
 ) -> CostModel:
     """The cached cost model, measuring (and caching) it when absent."""
     path = calibration_path(target_source, draft_source, dtype, draft_kind)
@@ -214,6 +223,6 @@ def calibrated(
     print(
         "specpipe: calibrating round costs on this machine (once) ...", file=sys.stderr
     )
-    cost = measure(target, draft, max_width)
+    cost = measure(target, draft, max_width, draft_head=draft_head)
     save(path, cost)
     return cost

@@ -143,6 +143,19 @@ class TwoModelDrafter:
     kind: str = "two-model"
     bucket_catch_up: bool | None = None  # None: on a GPU (see TwoModelRows.bucket)
 
+    @property
+    def calibration_key(self) -> str:
+        """What sets a draft step's cost apart in the calibration cache."""
+        if self.vocab is None:
+            return self.kind
+        return f"{self.kind}/vocab={self.vocab.size}"
+
+    def calibration_head(self) -> HeadWeights | None:
+        """The head rows a draft step projects onto (its FR-Spec list), if not all."""
+        if self.vocab is None:
+            return None
+        return self.model.head_weights().take(self.vocab.array())
+
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None
     ) -> DraftRows:

@@ -131,3 +131,39 @@ def test_draft_vocab_command(
     vocab = DraftVocabulary.read(out, 320).unwrap()
     assert vocab.size == 12
     assert "covering" in capsys.readouterr().err
+
+
+def test_two_model_calibration_times_the_listed_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A two-model draft with an FR-Spec list is calibrated apart from the
+    full-head draft, and its draft step projects onto the listed rows only."""
+    import specpipe.calibrate as calibrate_module
+    from specpipe.api import calibrate
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    target = write_tiny_model(tmp_path / "target")
+    draft = write_tiny_model(tmp_path / "draft", seed=1)
+    full = load(str(target), draft=str(draft), num_draft_tokens=2).unwrap()
+    DraftVocabulary.create(range(0, 320, 4), 320).unwrap().write(draft / DRAFT_VOCAB_FILE)
+    listed = load(str(target), draft=str(draft), num_draft_tokens=2).unwrap()
+    assert full.draft is not None and listed.draft is not None
+    assert full.draft.drafter.calibration_key == "two-model"  # type: ignore[attr-defined]
+    assert listed.draft.drafter.calibration_key == "two-model/vocab=80"  # type: ignore[attr-defined]
+    head = listed.draft.drafter.calibration_head()  # type: ignore[attr-defined]
+    assert head is not None and head.rows == 80
+    assert full.draft.drafter.calibration_head() is None  # type: ignore[attr-defined]
+
+    heads: list[int | None] = []
+    real_measure = calibrate_module.measure
+
+    def spying_measure(*args: object, **kwargs: object) -> object:
+        given = kwargs.get("draft_head")
+        heads.append(None if given is None else given.rows)  # type: ignore[attr-defined]
+        return real_measure(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(calibrate_module, "measure", spying_measure)
+    calibrate(full.target, full.draft, None, max_width=2)
+    calibrate(listed.target, listed.draft, None, max_width=2)
+    assert heads == [None, 80]  # two cache entries, the second on the listed rows
+    assert len(list((tmp_path / "cache" / "calibration").iterdir())) == 2
