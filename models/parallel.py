@@ -158,20 +158,28 @@ class Linear(nn.Linear):
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
+def _quantized_product(
+    layer: nn.QuantizedLinear | nn.QuantizedEmbedding,
+    x: mx.array,
+    bias: mx.array | None = None,
+) -> mx.array:
+    return project(
+        x,
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+        bias=bias,
+    )
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose product is split over CPU threads."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return project(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            bias=self.get("bias"),
-        )
+        return _quantized_product(self, x, self.get("bias"))
 
 
 class Embedding(nn.Embedding):
@@ -196,12 +204,4 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     """`nn.QuantizedEmbedding` whose `as_linear` is split over CPU threads."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return project(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
+        return _quantized_product(self, x)

@@ -17,14 +17,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from returns.result import Success
 
 import models.parallel as parallel
 from models.build import Model, build_model, quantize_model
 from models.fuse import fuse, fuse_projections
-from schemas.converter import hf as hf_converter
-from schemas.converter import structure
-from schemas.hf import DecoderArgs, normalize_hf_config
+from tests.models.decoder_support import tiny_args
 
 CASES: dict[str, dict[str, Any]] = {
     "qwen2": {"model_type": "qwen2"},  # q/k/v biases
@@ -33,28 +30,9 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _args(**overrides: Any) -> DecoderArgs:
-    raw = {
-        "vocab_size": 300,
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        **overrides,
-    }
-    result = structure(
-        hf_converter, normalize_hf_config(raw), DecoderArgs, "test config"
-    )
-    assert isinstance(result, Success), result
-    args: DecoderArgs = result.unwrap()
-    return args
-
-
 def _model(case: str, dtype: mx.Dtype = mx.float32, seed: int = 3) -> Model:
     mx.random.seed(seed)
-    model = build_model(_args(**CASES[case])).unwrap()
+    model = build_model(tiny_args(**CASES[case])).unwrap()
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
@@ -73,7 +51,9 @@ def _logits(model: Model) -> np.ndarray:
 
 
 def _flat(model: Model) -> dict[str, np.ndarray]:
-    return {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+    return {
+        k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())
+    }
 
 
 @pytest.fixture(autouse=True, params=[1, 2], ids=["one-thread", "split"])

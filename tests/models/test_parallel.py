@@ -9,13 +9,11 @@ whole model's logits must agree exactly too.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from returns.result import Success
 
 import models.parallel as parallel
 from models.build import build_model, quantize_model
@@ -26,9 +24,7 @@ from models.parallel import (
     QuantizedLinear,
     project,
 )
-from schemas.converter import hf as hf_converter
-from schemas.converter import structure
-from schemas.hf import DecoderArgs, normalize_hf_config
+from tests.models.decoder_support import tiny_args
 
 
 @pytest.fixture(autouse=True)
@@ -110,31 +106,11 @@ def test_quantized_product_split_equals_whole(bits: int, threads: int) -> None:
     _same(project(x, packed, scales, biases, group_size=64, bits=bits), expected)
 
 
-def _tiny_args(**overrides: Any) -> DecoderArgs:
-    raw = {
-        "model_type": "qwen2",
-        "vocab_size": 300,
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        **overrides,
-    }
-    result = structure(
-        hf_converter, normalize_hf_config(raw), DecoderArgs, "test config"
-    )
-    assert isinstance(result, Success), result
-    args: DecoderArgs = result.unwrap()
-    return args
-
-
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("bits", [0, 4])
 def test_model_logits_split_equal_whole(tied: bool, bits: int) -> None:
     mx.random.seed(7)
-    model = build_model(_tiny_args(tie_word_embeddings=tied)).unwrap()
+    model = build_model(tiny_args(tie_word_embeddings=tied)).unwrap()
     if bits:
         quantize_model(model, bits, 64)
         assert isinstance(model.model.layers[0].mlp.gate_proj, QuantizedLinear)
