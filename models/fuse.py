@@ -68,6 +68,15 @@ class FusedProjection:
         )
 
 
+def split_last(y: mx.array, sizes: Sequence[int]) -> list[mx.array]:
+    """`y`'s last axis cut into consecutive pieces of `sizes` (views)."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(y[..., start : start + size])
+        start += size
+    return out
+
+
 def _present(part: nn.Module) -> tuple[str, ...]:
     return tuple(n for n in _ARRAYS if n in part)
 

@@ -48,6 +48,7 @@ from returns.result import Failure, Result, Success
 from models.base import attention_mask, rope_offset
 from models.build import quantized_layers
 from models.cache import KVCache
+from models.fuse import fuse_projections
 from models.layers import flat_parameters, model_dtype
 from models.parallel import Linear
 from models.qwen3_next import AttentionLayer
@@ -258,4 +259,5 @@ def build_mtp(
             LoadError("the MTP weights do not match this config: " + "; ".join(listed))
         )
     head.update(tree_unflatten(list(weights.items())))
+    fuse_projections(head)  # one product for q/k/v and for gate/up (models/fuse.py)
     return Success(head)

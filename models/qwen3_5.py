@@ -36,6 +36,7 @@ from collections.abc import Mapping
 import mlx.core as mx
 
 from models import qwen3_next
+from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer
 from models.parallel import Linear
 from schemas.hf_hybrid import HybridArgs
@@ -61,14 +62,28 @@ class SplitGatedDeltaNet(GatedDeltaMixer):
         self.in_proj_z = Linear(hidden, values, bias=False)
         self.in_proj_b = Linear(hidden, self.value_heads, bias=False)
         self.in_proj_a = Linear(hidden, self.value_heads, bias=False)
+        self._in: FusedProjection | None = None
+
+    def _parts(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def fuse_projections(self) -> bool:
+        """Run the four input projections as one product from now on (models/fuse.py)."""
+        self._in = fuse(self._parts())
+        return self._in is not None
 
     def project(
         self,
         x: mx.array,  # [B, L, H]
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         batch, length, _ = x.shape
-        z = self.in_proj_z(x).reshape(batch, length, self.value_heads, self.value_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        fused = fused_or_none(self._in, self._parts())
+        if fused is None:
+            qkv, z, b, a = (part(x) for part in self._parts())
+        else:
+            qkv, z, b, a = split_last(fused(x), fused.sizes)
+        z = z.reshape(batch, length, self.value_heads, self.value_dim)
+        return qkv, z, b, a
 
 
 class SplitModel(qwen3_next.Model):

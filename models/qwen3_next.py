@@ -31,6 +31,7 @@ import mlx.nn as nn
 
 from models.base import Mask, ModelOutput, RoPE, attention_mask, rope_offset
 from models.cache import KVCache
+from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
 from models.layers import MLP, model_dtype
@@ -63,6 +64,12 @@ class GatedAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = RoPE(args.rotary_dims, args.rope)
+        self._qkv: FusedProjection | None = None
+
+    def fuse_projections(self) -> bool:
+        """Run q(+gate), k and v as one product from now on (models/fuse.py)."""
+        self._qkv = fuse((self.q_proj, self.k_proj, self.v_proj))
+        return self._qkv is not None
 
     def __call__(
         self,
@@ -74,12 +81,17 @@ class GatedAttention(nn.Module):
     ) -> mx.array:  # [B, L, H]
         batch, length, _ = x.shape
         d = self.head_dim
+        fused = fused_or_none(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
+        if fused is None:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            qg, k, v = split_last(fused(x), fused.sizes)
         # q_proj holds, per head, the query then the gate: [B, L, Hq, 2D]
-        q_gate = self.q_proj(x).reshape(batch, length, self.heads, 2 * d)
+        q_gate = qg.reshape(batch, length, self.heads, 2 * d)
         gate = q_gate[..., d:].reshape(batch, length, self.heads * d)
         q = self.q_norm(q_gate[..., :d])
-        k = self.k_norm(self.k_proj(x).reshape(batch, length, self.kv_heads, d))
-        v = self.v_proj(x).reshape(batch, length, self.kv_heads, d)
+        k = self.k_norm(k.reshape(batch, length, self.kv_heads, d))
+        v = v.reshape(batch, length, self.kv_heads, d)
         q = self.rope(q.transpose(0, 2, 1, 3), rope_at)  # [B, Hq, L, D]
         k = self.rope(k.transpose(0, 2, 1, 3), rope_at)  # [B, Hkv, L, D]
         keys, values = cache.write(self.kv_index, k, v.transpose(0, 2, 1, 3), offsets)

@@ -340,3 +340,21 @@ def mtp_reference(
         embeds = language.embed_tokens(tokens)
         logits: np.ndarray = lm_head(reference(embeds[:, 1:], hidden[:, :-1])).numpy()
     return logits
+
+
+def fused_logit_difference(model: Model) -> tuple[int, float]:
+    """Fuse `model`'s projection groups (models/fuse.py); return how many fused
+    and max |fused - separate| over a 2-row 9-token prefill then a 3-token
+    window (0.0 expected on the CPU: the same dot products)."""
+    from models.fuse import fuse_projections
+
+    ids = token_ids((2, 12), seed=4)
+
+    def run() -> np.ndarray:
+        cache = model.make_cache(2)
+        head = step(model, cache, ids[:, :9], [0, 0])
+        return np.concatenate([head, step(model, cache, ids[:, 9:], [9, 9])], axis=1)
+
+    separate = run()
+    fused = fuse_projections(model)
+    return fused, float(np.abs(run() - separate).max())

@@ -405,3 +405,10 @@ def test_speculative_output_equals_plain_output(
         assert sum(r.stats.drafted for r in results) > 0, draft
         if weights == "echoing":
             assert sum(r.stats.accepted for r in results) > 0, draft
+
+
+def test_fused_projections_equal_separate_products() -> None:
+    """linear layers: 4 input projections; attention q/k/v; dense gate/up: one product each, logits unchanged bit for bit."""
+    fused, difference = support.fused_logit_difference(ours(make_hf()))
+    assert fused > 0
+    assert difference == 0.0

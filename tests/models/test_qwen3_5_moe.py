@@ -408,3 +408,12 @@ def test_speculative_output_equals_plain_output(
     assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
     assert not any(r.stats.draft_errors for r in results)
     assert sum(r.stats.drafted for r in results) > 0
+
+
+def test_fused_projections_equal_separate_products() -> None:
+    """Split linear-layer projections, attention q/k/v and the shared expert's
+    gate/up: one product each, logits unchanged bit for bit."""
+    model: Model = support.ours(make_hf(), Model)
+    fused, difference = support.fused_logit_difference(model)
+    assert fused > 0
+    assert difference == 0.0

@@ -514,3 +514,10 @@ def test_mtp_weights_that_do_not_fit_are_a_load_error(
     assert isinstance(
         build_mtp(evolve(model.hybrid), dict(flat_parameters(head))), Success
     )
+
+
+def test_fused_projections_equal_separate_products() -> None:
+    """attention q/k/v; shared expert gate/up: one product each, logits unchanged bit for bit."""
+    fused, difference = support.fused_logit_difference(ours(make_hf()))
+    assert fused > 0
+    assert difference == 0.0
