@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info
 from models.build import build_model, quantize_model
+from models.fuse import fuse_projections
 from models.mtp import MtpHead
 from schemas.hf_hybrid import hybrid_args
 from schemas.request import SamplingParams
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--fr-size", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="keep q/k/v and gate/up as separate products (as before models/fuse.py)")
     parser.add_argument("--rows", default="1", help="batch sizes for the draft-chain timing, e.g. 1,8,32")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -153,6 +156,9 @@ def main() -> None:
     head = MtpHead(hybrid)
     head.set_dtype(dtype)
     mx.eval(head.parameters())
+    if not args.no_fuse:  # as specpipe.load and build_mtp do
+        fuse_projections(model)
+        fuse_projections(head)
     prompt = tuple(int(t) for t in mx.random.randint(0, args.vocab, (48,), key=mx.random.key(1)).tolist())
 
     sampling = SAMPLINGS[args.sampling]
@@ -164,6 +170,7 @@ def main() -> None:
         "dtype": args.dtype,
         "quantize": args.quantize,
         "sampling": args.sampling,
+        "fused_projections": not args.no_fuse,
         "plain": {
             "tokens": len(plain),
             "decode_tps": len(plain) / plain_result.decode_seconds,
