@@ -154,7 +154,11 @@ class RowAdaptation:
     `max_probe_every`: a row that never agrees pays a vanishing share of
     probes, while one that turns predictable again is found within the wait.
     The first choice of a fresh row probes at once when it would gate: the
-    draft has just read the prompt, so that probe costs no catch-up. When the
+    draft has just read the prompt, so that probe costs no catch-up, and it
+    drafts as deep as the depth that would win at full acceptance (one probe
+    of one draft moves the estimate little: a 0.5 prior behind two
+    pseudo-observations becomes 0.67 after one acceptance, still gated on a
+    CPU where a 1-deep round must publish 1.7 tokens to pay). When the
     cost model says no depth wins even if every draft is accepted (a draft
     nearly as slow as the target, or windows far dearer than plain steps, as
     on an overhead-bound GPU), the row never drafts at all."""
@@ -194,7 +198,10 @@ class RowAdaptation:
             self.interval = 0
             return depth
         if fresh:
-            return self._probe(policy)
+            # the one probe with no catch-up: as deep as the depth that would
+            # win were every draft accepted, so one round gives the estimate
+            # up to that many observations instead of one
+            return max(self._probe(policy), best_of(1.0, rounds)[0])
         if self.interval == 0:  # the gate closes: wait before probing
             self.interval, self.waited = policy.probe_every, 0
         self.next_probe = self._probe_wait(policy, rounds)

@@ -17,6 +17,7 @@ from specpipe.adaptive import (
     ObservedCosts,
     RowAdaptation,
     best_depth,
+    best_of,
     expected_tokens,
 )
 from specpipe.api import load
@@ -109,6 +110,24 @@ def test_gate_closes_and_probes_with_backoff() -> None:
         0,
         1,
     ]  # 4 plain steps (the closing one first), a probe
+
+
+def test_a_fresh_row_probes_as_deep_as_full_acceptance_would_pay() -> None:
+    """The first probe costs no catch-up: it drafts as deep as the best depth
+    at alpha = 1, so one round can show a predictable row (here 4 of 4
+    accepted opens the gate, where one accepted draft would not)."""
+    policy = AdaptivePolicy(CPU_LIKE)
+    rounds = policy.cost.rounds(4)
+    deepest = best_of(1.0, rounds)[0]
+    row = RowAdaptation()
+    assert best_of(row.alpha(policy), rounds)[0] == 0  # the prior alone gates
+    first = row.choose(policy, 4)
+    assert first == deepest > policy.probe_depth
+    one = RowAdaptation(fresh=False)
+    one.observe(1, 1, policy)  # what a 1-deep probe could show at best
+    assert best_of(one.alpha(policy), rounds)[0] == 0
+    row.observe(first, first, policy)
+    assert row.choose(policy, 4) > 0
 
 
 def test_probe_steps_bound_plain_bursts() -> None:
