@@ -7,6 +7,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
+
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

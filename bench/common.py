@@ -28,12 +28,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
+
+import mlx.core as mx  # noqa: E402
 
 RESULTS = HERE / "results"
 
@@ -79,6 +81,7 @@ PROMPTS: dict[str, tuple[str, bool]] = {
 def machine_info() -> dict[str, Any]:
     import importlib.metadata as md
 
+    from models.blas import blas_route
     from models.parallel import cpu_threads
 
     model = "unknown"
@@ -110,6 +113,8 @@ def machine_info() -> dict[str, Any]:
         "cpu": model,
         "cores": os.cpu_count(),
         "specpipe_cpu_threads": cpu_threads(),
+        "blas": blas_route().library,
+        "blas_path": blas_route().path,
         "gpu": gpu,
         "device": str(mx.default_device()),
         "python": platform.python_version(),

@@ -24,6 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
+
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
+
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -20,6 +20,9 @@ The stages of a round are draft -> verify -> sample_window -> walk -> commit
 values back from the device.
 """
 
+from models.blas import route_blas
 from specpipe.api import GenerationResult, GenerationStats, Pipeline, load
+
+route_blas()  # models/__init__ routed it before specpipe.api imported mlx
 
 __all__ = ["GenerationResult", "GenerationStats", "Pipeline", "load"]

@@ -1,0 +1,127 @@
+"""models/blas.py: MLX's CPU float32 products routed to an optimised BLAS.
+
+Each case runs in a fresh interpreter: the route is taken once per process,
+before MLX loads (tests/conftest.py pins this process to the reference BLAS).
+"""
+
+from __future__ import annotations
+
+import _ctypes
+import ctypes
+import ctypes.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+_REPORT = """
+import json, sys
+{before}
+import specpipe
+from models.blas import blas_route
+route = blas_route()
+import mlx.core as mx
+import numpy as np
+rng = np.random.default_rng(0)
+x = rng.standard_normal((3, 4096)).astype(np.float32)
+w = rng.standard_normal((100, 4096)).astype(np.float32)
+y = np.array(mx.array(x) @ mx.array(w).T)
+exact = x.astype(np.float64) @ w.astype(np.float64).T
+print(json.dumps({{
+    "library": route.library,
+    "reason": route.reason,
+    "product": y.tobytes().hex(),
+    "error": float(np.abs(y - exact).max()),
+}}))
+"""
+
+
+def _run(blas: str | None, before: str = "") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "SPECPIPE_BLAS"}
+    if blas is not None:
+        env["SPECPIPE_BLAS"] = blas
+    env["PYTHONPATH"] = str(_ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", _REPORT.format(before=before)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _report(blas: str | None, before: str = "") -> dict[str, object]:
+    done = _run(blas, before)
+    assert done.returncode == 0, done.stderr
+    report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def _openblas_installed() -> bool:
+    found = ctypes.util.find_library("openblas")
+    for name in ([found] if found else []) + ["libopenblas.so.0"]:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return True
+    return False
+
+
+linux_only = pytest.mark.skipif(
+    platform.system() != "Linux", reason="MLX uses Accelerate on macOS"
+)
+
+
+@linux_only
+def test_the_reference_setting_keeps_mlx_bundled_blas() -> None:
+    report = _report("reference")
+    assert report["library"] == "reference"
+    assert report["reason"] == "SPECPIPE_BLAS=reference"
+    assert isinstance(report["error"], float) and report["error"] < 1e-3
+
+
+@linux_only
+def test_auto_routes_products_to_an_installed_openblas() -> None:
+    auto = _report("auto")
+    reference = _report("reference")
+    assert isinstance(auto["error"], float) and auto["error"] < 1e-3
+    if _openblas_installed():
+        assert auto["library"] == "openblas"
+        # The product really ran elsewhere: OpenBLAS's kernel for this narrow
+        # [3, 4096] x [4096, 100] product rounds differently from the
+        # reference BLAS (both within float32 error of the exact product).
+        assert auto["product"] != reference["product"]
+    else:
+        assert auto["library"] == "reference"
+        assert "no OpenBLAS found" in str(auto["reason"])
+        assert auto["product"] == reference["product"]
+
+
+@linux_only
+def test_mlx_imported_first_keeps_the_reference_blas_and_says_why() -> None:
+    report = _report("auto", before="import mlx.core")
+    assert report["library"] == "reference"
+    assert "import specpipe (or models) first" in str(report["reason"])
+
+
+@linux_only
+def test_a_missing_library_path_is_a_clear_error() -> None:
+    done = _run(str(_ROOT / "no-such-blas.so"))
+    assert done.returncode != 0
+    assert "SPECPIPE_BLAS" in done.stderr and "is not a file" in done.stderr
+
+
+@linux_only
+def test_a_library_without_cblas_sgemm_is_a_clear_error() -> None:
+    not_a_blas = _ctypes.__file__  # a shared library that exports no BLAS
+    assert not_a_blas is not None
+    done = _run(not_a_blas)
+    assert done.returncode != 0
+    assert "does not export cblas_sgemm" in done.stderr
