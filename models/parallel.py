@@ -2,7 +2,8 @@
 
 MLX's CPU backend runs each stream's work on one thread, so a model decoded
 on the CPU uses one core however many the machine has (on Linux the bundled
-BLAS is single-threaded too). Every projection in these models goes through
+BLAS is single-threaded too, and an OpenBLAS routed in by models/blas.py is
+set to one thread). Every projection in these models goes through
 `project`, which on the CPU splits the weight by output rows into one block
 per thread, multiplies each block on its own CPU stream (its own thread) and
 concatenates the blocks. Each output value is still one dot product over the

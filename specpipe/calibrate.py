@@ -28,6 +28,7 @@ import mlx.core as mx
 from returns.result import Failure, Result
 
 from models.base import CausalLM
+from models.blas import blas_route
 from models.parallel import cpu_threads
 from models.vocab_head import HeadWeights
 from schemas.converter import strict, structure
@@ -169,10 +170,10 @@ def calibration_path(
 ) -> Path:
     """The cache file of a calibration: one per target, draft kind (with any
     detail that changes a step's cost, e.g. `mtp/vocab=N`) and source, dtype,
-    device (with the CPU thread split on a CPU) and MLX version."""
+    device (with the CPU thread split and BLAS on a CPU) and MLX version."""
     device = str(mx.default_device())
     if mx.default_device().type == mx.DeviceType.cpu:
-        device += f"/threads={cpu_threads()}"
+        device += f"/threads={cpu_threads()}/blas={blas_route().library}"
     key = json.dumps(
         [
             FORMAT,

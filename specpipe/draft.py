@@ -25,6 +25,9 @@ class Proposal:
     depth: int
     host: tuple[tuple[int, ...], ...] | None = None  # per row, 0..depth ids
     device: mx.array | None = None  # [B, depth] int32
+    # A copying drafter's note to itself: per row, the index in the row's
+    # tokens its host drafts were copied from (-1: none). Not read by the round.
+    origins: tuple[int, ...] | None = None
 
     @classmethod
     def empty(cls, rows: int) -> Proposal:

@@ -63,23 +63,31 @@ def apply_repetition_penalty(
 
 def filtered_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     """`[N, V]` logits (f32, already penalised) -> `[N, V]` unnormalised
-    probabilities with the top-k / top-p / min-p filters applied."""
+    probabilities with the top-k / top-p / min-p filters applied.
+
+    With top-k on, top-p reads only the k kept probabilities (one partition of
+    the vocabulary instead of a partition and a full sort): every other
+    probability is zero, so the k largest, in descending order, are the
+    prefix of the full sorted row and give the same cutoff."""
     scaled = logits * (1.0 / params.temperature)
     vocab = scaled.shape[-1]
+    top: mx.array | None = None  # [N, k] ids of the k largest scores
     if 0 < params.top_k < vocab:
-        kth = mx.min(mx.topk(scaled, params.top_k, axis=-1), axis=-1, keepdims=True)
+        top = mx.argpartition(-scaled, params.top_k - 1, axis=-1)[:, : params.top_k]
+        kth = mx.min(mx.take_along_axis(scaled, top, axis=-1), axis=-1, keepdims=True)
         scaled = mx.where(scaled < kth, -mx.inf, scaled)
     probs = mx.softmax(scaled, axis=-1)
     if params.top_p < 1.0:
-        ordered = -mx.sort(-probs, axis=-1)
+        candidates = probs if top is None else mx.take_along_axis(probs, top, axis=-1)
+        ordered = -mx.sort(-candidates, axis=-1)
         before = mx.cumsum(ordered, axis=-1) - ordered
         # The smallest kept probability: tokens whose preceding mass is < top_p.
         kept = mx.where(before < params.top_p, ordered, mx.inf)
         cutoff = mx.min(kept, axis=-1, keepdims=True)
         probs = mx.where(probs < cutoff, 0.0, probs)
     if params.min_p > 0.0:
-        top = mx.max(probs, axis=-1, keepdims=True)
-        probs = mx.where(probs < params.min_p * top, 0.0, probs)
+        top_prob = mx.max(probs, axis=-1, keepdims=True)
+        probs = mx.where(probs < params.min_p * top_prob, 0.0, probs)
     return probs
 
 

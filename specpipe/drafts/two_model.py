@@ -39,7 +39,11 @@ class SubsetHead:
     @classmethod
     def of(cls, model: CausalLM, vocab: DraftVocabulary) -> SubsetHead:
         ids = vocab.array()
-        return cls(ids, model.head_weights().take(ids))
+        weights = model.head_weights().take(ids)
+        # gathered now, not inside the first draft step (a 30k-row gather
+        # from a 150k-row head takes as long as a few draft steps)
+        mx.eval(ids, weights.weight, weights.scales, weights.biases)
+        return cls(ids, weights)
 
     def logits(self, model: CausalLM, hidden: mx.array) -> mx.array:
         """`[..., H]` hidden -> `[..., N]` logits over the listed ids."""

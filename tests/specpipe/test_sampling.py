@@ -272,6 +272,38 @@ def test_filtered_probabilities_match_the_reference_on_random_logits() -> None:
         np.testing.assert_allclose(got / got.sum(), ref / ref.sum(), atol=1e-5)
 
 
+def _full_sort_filter(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The filters as first written: top-p over the fully sorted vocabulary."""
+    scaled = logits * (1.0 / params.temperature)
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = mx.min(mx.topk(scaled, params.top_k, axis=-1), axis=-1, keepdims=True)
+        scaled = mx.where(scaled < kth, -mx.inf, scaled)
+    probs = mx.softmax(scaled, axis=-1)
+    ordered = -mx.sort(-probs, axis=-1)
+    before = mx.cumsum(ordered, axis=-1) - ordered
+    kept = mx.where(before < params.top_p, ordered, mx.inf)
+    return mx.where(probs < mx.min(kept, axis=-1, keepdims=True), 0.0, probs)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_p_after_top_k_reads_only_the_k_kept_and_is_bit_identical(
+    ties: bool,
+) -> None:
+    rng = np.random.default_rng(3)
+    for case in range(80):
+        logits = rng.normal(0, 2, size=(3, 300)).astype(np.float32)
+        if ties:  # many equal scores, at and around the k-th
+            logits = np.round(logits * 2) / 2
+        params = SamplingParams(
+            temperature=float(rng.uniform(0.3, 1.5)),
+            top_k=int(rng.integers(1, 60)),
+            top_p=float(rng.uniform(0.05, 1.0)),
+        )
+        got = np.array(filtered_probs(mx.array(logits), params))
+        want = np.array(_full_sort_filter(mx.array(logits), params))
+        assert np.array_equal(got, want), (case, params)
+
+
 # --- inverse CDF ----------------------------------------------------------------------
 
 
