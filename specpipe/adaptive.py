@@ -113,6 +113,10 @@ class ObservedCosts:
         """No plain step timed yet at this batch size."""
         return batch != self.batch or 0 not in self.seen
 
+    def measured(self) -> frozenset[int]:
+        """The depths this run has timed at the current batch size."""
+        return frozenset(self.seen)
+
     def rounds(self, max_depth: int) -> tuple[float, ...]:
         prior = self.prior.rounds(max_depth)
         measured = {
@@ -141,6 +145,10 @@ class AdaptivePolicy:
     # measure rounds as they run and let the measurements replace the
     # calibration (`ObservedCosts`); off: the calibration alone decides
     observe_costs: bool = True
+    # try, once, a depth the run has not timed whose predicted rate is within
+    # this share of the best depth's: the calibration behind an untimed depth
+    # may be off (a noisy pass), and only a timed round corrects it
+    explore: float = 0.15
 
 
 @define
@@ -180,9 +188,11 @@ class RowAdaptation:
         policy: AdaptivePolicy,
         max_depth: int,
         rounds: tuple[float, ...] | None = None,
+        timed: frozenset[int] | None = None,
     ) -> int:
         """This round's depth. `rounds`: ms per round by depth (default: the
-        policy's calibration; the loop passes `ObservedCosts.rounds`)."""
+        policy's calibration; the loop passes `ObservedCosts.rounds`);
+        `timed`: the depths those costs have measured (None: explore nothing)."""
         fresh, self.fresh = self.fresh, False
         if max_depth == 0:
             return 0
@@ -193,9 +203,12 @@ class RowAdaptation:
         if best_of(1.0, rounds)[0] == 0:
             self.next_probe = None
             return 0
-        depth, _gain = best_of(self.alpha(policy), rounds)
+        alpha = self.alpha(policy)
+        depth, _gain = best_of(alpha, rounds)
         if depth > 0:
             self.interval = 0
+            if timed is not None and policy.explore > 0:
+                return untimed_near_best(alpha, rounds, depth, timed, policy.explore)
             return depth
         if fresh:
             # the one probe with no catch-up: as deep as the depth that would
@@ -257,6 +270,26 @@ class RowAdaptation:
 
     def record(self, depth: int) -> None:
         self.depths[depth] += 1
+
+
+def untimed_near_best(
+    alpha: float,
+    rounds: tuple[float, ...],
+    best: int,
+    timed: frozenset[int],
+    share: float,
+) -> int:
+    """`best`, or the untimed drafting depth with the highest predicted rate
+    if that rate is within `share` of `best`'s (the deeper on a tie)."""
+    rate = [expected_tokens(alpha, d) / rounds[d] for d in range(len(rounds))]
+    near = [
+        d
+        for d in range(1, len(rounds))
+        if d not in timed and rate[d] >= (1.0 - share) * rate[best]
+    ]
+    if best not in timed or not near:
+        return best
+    return max(near, key=lambda d: (rate[d], d))
 
 
 def round_depth(depths: Sequence[int]) -> int:

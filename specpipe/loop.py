@@ -269,7 +269,8 @@ class _Run:
             depths = [0] * len(batch.rows)
         else:
             rounds = costs.rounds(options.depth) if costs is not None else None
-            depths = _choose_depths(batch, options, adapt, rounds)
+            timed = costs.measured() if costs is not None else None
+            depths = _choose_depths(batch, options, adapt, rounds, timed)
         if max(depths) == 0 and pipelined:
             # Plain decoding: no drafter, or every row gated off until its next
             # probe; bounded so that arrivals and probes get their turn.
@@ -355,6 +356,7 @@ def _choose_depths(
     options: RoundOptions,
     adapt: list[RowAdaptation] | None,
     rounds: tuple[float, ...] | None = None,
+    timed: frozenset[int] | None = None,
 ) -> list[int]:
     """Each live row's depth this round (0: plain), capped by its budget."""
     if batch.draft is None:
@@ -363,7 +365,7 @@ def _choose_depths(
     for row, slot in zip(batch.rows, batch.slots, strict=True):
         depth = options.depth
         if adapt is not None and options.adaptive is not None:
-            depth = adapt[slot].choose(options.adaptive, options.depth, rounds)
+            depth = adapt[slot].choose(options.adaptive, options.depth, rounds, timed)
             adapt[slot].record(depth)
         # Drafts past a row's budget could never be published.
         depths.append(max(0, min(depth, row.remaining - 1)))

@@ -321,3 +321,45 @@ def test_probes_spend_at_most_their_share_of_plain_time(
     assert row.choose(policy, 4) == 0
     row.decoded_plainly(1)
     assert row.choose(policy, 4) == 1
+
+
+@pytest.mark.parametrize(
+    ("timed", "share", "expected"),
+    [
+        (frozenset({0, 3}), 0.15, 4),  # 2, 4, 5, 6 are within 15 %: the best of them
+        (frozenset({0, 3}), 0.02, 3),  # none within 2 %
+        (frozenset({0, 3, 4}), 0.15, 2),  # then the next-best untimed
+        (frozenset({0, 2, 3, 4, 5, 6}), 0.15, 3),  # every candidate timed
+        (frozenset({0}), 0.15, 3),  # the best itself is timed first
+    ],
+)
+def test_an_untimed_depth_near_the_best_is_tried(
+    timed: frozenset[int], share: float, expected: int
+) -> None:
+    from specpipe.adaptive import untimed_near_best
+
+    # the CPU calibration of 2026-12-01 (windows of 6-7 read high)
+    rounds = (546.0, 781.0, 917.0, 1118.0, 1373.0, 1761.0, 1939.0)
+    alpha = 0.91
+    best, _ = best_of(alpha, rounds)
+    assert best == 3
+    rates = [expected_tokens(alpha, d) / rounds[d] for d in range(7)]
+    assert 0.85 < rates[6] / rates[3] < 0.95 and rates[4] > rates[6]
+    assert untimed_near_best(alpha, rounds, best, timed, share) == expected
+
+
+def test_a_row_explores_untimed_depths_then_follows_the_timed_costs() -> None:
+    policy = AdaptivePolicy(CostModel(verify_ms=(10.0,)), prior_alpha=0.91, prior_weight=1e6)
+    row = RowAdaptation(fresh=False)
+    prior = (546.0, 781.0, 917.0, 1118.0, 1373.0, 1761.0, 1939.0)
+    timed: dict[int, float] = {0: 546.0, 3: 1118.0}
+    chosen = []
+    for _ in range(6):
+        rounds = tuple(timed.get(d, prior[d]) for d in range(7))
+        depth = row.choose(policy, 6, rounds, frozenset(timed))
+        chosen.append(depth)
+        # the run times the round: deep windows cost what the fixed runs measured
+        timed[depth] = {4: 1346.0, 5: 1600.0, 6: 1706.0}.get(depth, rounds[depth])
+    # each near-best untimed depth once, best predicted first; timed, depth 6
+    # turns out best (5.37 tokens in 1706 ms), and the row stays there
+    assert chosen == [4, 2, 6, 5, 6, 6]
