@@ -22,13 +22,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.tokenizer import Tokenizer  # noqa: E402
-from schemas.request import SamplingParams  # noqa: E402
-from specpipe.drafts.ngram import NO_CURSOR, NgramRows  # noqa: E402
-from specpipe.state import RowState  # noqa: E402
+from models.tokenizer import Tokenizer
+from schemas.request import SamplingParams
+from specpipe.drafts.ngram import NO_CURSOR, NgramRows
+from specpipe.state import RowState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROMPTS  # noqa: E402
+from common import PROMPTS
 
 
 def replay(
