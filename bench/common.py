@@ -81,7 +81,7 @@ PROMPTS: dict[str, tuple[str, bool]] = {
 def machine_info() -> dict[str, Any]:
     import importlib.metadata as md
 
-    from models.blas import blas_route
+    from models.blas import route_blas
     from models.parallel import cpu_threads
 
     model = "unknown"
@@ -113,8 +113,8 @@ def machine_info() -> dict[str, Any]:
         "cpu": model,
         "cores": os.cpu_count(),
         "specpipe_cpu_threads": cpu_threads(),
-        "blas": blas_route().library,
-        "blas_path": blas_route().path,
+        "blas": route_blas().library,
+        "blas_path": route_blas().path,
         "gpu": gpu,
         "device": str(mx.default_device()),
         "python": platform.python_version(),

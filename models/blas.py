@@ -137,8 +137,3 @@ def route_blas() -> BlasRoute:
     else:
         _route = _load(setting, named_by_user=True)
     return _route
-
-
-def blas_route() -> BlasRoute:
-    """The route taken (routing now if nothing has yet)."""
-    return route_blas()

@@ -28,7 +28,7 @@ import mlx.core as mx
 from returns.result import Failure, Result
 
 from models.base import CausalLM
-from models.blas import blas_route
+from models.blas import route_blas
 from models.parallel import cpu_threads
 from models.vocab_head import HeadWeights
 from schemas.converter import strict, structure
@@ -173,7 +173,7 @@ def calibration_path(
     device (with the CPU thread split and BLAS on a CPU) and MLX version."""
     device = str(mx.default_device())
     if mx.default_device().type == mx.DeviceType.cpu:
-        device += f"/threads={cpu_threads()}/blas={blas_route().library}"
+        device += f"/threads={cpu_threads()}/blas={route_blas().library}"
     key = json.dumps(
         [
             FORMAT,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from attrs import evolve, field, frozen
+from attrs import Factory, evolve, field, frozen
 
 from models.base import CausalLM, ModelOutput
 from models.cache import on_gpu
@@ -40,8 +40,8 @@ class SubsetHead:
     def of(cls, model: CausalLM, vocab: DraftVocabulary) -> SubsetHead:
         ids = vocab.array()
         weights = model.head_weights().take(ids)
-        # gathered now, not inside the first draft step (a 30k-row gather
-        # from a 150k-row head takes as long as a few draft steps)
+        # gathered now, not inside a draft step (a 30k-row gather from a
+        # 150k-row head takes as long as a few draft steps)
         mx.eval(ids, weights.weight, weights.scales, weights.biases)
         return cls(ids, weights)
 
@@ -146,6 +146,16 @@ class TwoModelDrafter:
     vocab: DraftVocabulary | None = None
     kind: str = "two-model"
     bucket_catch_up: bool | None = None  # None: on a GPU (see TwoModelRows.bucket)
+    # the FR-Spec rows of the head, gathered once when the drafter is made
+    subset: SubsetHead | None = field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=Factory(
+            lambda self: SubsetHead.of(self.model, self.vocab) if self.vocab else None,
+            takes_self=True,
+        ),
+    )
 
     @property
     def calibration_key(self) -> str:
@@ -156,21 +166,18 @@ class TwoModelDrafter:
 
     def calibration_head(self) -> HeadWeights | None:
         """The head rows a draft step projects onto (its FR-Spec list), if not all."""
-        if self.vocab is None:
-            return None
-        return self.model.head_weights().take(self.vocab.array())
+        return self.subset.weights if self.subset is not None else None
 
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None
     ) -> DraftRows:
         cache, _ = prefill_rows(self.model, rows)
-        head = SubsetHead.of(self.model, self.vocab) if self.vocab is not None else None
         bucket = on_gpu() if self.bucket_catch_up is None else self.bucket_catch_up
         return TwoModelRows(
             self.model,
             cache,
             tuple(row.length for row in rows),
             self.policy,
-            head,
+            self.subset,
             bucket,
         )

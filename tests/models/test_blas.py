@@ -24,8 +24,8 @@ _REPORT = """
 import json, sys
 {before}
 import specpipe
-from models.blas import blas_route
-route = blas_route()
+from models.blas import route_blas
+route = route_blas()
 import mlx.core as mx
 import numpy as np
 rng = np.random.default_rng(0)

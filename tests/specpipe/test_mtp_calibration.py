@@ -125,6 +125,6 @@ def test_the_cpu_blas_is_part_of_the_calibration_key(
     }
     paths = []
     for route in routes.values():
-        monkeypatch.setattr(calibrate, "blas_route", lambda route=route: route)
+        monkeypatch.setattr(calibrate, "route_blas", lambda route=route: route)
         paths.append(calibration_path("some/model", None, "float32"))
     assert paths[0] != paths[1]
