@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--two-model-prompts", default="code,chat,edit")
     parser.add_argument("--draft-vocab", help="an FR-Spec list (draft_vocab.json): also run two-model "
                         "with the draft projecting onto it (method 'two-model-fr', same widths)")
+    parser.add_argument("--compare-unstaged", action="store_true",
+                        help="also run the FR-Spec two-model draft unstaged (DraftPolicy.staged=False)")
     parser.add_argument("--no-mlxlm", action="store_true")
     parser.add_argument("--own-weights", action="store_true",
                         help="let mlx-lm load its own copy of the weights (default: share specpipe's buffers)")
@@ -80,6 +82,7 @@ def main() -> None:
 
     import specpipe
     from bindings.registry import DraftLoadRequest
+    from schemas.request import DraftPolicy
 
     started = time.perf_counter()
     machine = machine_info()
@@ -103,6 +106,13 @@ def main() -> None:
             target=two.target, source=str(draft_folder), width=1, draft_vocab=args.draft_vocab,
             dtype=args.dtype)).unwrap()
         two_model_fr = {k: evolve(two, draft=evolve(fr, width=k)) for k in widths}
+    two_model_unstaged: dict[int, Any] = {}
+    if args.compare_unstaged:
+        assert args.draft_vocab, "--compare-unstaged compares the FR-Spec draft: give --draft-vocab"
+        chain = registry.load("two-model", DraftLoadRequest(
+            target=two.target, source=str(draft_folder), width=1, draft_vocab=args.draft_vocab,
+            dtype=args.dtype, policy=DraftPolicy(staged=False))).unwrap()
+        two_model_unstaged = {k: evolve(two, draft=evolve(chain, width=k)) for k in widths}
     ngram = {
         k: evolve(
             plain,
@@ -129,6 +139,8 @@ def main() -> None:
     specpipe_run(two_model[widths[0]], warm_ids, 4, "two-model")
     if two_model_fr:
         specpipe_run(two_model_fr[widths[0]], warm_ids, 4, "two-model-fr")
+    if two_model_unstaged:
+        specpipe_run(two_model_unstaged[widths[0]], warm_ids, 4, "two-model-fr-unstaged")
     if ng_widths:
         specpipe_run(ngram[ng_widths[0]], warm_ids, 4, "ngram")
     if peer is not None:
@@ -201,6 +213,9 @@ def main() -> None:
                     record(prompt, specpipe_run(two_model[k], ids, args.tokens, "two-model"), reference)
                 if k in sp_k and k in two_model_fr:
                     record(prompt, specpipe_run(two_model_fr[k], ids, args.tokens, "two-model-fr"), reference)
+                if k in sp_k and k in two_model_unstaged:
+                    record(prompt, specpipe_run(
+                        two_model_unstaged[k], ids, args.tokens, "two-model-fr-unstaged"), reference)
                 if peer is not None and k in lm_k:
                     record(prompt, mlxlm_speculative(peer, peer_draft, ids, args.tokens, k, eos), reference)
 
@@ -250,6 +265,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     styles = {
         ("specpipe", "two-model"): ("C0", "o-", "specpipe two-model"),
         ("specpipe", "two-model-fr"): ("C3", "D-", "specpipe two-model, FR-Spec draft"),
+        ("specpipe", "two-model-fr-unstaged"): ("C4", "v:", "specpipe two-model, FR-Spec, unstaged"),
         ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
         ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
     }

@@ -121,11 +121,22 @@ class DraftPolicy:
     `drop_filters` drops top-k / top-p / min-p from the draft (cheaper, rarely
     different at low temperature). The draft never applies a repetition
     penalty (it would need the token history on the device for every step).
+
+    `staged` (draft models): each draft forward also checks prompt-lookup
+    guesses, so one forward may yield several drafts (the same ones; see
+    specpipe/drafts/two_model.py). None, the default, stages on a CPU, where
+    it measured 14 % cheaper rounds (bench/RESULTS.md), and not on a GPU,
+    where the unstaged chain runs as one lazy graph without host reads.
     """
 
     greedy: bool = False
     temperature: float | None = None
     drop_filters: bool = False
+    staged: bool | None = None
+
+    def stages(self, on_gpu: bool) -> bool:
+        """Whether a draft model stages its forwards on this device."""
+        return (not on_gpu) if self.staged is None else self.staged
 
     def draft_params(self, params: SamplingParams) -> SamplingParams:
         out = evolve(params, repetition_penalty=1.0)

@@ -86,6 +86,7 @@ def _generate(args: argparse.Namespace) -> None:
         greedy=args.greedy_draft,
         temperature=args.draft_temperature,
         drop_filters=args.draft_drop_filters,
+        staged={"auto": None, "on": True, "off": False}[args.staged_draft],
     )
     pipeline = _unwrap(
         load(
@@ -199,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--draft-temperature", type=float, default=None)
     gen.add_argument("--draft-drop-filters", action="store_true")
+    gen.add_argument(
+        "--staged-draft",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a draft model's forwards also check prompt-lookup guesses, several "
+        "drafts per forward when they match (auto: on a CPU, not on a GPU)",
+    )
     gen.add_argument(
         "--device-round",
         action="store_true",

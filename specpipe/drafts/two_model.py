@@ -7,12 +7,24 @@ then drafts `depth` tokens autoregressively, all as one lazy device graph.
 Each draft is sampled with the step key of the target position it predicts,
 so the draft and the target read the same point of their CDFs. With a draft
 vocabulary (FR-Spec) the draft projects onto the listed rows only.
+
+Staged drafting (`DraftPolicy.staged`, on by default on a CPU; a draft of the
+draft, as in staged speculative decoding): a draft forward costs its weight bytes whether it reads
+one token or a few, so each draft forward also reads the tokens prompt lookup
+guesses will follow (n-grams of the row's tokens and the drafts so far) and
+samples the draft at every position. The guesses the draft's own samples
+confirm are drafts it would have written one forward at a time, at the same
+step keys over the same context, so the proposal is the one of the plain
+chain (up to a window's rounding, which only drafts see) in fewer forwards.
+Each forward is read back to check the guesses: one host read per forward,
+cheap on a CPU, where draft forwards cost their bytes; on a GPU the plain
+chain is one lazy graph per round, which staging would break up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from attrs import Factory, evolve, field, frozen
@@ -23,6 +35,7 @@ from models.vocab_head import HeadWeights
 from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, Proposal
 from specpipe.draft_vocab import DraftVocabulary
+from specpipe.drafts.ngram import lookup as ngram_lookup
 from specpipe.prefill import prefill_rows
 from specpipe.sample_window import sample_window
 from specpipe.state import RowState
@@ -51,6 +64,19 @@ class SubsetHead:
 
 
 @frozen
+class LookupStaging:
+    """Prompt-lookup guesses a draft forward checks (see the module doc)."""
+
+    min_n: int = 1
+    max_n: int = 4
+
+    def guesses(self, tokens: Sequence[int], count: int) -> tuple[int, ...]:
+        if count < 1:
+            return ()
+        return ngram_lookup(tokens, count, self.min_n, self.max_n)[0]
+
+
+@frozen
 class TwoModelRows:
     needs_target_hidden = False
     model: CausalLM
@@ -67,8 +93,11 @@ class TwoModelRows:
     # its real positions (causal mask), and are overwritten by the draft steps
     # that follow and by later rounds.
     bucket: bool = field(factory=on_gpu)
+    lookup: LookupStaging | None = None
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
+        if self.lookup is not None and depth > 1:
+            return self._propose_staged(rows, depth, self.lookup)
         tails = [row.tokens[n:] for row, n in zip(rows, self.lengths, strict=True)]
         width = max(len(t) for t in tails)
         if self.bucket and width > 1:
@@ -88,6 +117,66 @@ class TwoModelRows:
             drafted.append(self._draw(out.hidden, rows, params, i))
         return Proposal(depth, device=mx.stack(drafted, axis=1))
 
+    def _propose_staged(
+        self, rows: Sequence[RowState], depth: int, staging: LookupStaging
+    ) -> Proposal:
+        params = [self.policy.draft_params(row.sampling) for row in rows]
+        drafted: list[list[int]] = [[] for _ in rows]
+        fed = list(self.lengths)  # per row, positions in the draft's cache
+        # per row, the tokens to feed before guessing: first the unseen tail
+        # (through the pending token), then the last draft of each forward
+        feeds = [
+            list(row.tokens[n:]) for row, n in zip(rows, self.lengths, strict=True)
+        ]
+        while any(len(d) < depth for d in drafted):
+            guesses = [
+                staging.guesses([*row.tokens, *d], depth - len(d) - 1)
+                if len(d) < depth
+                else ()
+                for row, d in zip(rows, drafted, strict=True)
+            ]
+            inputs = [f + list(g) for f, g in zip(feeds, guesses, strict=True)]
+            width = max(len(i) for i in inputs)
+            grid = [i + [i[-1]] * (width - len(i)) for i in inputs]
+            out = self.model(mx.array(grid, dtype=mx.int32), self.cache, fed)
+            # sample where each row's feed ends and after each of its guesses
+            span = max(len(g) for g in guesses) + 1
+            index = [
+                [min(len(f) - 1 + j, len(i) - 1) for j in range(span)]
+                for f, i in zip(feeds, inputs, strict=True)
+            ]
+            hidden = mx.take_along_axis(
+                out.hidden, mx.array(index, dtype=mx.int32)[:, :, None], axis=1
+            )
+            ahead = [
+                evolve(row, step=row.step + len(d))
+                for row, d in zip(rows, drafted, strict=True)
+            ]
+            sampled = cast(
+                list[list[int]], self._draw_window(hidden, ahead, params).tolist()
+            )
+            for b, (f, g) in enumerate(zip(feeds, guesses, strict=True)):
+                if len(drafted[b]) >= depth:
+                    continue
+                kept = 0  # guesses the draft's own samples confirm
+                while kept < len(g) and sampled[b][kept] == g[kept]:
+                    kept += 1
+                drafted[b].extend(sampled[b][: kept + 1])
+                fed[b] += len(f) + kept
+                feeds[b] = [drafted[b][-1]]
+        return Proposal(depth, host=tuple(tuple(d) for d in drafted))
+
+    def _draw_window(
+        self,
+        hidden: mx.array,  # [B, W, H]
+        rows: Sequence[RowState],
+        params: Sequence[SamplingParams],
+    ) -> mx.array:  # [B, W] int32 token ids
+        if self.vocab is None:
+            return sample_window(self.model.lm_head(hidden), None, rows, params)
+        index = sample_window(self.vocab.logits(self.model, hidden), None, rows, params)
+        return mx.take(self.vocab.ids, index)
+
     def _draw(
         self,
         hidden: mx.array,  # [B, 1, H]
@@ -96,12 +185,7 @@ class TwoModelRows:
         ahead: int,
     ) -> mx.array:  # [B] int32 token ids
         shifted = [evolve(row, step=row.step + ahead) for row in rows]
-        if self.vocab is None:
-            logits = self.model.lm_head(hidden)  # [B, 1, V]
-            return sample_window(logits, None, shifted, params)[:, 0]
-        subset = self.vocab.logits(self.model, hidden)  # [B, 1, N]
-        index = sample_window(subset, None, shifted, params)[:, 0]
-        return mx.take(self.vocab.ids, index)
+        return self._draw_window(hidden, shifted, params)[:, 0]
 
     def prepare_commit(
         self,
@@ -172,7 +256,8 @@ class TwoModelDrafter:
         self, rows: Sequence[RowState], hidden: mx.array | None = None
     ) -> DraftRows:
         cache, _ = prefill_rows(self.model, rows)
-        bucket = on_gpu() if self.bucket_catch_up is None else self.bucket_catch_up
+        gpu = on_gpu()
+        bucket = gpu if self.bucket_catch_up is None else self.bucket_catch_up
         return TwoModelRows(
             self.model,
             cache,
@@ -180,4 +265,5 @@ class TwoModelDrafter:
             self.policy,
             self.subset,
             bucket,
+            LookupStaging() if self.policy.stages(gpu) else None,
         )

@@ -349,7 +349,9 @@ def test_an_untimed_depth_near_the_best_is_tried(
 
 
 def test_a_row_explores_untimed_depths_then_follows_the_timed_costs() -> None:
-    policy = AdaptivePolicy(CostModel(verify_ms=(10.0,)), prior_alpha=0.91, prior_weight=1e6)
+    policy = AdaptivePolicy(
+        CostModel(verify_ms=(10.0,)), prior_alpha=0.91, prior_weight=1e6
+    )
     row = RowAdaptation(fresh=False)
     prior = (546.0, 781.0, 917.0, 1118.0, 1373.0, 1761.0, 1939.0)
     timed: dict[int, float] = {0: 546.0, 3: 1118.0}

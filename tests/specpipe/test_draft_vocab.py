@@ -145,7 +145,9 @@ def test_two_model_calibration_times_the_listed_head(
     target = write_tiny_model(tmp_path / "target")
     draft = write_tiny_model(tmp_path / "draft", seed=1)
     full = load(str(target), draft=str(draft), num_draft_tokens=2).unwrap()
-    DraftVocabulary.create(range(0, 320, 4), 320).unwrap().write(draft / DRAFT_VOCAB_FILE)
+    DraftVocabulary.create(range(0, 320, 4), 320).unwrap().write(
+        draft / DRAFT_VOCAB_FILE
+    )
     listed = load(str(target), draft=str(draft), num_draft_tokens=2).unwrap()
     assert full.draft is not None and listed.draft is not None
     assert full.draft.drafter.calibration_key == "two-model"  # type: ignore[attr-defined]

@@ -50,6 +50,7 @@ SAMPLINGS: dict[str, SamplingParams] = {
 DRAFTERS = (
     "ngram",
     "two-model",
+    "two-model-unstaged",
     "two-model-near",
     "self",
     "hostile",
@@ -70,8 +71,10 @@ def make_drafter(
 ) -> Drafter:
     if name == "ngram":
         return NgramDrafter(1, 3)
-    if name == "two-model":
+    if name == "two-model":  # staged on the CPU (DraftPolicy.staged default)
         return TwoModelDrafter(draft_model)
+    if name == "two-model-unstaged":
+        return TwoModelDrafter(draft_model, DraftPolicy(staged=False))
     if name == "two-model-near":
         return TwoModelDrafter(_near(target))
     if name == "self":
@@ -403,6 +406,9 @@ def _variant(name: str, target: CausalLM) -> Drafter:
         return TwoModelDrafter(near, DraftPolicy(greedy=True))
     if name == "near-hot-unfiltered-policy":
         return TwoModelDrafter(near, DraftPolicy(temperature=1.5, drop_filters=True))
+    if name == "near-fr-spec-even-unstaged":
+        even = DraftVocabulary.create(range(0, VOCAB, 2), VOCAB).unwrap()
+        return TwoModelDrafter(near, DraftPolicy(staged=False), vocab=even)
     raise AssertionError(name)
 
 
@@ -418,6 +424,7 @@ VARIANTS = (
     "near-fr-spec-even",
     "near-greedy-policy",
     "near-hot-unfiltered-policy",
+    "near-fr-spec-even-unstaged",
 )
 
 

@@ -120,9 +120,7 @@ def test_the_cpu_blas_is_part_of_the_calibration_key(
     import specpipe.calibrate as calibrate
     from models.blas import BlasRoute
 
-    routes = {
-        name: BlasRoute(name, None, "test") for name in ("reference", "openblas")
-    }
+    routes = {name: BlasRoute(name, None, "test") for name in ("reference", "openblas")}
     paths = []
     for route in routes.values():
         monkeypatch.setattr(calibrate, "route_blas", lambda route=route: route)
