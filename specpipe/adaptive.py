@@ -1,10 +1,14 @@
 """Adaptive drafting: each round, each row drafts as deep as pays off here.
 
-A row's drafts are accepted position by position with a probability alpha
-(estimated from the row's own history), so a window of depth d publishes on
-average
+A row's drafts are accepted position by position: with one probability
+alpha (estimated from the row's own history) a window of depth d publishes
+on average
 
-    E(d) = 1 + alpha + alpha^2 + ... + alpha^d        tokens,
+    E(d) = 1 + alpha + alpha^2 + ... + alpha^d        tokens;
+
+by default each position i has its own probability p_i of being kept once
+the drafts before it were (`AdaptivePolicy.positional`), and
+E(d) = 1 + p_1 + p_1 p_2 + ... + p_1 ... p_d,
 
 and costs the target's forward over d + 1 positions plus d draft steps, both
 measured on this machine (`CostModel`, see specpipe/calibrate.py). The row's
@@ -63,19 +67,32 @@ def expected_tokens(alpha: float, depth: int) -> float:
     return sum(alpha**i for i in range(depth + 1))
 
 
+def geometric(alpha: float, max_depth: int) -> tuple[float, ...]:
+    """`E(d)` for d = 0..max_depth when every draft is kept with probability alpha."""
+    return tuple(expected_tokens(alpha, d) for d in range(max_depth + 1))
+
+
 def best_depth(alpha: float, cost: CostModel, max_depth: int) -> tuple[int, float]:
     """The depth with the highest expected tokens per ms, and its speedup over
     plain decoding (1.0 for depth 0). Ties go to the shallower depth."""
     return best_of(alpha, cost.rounds(max_depth))
 
 
-@functools.lru_cache(maxsize=4096)
 def best_of(alpha: float, rounds: tuple[float, ...]) -> tuple[int, float]:
     """`best_depth` over explicit round costs: `rounds[d]` ms for depth d."""
+    return best_for(geometric(alpha, len(rounds) - 1), rounds)
+
+
+@functools.lru_cache(maxsize=4096)
+def best_for(
+    expected: tuple[float, ...], rounds: tuple[float, ...]
+) -> tuple[int, float]:
+    """The best depth for `expected[d]` tokens per round of `rounds[d]` ms,
+    and its speedup over plain decoding (depth 0)."""
     plain = 1.0 / rounds[0]
     best, best_rate = 0, plain
     for depth in range(1, len(rounds)):
-        rate = expected_tokens(alpha, depth) / rounds[depth]
+        rate = expected[depth] / rounds[depth]
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = depth, rate
     return best, best_rate / plain
@@ -149,6 +166,18 @@ class AdaptivePolicy:
     # this share of the best depth's: the calibration behind an untimed depth
     # may be off (a noisy pass), and only a timed round corrects it
     explore: float = 0.15
+    # The loop times plain decoding in-run (a few plain steps) only once a
+    # row's predicted gain over it falls below this: where drafting clearly
+    # wins, a plain step's exact cost cannot change the choice, and timing
+    # it cost 4 of 64 tokens at plain speed (bench/RESULTS.md).
+    plain_margin: float = 1.25
+    # Acceptance by window position: each position's chance of being kept,
+    # given that those before it were, estimated on its own (shrunk toward
+    # the position before, the first toward the row's overall rate). Code
+    # accepts in bursts (a round that keeps its first drafts tends to keep
+    # the rest), which one shared rate underrates for deep windows: at k=6 it
+    # predicted 5.0 tokens a round where code published 5.8. Off: one rate.
+    positional: bool = True
 
 
 @define
@@ -178,10 +207,28 @@ class RowAdaptation:
     fresh: bool = True  # no choice made yet
     next_probe: int | None = 0  # gated: plain steps before the next probe (None: never)
     depths: Counter[int] = field(factory=Counter)
+    # per window position (0: the first draft), decayed kept / offered counts
+    # of rounds whose drafts reached it
+    kept_at: list[float] = field(factory=list)
+    reached: list[float] = field(factory=list)
 
     def alpha(self, policy: AdaptivePolicy) -> float:
         num = self.accepted + policy.prior_alpha * policy.prior_weight
         return num / (self.trials + policy.prior_weight)
+
+    def expected(self, policy: AdaptivePolicy, max_depth: int) -> tuple[float, ...]:
+        """`E(d)`, tokens a round of depth d publishes, for d = 0..max_depth."""
+        alpha = self.alpha(policy)
+        if not policy.positional:
+            return geometric(alpha, max_depth)
+        out, reach, prior = [1.0], 1.0, alpha
+        for i in range(max_depth):
+            kept = self.kept_at[i] if i < len(self.kept_at) else 0.0
+            seen = self.reached[i] if i < len(self.reached) else 0.0
+            prior = (kept + policy.prior_weight * prior) / (seen + policy.prior_weight)
+            reach *= prior
+            out.append(out[-1] + reach)
+        return tuple(out)
 
     def choose(
         self,
@@ -203,12 +250,12 @@ class RowAdaptation:
         if best_of(1.0, rounds)[0] == 0:
             self.next_probe = None
             return 0
-        alpha = self.alpha(policy)
-        depth, _gain = best_of(alpha, rounds)
+        expected = self.expected(policy, len(rounds) - 1)
+        depth, _gain = best_for(expected, rounds)
         if depth > 0:
             self.interval = 0
             if timed is not None and policy.explore > 0:
-                return untimed_near_best(alpha, rounds, depth, timed, policy.explore)
+                return untimed_near_best(expected, rounds, depth, timed, policy.explore)
             return depth
         if fresh:
             # the one probe with no catch-up: as deep as the depth that would
@@ -222,6 +269,18 @@ class RowAdaptation:
             return self._probe(policy)
         return 0
 
+    def plain_decides(self, policy: AdaptivePolicy, rounds: tuple[float, ...]) -> bool:
+        """Whether this row's choice may hinge on what a plain step costs: it
+        has evidence (a row that has not drafted yet drafts first) and its
+        best depth's predicted gain over plain decoding is under
+        `policy.plain_margin`."""
+        if self.trials == 0:
+            return False
+        return (
+            best_for(self.expected(policy, len(rounds) - 1), rounds)[1]
+            < policy.plain_margin
+        )
+
     def _probe_wait(
         self, policy: AdaptivePolicy, rounds: tuple[float, ...]
     ) -> int | None:
@@ -232,7 +291,7 @@ class RowAdaptation:
         the plain steps' time. None: it never fits (a catch-up dearer per
         token than the share, as for a 0.5B draft on a 2-core CPU)."""
         plain = rounds[0]
-        excess = rounds[1] - (1.0 + self.alpha(policy)) * plain
+        excess = rounds[1] - self.expected(policy, 1)[1] * plain
         per_step = policy.probe_share * plain - policy.cost.catch_up_ms
         if excess <= 0:
             return self.interval
@@ -267,21 +326,33 @@ class RowAdaptation:
         self.trials *= policy.decay
         self.accepted += accepted
         self.trials += accepted + (1 if accepted < drafted else 0)
+        reached = min(accepted + 1, drafted)  # positions this round's walk read
+        grow = reached - len(self.reached)
+        if grow > 0:
+            self.kept_at.extend([0.0] * grow)
+            self.reached.extend([0.0] * grow)
+        for i in range(len(self.reached)):
+            self.kept_at[i] *= policy.decay
+            self.reached[i] *= policy.decay
+            if i < reached:
+                self.reached[i] += 1.0
+                self.kept_at[i] += 1.0 if i < accepted else 0.0
 
     def record(self, depth: int) -> None:
         self.depths[depth] += 1
 
 
 def untimed_near_best(
-    alpha: float,
+    expected: tuple[float, ...],
     rounds: tuple[float, ...],
     best: int,
     timed: frozenset[int],
     share: float,
 ) -> int:
     """`best`, or the untimed drafting depth with the highest predicted rate
-    if that rate is within `share` of `best`'s (the deeper on a tie)."""
-    rate = [expected_tokens(alpha, d) / rounds[d] for d in range(len(rounds))]
+    if that rate is within `share` of `best`'s (the deeper on a tie);
+    `expected[d]`: tokens a round of depth d publishes."""
+    rate = [expected[d] / rounds[d] for d in range(len(rounds))]
     near = [
         d
         for d in range(1, len(rounds))

@@ -258,12 +258,14 @@ class _Run:
         )
         costs = self.costs
         # Adaptive: plain decoding as it runs now is what every depth competes
-        # with; measure it first (and again when the batch size changes).
+        # with; time it (again when the batch size changes) once a row's
+        # choice may hinge on it.
         measure_plain = (
             costs is not None
             and pipelined
             and batch.draft is not None
             and costs.plain_unmeasured(len(batch.rows))
+            and _plain_decides(batch, options, adapt, costs)
         )
         if measure_plain:
             depths = [0] * len(batch.rows)
@@ -370,6 +372,20 @@ def _choose_depths(
         # Drafts past a row's budget could never be published.
         depths.append(max(0, min(depth, row.remaining - 1)))
     return depths
+
+
+def _plain_decides(
+    batch: _Batch,
+    options: RoundOptions,
+    adapt: list[RowAdaptation] | None,
+    costs: ObservedCosts,
+) -> bool:
+    """Whether some row's next choice may hinge on a plain step's cost."""
+    policy = options.adaptive
+    if adapt is None or policy is None:
+        return True
+    rounds = costs.rounds(options.depth)
+    return any(adapt[slot].plain_decides(policy, rounds) for slot in batch.slots)
 
 
 def _needs_history(batch: _Batch) -> bool:

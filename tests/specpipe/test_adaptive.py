@@ -19,6 +19,7 @@ from specpipe.adaptive import (
     best_depth,
     best_of,
     expected_tokens,
+    geometric,
 )
 from specpipe.api import load
 from tests.cli.conftest import write_tiny_model
@@ -208,7 +209,7 @@ def test_gated_rows_catch_up_through_padded_windows_losslessly(
     draft = write_tiny_model(tmp_path / "draft", seed=5)  # disagrees: the gate closes
     prompts = ["def fibonacci(n):", "Hello world"]
     sampling = SamplingParams(temperature=temperature, top_k=50, seed=2)
-    limits = GenerationLimits(max_tokens=48)
+    limits = GenerationLimits(max_tokens=96)
     plain = (
         load(str(target)).unwrap().generate_batch(prompts, sampling, limits).unwrap()
     )
@@ -269,22 +270,46 @@ def test_plain_decoding_is_timed_first_at_each_batch_size() -> None:
     assert costs.plain_unmeasured(1)  # a row left: its costs start over
 
 
-def test_a_run_times_plain_steps_before_drafting(tmp_path: Path) -> None:
+# drafting barely pays even at full acceptance: 5 tokens for 4.6 plain steps
+MARGINAL = CostModel(verify_ms=(10.0, 18.0, 26.0, 34.0, 42.0), draft_ms=1.0)
+# windows as cheap as a plain step: ~5x at full acceptance, whatever the scale
+# the tiny model's measured rounds put on every depth
+WINNING = CostModel(verify_ms=(10.0,) * 5, draft_ms=0.1)
+
+
+@pytest.mark.parametrize(
+    ("cost", "timed"), [(WINNING, False), (MARGINAL, True)], ids=["wins", "marginal"]
+)
+def test_a_run_times_plain_steps_only_when_they_decide(
+    tmp_path: Path, cost: CostModel, timed: bool
+) -> None:
     target = write_tiny_model(tmp_path / "target")
     limits = GenerationLimits(max_tokens=24)
     prompts = ["def fibonacci(n):", "Hello world"]
     plain = load(str(target)).unwrap().generate_batch(prompts, SamplingParams(), limits)
     # the target drafting for itself: every draft is accepted
-    pipeline = load(
-        str(target), draft=str(target), num_draft_tokens=4, adaptive=GPU_LIKE
-    )
+    pipeline = load(str(target), draft=str(target), num_draft_tokens=4, adaptive=cost)
     results = (
         pipeline.unwrap().generate_batch(prompts, SamplingParams(), limits).unwrap()
     )
     assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
     for r in results:
-        assert r.stats.gated_share > 0  # the first steps were plain, timed
-        assert sum(n for _, n in r.stats.depths) > 0  # then it chose depths
+        assert sum(n for _, n in r.stats.depths) > 0  # it drafted
+        # plain steps were timed only where drafting's predicted gain is marginal
+        assert (r.stats.gated_share > 0) == timed
+
+
+def test_plain_cost_decides_only_with_evidence_and_a_small_gain() -> None:
+    cost = CostModel(verify_ms=(10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0), draft_ms=1.0)
+    policy = AdaptivePolicy(cost)
+    rounds = cost.rounds(6)
+    assert not RowAdaptation().plain_decides(policy, rounds)  # drafts first
+    sure = RowAdaptation(fresh=False, accepted=18.0, trials=19.0)
+    assert best_of(sure.alpha(policy), rounds)[1] >= policy.plain_margin
+    assert not sure.plain_decides(policy, rounds)
+    doubtful = RowAdaptation(fresh=False, accepted=2.0, trials=10.0)
+    assert best_of(doubtful.alpha(policy), rounds)[1] < policy.plain_margin
+    assert doubtful.plain_decides(policy, rounds)
 
 
 @pytest.mark.parametrize(
@@ -345,7 +370,9 @@ def test_an_untimed_depth_near_the_best_is_tried(
     assert best == 3
     rates = [expected_tokens(alpha, d) / rounds[d] for d in range(7)]
     assert 0.85 < rates[6] / rates[3] < 0.95 and rates[4] > rates[6]
-    assert untimed_near_best(alpha, rounds, best, timed, share) == expected
+    assert (
+        untimed_near_best(geometric(alpha, 6), rounds, best, timed, share) == expected
+    )
 
 
 def test_a_row_explores_untimed_depths_then_follows_the_timed_costs() -> None:
@@ -365,3 +392,43 @@ def test_a_row_explores_untimed_depths_then_follows_the_timed_costs() -> None:
     # each near-best untimed depth once, best predicted first; timed, depth 6
     # turns out best (5.37 tokens in 1706 ms), and the row stays there
     assert chosen == [4, 2, 6, 5, 6, 6]
+
+
+def test_positional_acceptance_without_evidence_is_the_shared_rate() -> None:
+    policy = AdaptivePolicy(CPU_LIKE)
+    row = RowAdaptation(fresh=False, accepted=7.0, trials=10.0)
+    assert row.expected(policy, 6) == pytest.approx(geometric(row.alpha(policy), 6))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "truth"),
+    [
+        # bursts: a round misses its first draft or keeps all six
+        ((0, 6), [1.0 + 0.5 * d for d in range(7)]),
+        # a phrase of four the draft always gets, then a miss
+        ((4,), [1.0 + min(d, 4) for d in range(7)]),
+    ],
+    ids=["bursts", "phrase"],
+)
+def test_positional_acceptance_is_closer_to_the_observed_pattern(
+    pattern: tuple[int, ...], truth: list[float]
+) -> None:
+    """Windows of six, kept as `pattern` repeats: the tokens a round of depth
+    d publishes on average is `truth[d]`. One shared rate misses it both ways
+    (over for bursts, under for a fixed phrase); per position it is near."""
+    cost = CostModel(verify_ms=(10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0), draft_ms=2.0)
+    positional = AdaptivePolicy(cost, decay=1.0)
+    shared = evolve(positional, positional=False)
+    row = RowAdaptation(fresh=False)
+    for _ in range(6):
+        for kept in pattern:
+            row.observe(6, kept, positional)
+    deep = row.expected(positional, 6)
+    flat = row.expected(shared, 6)
+    for d in range(1, 7):
+        assert abs(deep[d] - truth[d]) < abs(flat[d] - truth[d])
+    if pattern == (4,):
+        # depth 4 is best (a fifth draft is never kept); the shared rate,
+        # underrating the phrase, stops short of it
+        assert row.choose(positional, 6, cost.rounds(6)) == 4
+        assert row.choose(shared, 6, cost.rounds(6)) < 4
