@@ -7,7 +7,7 @@
 #       bash bench/h200_run.sh setup plain
 #   call 3: bash bench/h200_run.sh spec mtp
 # (2026-11-30, second session: call 2 `setup adaptive`, call 3 `adaptive-ngram mtp mtp-sampled`;
-#  2026-12-01: call 2 `setup-min mtp-rows`; fourth session: call 2 `setup-min mtp-wide`)
+#  2026-12-01: call 2 `setup-min mtp-rows`; fourth session: call 2 `setup-min mtp-wide`, then `setup-min mtp-compiled`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -72,6 +72,10 @@ for step in "$@"; do
         --fr-size 32768 --sampling qwen --rows 1,32,64,128 --out $OUT/mtp-rows-wide-sampled-h200.json || echo "STEP FAILED: $?"
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 \
         --fr-size 32768 --rows 1,32,128 --out $OUT/mtp-rows-wide-h200.json || echo "STEP FAILED: $?"
+    ;;
+  mtp-compiled)  # after sampling draws compile on a GPU (specpipe/sampling.py)
+    python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 \
+        --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-rows-compiled-sampled-h200.json || echo "STEP FAILED: $?"
     ;;
   mtp)
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \

@@ -20,10 +20,12 @@ min-p; tokens they remove get zero mass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
+from models.cache import on_gpu
 from schemas.request import SamplingParams
 
 _M1 = 0x7FEB352D
@@ -113,7 +115,38 @@ def sample(
         scores = apply_repetition_penalty(scores, history, params.repetition_penalty)
     if params.greedy:
         return mx.argmax(scores, axis=-1).astype(mx.int32)
+    if on_gpu():
+        return compiled_draw(_filters(params))(scores, seeds, steps)
+    return _draw(scores, seeds, steps, params)
+
+
+def _draw(
+    scores: mx.array, seeds: mx.array, steps: mx.array, params: SamplingParams
+) -> mx.array:
     return inverse_cdf(filtered_probs(scores, params), step_uniforms(seeds, steps))
+
+
+def _filters(params: SamplingParams) -> SamplingParams:
+    """What the draw depends on (the seed travels in `seeds`)."""
+    return SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_draw(
+    params: SamplingParams,
+) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+    """The filtered inverse-CDF draw for `params` as one compiled function
+    (used on a GPU): the element-wise passes over the vocabulary fuse into
+    fewer kernels. On an H200 a draw of Qwen's sampling over a 151,936-id row
+    took 0.79 ms eagerly and 0.43 ms compiled, over a 32,768-id FR-Spec list
+    0.54 / 0.27 ms (bench/sampling_probe.py), with the same tokens; the CPU,
+    where kernels launch for free, keeps the eager draw."""
+    return mx.compile(lambda scores, seeds, steps: _draw(scores, seeds, steps, params))
 
 
 def token_logprobs(
