@@ -77,6 +77,13 @@ for step in "$@"; do
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 \
         --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-rows-compiled-sampled-h200.json || echo "STEP FAILED: $?"
     ;;
+  mtp-ab)  # compiled vs eager sampling draws, one lease
+    for v in compiled eager compiled2 eager2; do
+      flag=""; case $v in eager*) flag="--eager-sampling";; esac
+      python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 $flag \
+          --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-ab-$v-h200.json || echo "STEP FAILED: $?"
+    done
+    ;;
   mtp)
     python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 64 --depths 1,2,3 \
         --fr-size 32768 --out $OUT/mtp-h200.json || echo "STEP FAILED: $?"

@@ -144,8 +144,14 @@ def main() -> None:
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep q/k/v and gate/up as separate products (as before models/fuse.py)")
     parser.add_argument("--rows", default="1", help="batch sizes for the draft-chain timing, e.g. 1,8,32")
+    parser.add_argument("--eager-sampling", action="store_true",
+                        help="sample without compiling the draw (specpipe.sampling.COMPILE_ON_GPU)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.eager_sampling:
+        import specpipe.sampling
+
+        specpipe.sampling.COMPILE_ON_GPU = False
 
     dtype = getattr(mx, args.dtype)
     config = qwen3_next_shape(args.layers, args.experts, args.hidden, args.vocab)
@@ -174,6 +180,7 @@ def main() -> None:
         "quantize": args.quantize,
         "sampling": args.sampling,
         "fused_projections": not args.no_fuse,
+        "compiled_sampling": not args.eager_sampling,
         "plain": {
             "tokens": len(plain),
             "decode_tps": len(plain) / plain_result.decode_seconds,

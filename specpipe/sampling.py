@@ -28,6 +28,9 @@ import mlx.core as mx
 from models.cache import on_gpu
 from schemas.request import SamplingParams
 
+# Whether a GPU draws through `compiled_draw` (benchmarks turn it off to compare).
+COMPILE_ON_GPU = True
+
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
 
@@ -115,7 +118,7 @@ def sample(
         scores = apply_repetition_penalty(scores, history, params.repetition_penalty)
     if params.greedy:
         return mx.argmax(scores, axis=-1).astype(mx.int32)
-    if on_gpu():
+    if COMPILE_ON_GPU and on_gpu():
         return compiled_draw(_filters(params))(scores, seeds, steps)
     return _draw(scores, seeds, steps, params)
 
