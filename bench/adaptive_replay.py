@@ -198,16 +198,16 @@ def main() -> None:
             if k in AdaptivePolicy.__attrs_attrs__.__dict__ and k != "cost"
         },
     )
-    variants: dict[str, AdaptivePolicy] = {"recorded policy": base}
+    variants: dict[str, AdaptivePolicy] = {"defaults": base}
     for spec in args.set:
-        changes = {}
+        changes: dict[str, Any] = {}
         for part in spec.split(","):
             key, value = part.split("=")
-            changes[key] = (
-                type(getattr(base, key))(value)
-                if getattr(base, key) is not None
-                else float(value)
-            )
+            current = getattr(base, key)
+            if isinstance(current, bool):
+                changes[key] = value.lower() in ("1", "true", "yes", "on")
+            else:
+                changes[key] = type(current)(float(value) if isinstance(current, float) else value)
         variants[spec] = evolve(base, **changes)
     widths = [int(w) for w in args.widths.split(",")]
     report: dict[str, Any] = {"source": str(args.json), "prompts": {}}
