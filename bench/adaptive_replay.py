@@ -38,7 +38,7 @@ from attrs import evolve
 from specpipe.adaptive import AdaptivePolicy, CostModel, ObservedCosts, RowAdaptation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROMPTS
+from common import recorded_decode
 
 PLAIN_TIMING_STEPS = 4  # as specpipe/loop.py
 
@@ -94,30 +94,30 @@ def replay_adaptive(
     done = 0
     ms = 0.0
     depths: Counter[int] = Counter()
+
+    def plain(steps: int) -> None:
+        nonlocal done, ms
+        for _ in range(steps):
+            costs.observe(0, rounds_ms[0], 1)
+        row.decoded_plainly(steps)
+        done += steps
+        ms += steps * rounds_ms[0]
+        depths[0] += steps
+
     while done < n:
         cap = min(max_depth, n - done - 1)
         if costs.plain_unmeasured(1) and row.plain_decides(
             policy, costs.rounds(max_depth)
         ):
-            steps = min(PLAIN_TIMING_STEPS, n - done)
-            for _ in range(steps):
-                costs.observe(0, rounds_ms[0], 1)
-            row.decoded_plainly(steps)
-            done += steps
-            ms += steps * rounds_ms[0]
-            depths[0] += steps
+            plain(min(PLAIN_TIMING_STEPS, n - done))
             continue
-        depth = row.choose(policy, max_depth, costs.rounds(max_depth), costs.measured())
-        depth = min(depth, cap)
+        depth = min(
+            row.choose(policy, max_depth, costs.rounds(max_depth), costs.measured()),
+            cap,
+        )
         if depth == 0:
             wait = row.steps_to_probe()
-            steps = min(wait if wait is not None else n, n - done)
-            for _ in range(steps):
-                costs.observe(0, rounds_ms[0], 1)
-            row.decoded_plainly(steps)
-            done += steps
-            ms += steps * rounds_ms[0]
-            depths[0] += steps
+            plain(min(wait if wait is not None else n, n - done))
             continue
         kept = min(runs[done], depth)
         costs.observe(depth, rounds_ms[depth], 1)
@@ -207,18 +207,15 @@ def main() -> None:
             if isinstance(current, bool):
                 changes[key] = value.lower() in ("1", "true", "yes", "on")
             else:
-                changes[key] = type(current)(float(value) if isinstance(current, float) else value)
+                changes[key] = type(current)(
+                    float(value) if isinstance(current, float) else value
+                )
         variants[spec] = evolve(base, **changes)
     widths = [int(w) for w in args.widths.split(",")]
     report: dict[str, Any] = {"source": str(args.json), "prompts": {}}
     for name in args.prompts.split(","):
-        text, chat = PROMPTS[name]
-        if chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        prompt = list(tokenizer.encode(text, add_special_tokens=not chat))
+        prompt, output = recorded_decode(tokenizer, data, name)
         block = data["prompts"][name]
-        assert block["prompt_tokens"] == len(prompt), "not the recorded prompt"
-        output = list(block["plain"]["specpipe"]["tokens"])
         runs = kept_runs(draft, subset, prompt, output)
         rounds_ms = measured_rounds(block, args.max_depth)
         plain_ms = len(output) * rounds_ms[0]

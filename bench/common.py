@@ -416,3 +416,15 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return str(value)
+
+
+def recorded_decode(tokenizer: Any, data: dict[str, Any], name: str) -> tuple[list[int], list[int]]:
+    """`(prompt ids, specpipe's plain output)` of prompt `name` in a result file
+    (the prompt re-encoded as the bench encodes it, checked against the record)."""
+    text, chat = PROMPTS[name]
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    prompt = list(tokenizer.encode(text, add_special_tokens=not chat))
+    block = data["prompts"][name]
+    assert block["prompt_tokens"] == len(prompt), "not the recorded prompt"
+    return prompt, list(block["plain"]["specpipe"]["tokens"])

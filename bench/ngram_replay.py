@@ -28,7 +28,7 @@ from specpipe.drafts.ngram import NO_CURSOR, NgramRows
 from specpipe.state import RowState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PROMPTS
+from common import recorded_decode
 
 
 def replay(
@@ -77,13 +77,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_folder(args.tokenizer or Path(data["target"])).unwrap()
     report: dict[str, Any] = {"source": str(args.json), "prompts": {}}
     for name in args.prompts.split(","):
-        text, chat = PROMPTS[name]
-        if chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        prompt = list(tokenizer.encode(text, add_special_tokens=not chat))
-        block = data["prompts"][name]
-        assert block["prompt_tokens"] == len(prompt), "not the recorded prompt"
-        output = list(block["plain"]["specpipe"]["tokens"])
+        prompt, output = recorded_decode(tokenizer, data, name)
         rows = []
         for width in [int(w) for w in args.widths.split(",")]:
             for cursor in (False, True):
