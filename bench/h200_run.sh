@@ -7,7 +7,7 @@
 #       bash bench/h200_run.sh setup plain
 #   call 3: bash bench/h200_run.sh spec mtp
 # (2026-11-30, second session: call 2 `setup adaptive`, call 3 `adaptive-ngram mtp mtp-sampled`;
-#  2026-12-01: call 2 `setup-min mtp-rows`; fourth session: call 2 `setup-min mtp-wide`, then `setup-min mtp-compiled`, `setup-min mtp-ab`, `setup adaptive-ngram adaptive-nolm`)
+#  2026-12-01: call 2 `setup-min mtp-rows`; fourth session: call 2 `setup-min mtp-wide`, then `setup-min mtp-compiled`, `setup-min mtp-ab`, `setup adaptive-ngram adaptive-nolm`, then with REPEATS=7)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -40,17 +40,17 @@ for step in "$@"; do
     ;;
   adaptive)
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
-        --tokens 128 --widths 1,2,3,4,6 --max-depth 6 --mlxlm-widths 2,4,6 --repeats 3 --no-assert \
+        --tokens 128 --widths 1,2,3,4,6 --max-depth 6 --mlxlm-widths 2,4,6 --repeats ${REPEATS:-3} --no-assert \
         --out $OUT/adaptive-h200.json --plot $OUT/adaptive-h200.png || echo "STEP FAILED: $?"
     ;;
   adaptive-nolm)  # two-model adaptive without the mlx-lm peer (its wheel not carried)
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
-        --tokens 128 --widths 1,2,4 --max-depth 6 --no-mlxlm --repeats 3 --no-assert \
+        --tokens 128 --widths 1,2,4 --max-depth 6 --no-mlxlm --repeats ${REPEATS:-3} --no-assert \
         --out $OUT/adaptive-h200.json --plot $OUT/adaptive-h200.png || echo "STEP FAILED: $?"
     ;;
   adaptive-ngram)
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft ngram --dtype bfloat16 \
-        --tokens 128 --widths 2,4,6,8 --max-depth 8 --no-mlxlm --repeats 3 --no-assert \
+        --tokens 128 --widths 2,4,6,8 --max-depth 8 --no-mlxlm --repeats ${REPEATS:-3} --no-assert \
         --out $OUT/adaptive-ngram-h200.json --plot $OUT/adaptive-ngram-h200.png || echo "STEP FAILED: $?"
     ;;
   mtp-sampled)
