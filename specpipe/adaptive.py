@@ -173,11 +173,16 @@ class AdaptivePolicy:
     plain_margin: float = 1.25
     # Acceptance by window position: each position's chance of being kept,
     # given that those before it were, estimated on its own (shrunk toward
-    # the position before, the first toward the row's overall rate). Code
+    # the position before, the first toward `prior_alpha`). Code
     # accepts in bursts (a round that keeps its first drafts tends to keep
     # the rest), which one shared rate underrates for deep windows: at k=6 it
     # predicted 5.0 tokens a round where code published 5.8. Off: one rate.
     positional: bool = True
+    # The gate closes only when no depth would win even with each position's
+    # rate this many standard errors above its estimate: a row's first
+    # rejections (a chat row keeps ~70 % of first drafts) must not gate it
+    # for the rest of its reply, as a CPU two-model row rarely re-probes.
+    gate_optimism: float = 1.5
 
 
 @define
@@ -216,17 +221,25 @@ class RowAdaptation:
         num = self.accepted + policy.prior_alpha * policy.prior_weight
         return num / (self.trials + policy.prior_weight)
 
-    def expected(self, policy: AdaptivePolicy, max_depth: int) -> tuple[float, ...]:
-        """`E(d)`, tokens a round of depth d publishes, for d = 0..max_depth."""
-        alpha = self.alpha(policy)
+    def expected(
+        self, policy: AdaptivePolicy, max_depth: int, optimism: float = 0.0
+    ) -> tuple[float, ...]:
+        """`E(d)`, tokens a round of depth d publishes, for d = 0..max_depth;
+        with `optimism` z, each position's rate is read z standard errors
+        above its estimate (positional model only)."""
         if not policy.positional:
-            return geometric(alpha, max_depth)
-        out, reach, prior = [1.0], 1.0, alpha
+            return geometric(self.alpha(policy), max_depth)
+        # The first position starts from the policy's prior, not the row's
+        # pooled rate: that rate holds the same evidence, and counting it
+        # twice gated a chat row after two rejected probes (bench/RESULTS.md).
+        out, reach, prior = [1.0], 1.0, policy.prior_alpha
         for i in range(max_depth):
             kept = self.kept_at[i] if i < len(self.kept_at) else 0.0
             seen = self.reached[i] if i < len(self.reached) else 0.0
-            prior = (kept + policy.prior_weight * prior) / (seen + policy.prior_weight)
-            reach *= prior
+            weight = seen + policy.prior_weight
+            prior = (kept + policy.prior_weight * prior) / weight
+            error = math.sqrt(prior * (1.0 - prior) / weight)
+            reach *= min(1.0, prior + optimism * error)
             out.append(out[-1] + reach)
         return tuple(out)
 
@@ -262,6 +275,13 @@ class RowAdaptation:
             # win were every draft accepted, so one round gives the estimate
             # up to that many observations instead of one
             return max(self._probe(policy), best_of(1.0, rounds)[0])
+        if policy.gate_optimism > 0:
+            # gate only once the evidence says so: a depth that wins with
+            # each rate `gate_optimism` standard errors up keeps the row on
+            hopeful = self.expected(policy, len(rounds) - 1, policy.gate_optimism)
+            depth = best_for(hopeful, rounds)[0]
+            if depth > 0:
+                return depth
         if self.interval == 0:  # the gate closes: wait before probing
             self.interval, self.waited = policy.probe_every, 0
         self.next_probe = self._probe_wait(policy, rounds)

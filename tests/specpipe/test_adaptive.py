@@ -33,6 +33,15 @@ CPU_LIKE = CostModel(verify_ms=(10.0, 13.5, 17.0, 20.0, 23.0, 27.0, 31.0), draft
 FREE_DRAFT_LINEAR = CostModel(verify_ms=(10.0, 20.0, 30.0, 40.0))
 
 
+def row_with(accepted: int, trials: int) -> RowAdaptation:
+    """A row that kept `accepted` of `trials` one-draft rounds (undecayed)."""
+    row = RowAdaptation(fresh=False)
+    builder = AdaptivePolicy(CPU_LIKE, decay=1.0)
+    for i in range(trials):
+        row.observe(1, 1 if i < accepted else 0, builder)
+    return row
+
+
 def brute_force(alpha: float, cost: CostModel, max_depth: int) -> int:
     rates = [expected_tokens(alpha, d) / cost.round_ms(d) for d in range(max_depth + 1)]
     return max(range(max_depth + 1), key=lambda d: (rates[d], -d))
@@ -133,7 +142,7 @@ def test_a_fresh_row_probes_as_deep_as_full_acceptance_would_pay() -> None:
 
 def test_probe_steps_bound_plain_bursts() -> None:
     policy = AdaptivePolicy(CPU_LIKE, probe_every=4, probe_share=1.0)
-    row = RowAdaptation(fresh=False, accepted=0.0, trials=20.0)
+    row = row_with(0, 20)
     assert row.choose(policy, 4) == 0
     assert row.steps_to_probe() == 4
     row.decoded_plainly(3)
@@ -254,7 +263,7 @@ def test_a_row_follows_measured_round_costs() -> None:
     # agreeing after ~1 position does best at a shallow depth
     prior = CostModel(verify_ms=(5.0, *([8.0] * 8)), plain_ms=5.0)
     policy = AdaptivePolicy(prior)
-    row = RowAdaptation(fresh=False, accepted=9.0, trials=19.0)  # alpha ~0.5
+    row = row_with(9, 19)  # alpha ~0.5
     assert row.choose(policy, 8) == 8  # the calibration alone: deepest
     measured = tuple([5.0] + [7.5 + 0.4 * d for d in range(1, 9)])
     assert row.choose(policy, 8, measured) <= 3
@@ -304,10 +313,10 @@ def test_plain_cost_decides_only_with_evidence_and_a_small_gain() -> None:
     policy = AdaptivePolicy(cost)
     rounds = cost.rounds(6)
     assert not RowAdaptation().plain_decides(policy, rounds)  # drafts first
-    sure = RowAdaptation(fresh=False, accepted=18.0, trials=19.0)
+    sure = row_with(18, 19)
     assert best_of(sure.alpha(policy), rounds)[1] >= policy.plain_margin
     assert not sure.plain_decides(policy, rounds)
-    doubtful = RowAdaptation(fresh=False, accepted=2.0, trials=10.0)
+    doubtful = row_with(2, 10)
     assert best_of(doubtful.alpha(policy), rounds)[1] < policy.plain_margin
     assert doubtful.plain_decides(policy, rounds)
 
@@ -328,7 +337,7 @@ def test_probes_spend_at_most_their_share_of_plain_time(
 ) -> None:
     cost = evolve(CPU_LIKE, catch_up_ms=catch_up_ms)
     policy = AdaptivePolicy(cost, probe_every=4, probe_share=share)
-    row = RowAdaptation(fresh=False, accepted=0.0, trials=200.0)
+    row = row_with(0, 200)
     assert row.choose(policy, 4) == 0  # the gate closes
     alpha = row.alpha(policy)
     expected = (
@@ -394,10 +403,21 @@ def test_a_row_explores_untimed_depths_then_follows_the_timed_costs() -> None:
     assert chosen == [4, 2, 6, 5, 6, 6]
 
 
-def test_positional_acceptance_without_evidence_is_the_shared_rate() -> None:
+@pytest.mark.parametrize("kept", [(0, 0), (1, 0, 1), (1, 1, 1, 0)])
+def test_positional_acceptance_of_one_deep_rounds_is_the_shared_rate(
+    kept: tuple[int, ...],
+) -> None:
+    """Rounds of one draft inform only the first position: there the two
+    estimates are the same number (each piece of evidence counted once)."""
     policy = AdaptivePolicy(CPU_LIKE)
-    row = RowAdaptation(fresh=False, accepted=7.0, trials=10.0)
-    assert row.expected(policy, 6) == pytest.approx(geometric(row.alpha(policy), 6))
+    row = RowAdaptation(fresh=False)
+    for k in kept:
+        row.observe(1, k, policy)
+    positional = row.expected(policy, 1)[1]
+    assert positional == pytest.approx(
+        row.expected(evolve(policy, positional=False), 1)[1]
+    )
+    assert positional == pytest.approx(1.0 + row.alpha(policy))
 
 
 @pytest.mark.parametrize(
@@ -432,3 +452,17 @@ def test_positional_acceptance_is_closer_to_the_observed_pattern(
         # underrating the phrase, stops short of it
         assert row.choose(positional, 6, cost.rounds(6)) == 4
         assert row.choose(shared, 6, cost.rounds(6)) < 4
+
+
+def test_the_gate_waits_for_evidence_before_closing() -> None:
+    """A 1-deep round costs 1.4 plain steps here, so drafting needs a first
+    draft kept more than 40 % of the time. One rejection is not evidence of
+    that; eight are."""
+    cost = CostModel(verify_ms=(10.0, 13.0, 16.0), draft_ms=1.0)
+    hopeful = AdaptivePolicy(cost)
+    strict = evolve(hopeful, gate_optimism=0.0)
+    once = row_with(0, 1)
+    assert once.expected(hopeful, 2)[1] < 1.4  # the estimate alone would gate
+    assert once.choose(strict, 2) == 0
+    assert row_with(0, 1).choose(hopeful, 2) > 0
+    assert row_with(0, 8).choose(hopeful, 2) == 0
