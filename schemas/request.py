@@ -125,8 +125,9 @@ class DraftPolicy:
     `staged` (draft models): each draft forward also checks prompt-lookup
     guesses, so one forward may yield several drafts (the same ones; see
     specpipe/drafts/two_model.py). None, the default, stages on a CPU, where
-    it measured 14 % cheaper rounds (bench/RESULTS.md), and not on a GPU,
-    where the unstaged chain runs as one lazy graph without host reads.
+    it measured 1.18-1.25x faster on an edit prompt and within the noise on
+    code and chat (bench/RESULTS.md), and not on a GPU, where the unstaged
+    chain runs as one lazy graph without host reads.
     """
 
     greedy: bool = False

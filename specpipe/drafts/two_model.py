@@ -9,9 +9,9 @@ so the draft and the target read the same point of their CDFs. With a draft
 vocabulary (FR-Spec) the draft projects onto the listed rows only.
 
 Staged drafting (`DraftPolicy.staged`, on by default on a CPU; a draft of the
-draft, as in staged speculative decoding): a draft forward costs its weight bytes whether it reads
-one token or a few, so each draft forward also reads the tokens prompt lookup
-guesses will follow (n-grams of the row's tokens and the drafts so far) and
+draft, as in staged speculative decoding): a draft forward costs its weight
+bytes whether it reads one token or a few, so each draft forward also reads
+the tokens prompt lookup guesses will follow (n-grams of the row's tokens and the drafts so far) and
 samples the draft at every position. The guesses the draft's own samples
 confirm are drafts it would have written one forward at a time, at the same
 step keys over the same context, so the proposal is the one of the plain

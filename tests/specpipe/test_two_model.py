@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from attrs import evolve
 from mlx.utils import tree_flatten, tree_unflatten
 from spec_support import VOCAB, cache_prefix, same_prefix
 
@@ -77,12 +78,9 @@ def _proposals(
     counting = CountingModel(drafter.model)
     opened = drafter.open(rows)
     assert isinstance(opened, TwoModelRows)
-    state = TwoModelRows(
-        counting,  # type: ignore[arg-type]
-        opened.cache,
-        opened.lengths,
-        opened.policy,
-        opened.vocab,
+    state = evolve(
+        opened,
+        model=counting,
         bucket=False,
         lookup=LookupStaging() if staged else None,
     )
