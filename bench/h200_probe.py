@@ -16,12 +16,12 @@ prompt = "def merge_sorted(a, b):\n    " * 4
 report = {}
 for name, spec, k in (("two-model", draft, 2), ("ngram", "ngram", 2), ("plain", None, None)):
     for timing in (True, False):
-        p = load(target, draft=spec, num_draft_tokens=k, phase_timing=timing).unwrap()
+        p = load(target, draft=spec, num_draft_tokens=k, phase_timing=timing, adaptive=False).unwrap()
         p.generate(prompt, limits=GenerationLimits(max_tokens=8))
         r = p.generate(prompt, limits=GenerationLimits(max_tokens=64)).unwrap()
         report[f"{name}-{'timed' if timing else 'free'}"] = r.to_json()["stats"]
         print(name, timing, json.dumps(r.to_json()["stats"]), flush=True)
-p = load(target, draft=draft, num_draft_tokens=2).unwrap()
+p = load(target, draft=draft, num_draft_tokens=2, adaptive=False).unwrap()
 prof = cProfile.Profile()
 prof.enable()
 p.generate(prompt, limits=GenerationLimits(max_tokens=64))

@@ -7,6 +7,7 @@
 #       bash bench/h200_run.sh setup plain
 #   call 3: bash bench/h200_run.sh spec mtp
 # (2026-11-30, second session: call 2 `setup adaptive`, call 3 `adaptive-ngram mtp mtp-sampled`;
+#  fifth session: call 2 `setup adaptive-ngram-best mtp-dense`, call 3 `adaptive-best`;
 #  2026-12-01: call 2 `setup-min mtp-rows`; fourth session: call 2 `setup-min mtp-wide`, then `setup-min mtp-compiled`, `setup-min mtp-ab`, `setup adaptive-ngram adaptive-nolm`, then with REPEATS=7)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -24,6 +25,7 @@ for step in "$@"; do
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     [ "$step" = setup-min ] && continue  # no random Qwen2.5 folders (MTP steps build their own model)
     mkdir -p $HOME/tokq && cp .whlB/tokq/* $HOME/tokq/
+    python3 -c "import mlx_lm; print('mlx-lm', mlx_lm.__version__)" || echo "mlx-lm not importable"
     python3 bench/random_weights.py --shape qwen2.5-0.5b --dtype bfloat16 --tokenizer $HOME/tokq $R/qwen2.5-0.5b-bf16 || exit 1
     python3 bench/random_weights.py --shape qwen2.5-1.5b --dtype bfloat16 --tokenizer $HOME/tokq $R/qwen2.5-1.5b-bf16 || exit 1
     ;;
@@ -47,6 +49,33 @@ for step in "$@"; do
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
         --tokens 128 --widths 1,2,4 --max-depth 6 --no-mlxlm --repeats ${REPEATS:-3} --no-assert \
         --out $OUT/adaptive-h200.json --plot $OUT/adaptive-h200.png || echo "STEP FAILED: $?"
+    ;;
+  adaptive-best)  # two-model adaptive with the mlx-lm peer, fastest repeat per configuration
+    python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
+        --tokens 128 --widths 1,2 --max-depth 6 --mlxlm-widths 2,4 --repeats ${REPEATS:-7} --peer-repeats 1 \
+        --estimator best --no-assert --out $OUT/adaptive-h200-best.json --plot $OUT/adaptive-h200-best.png || echo "STEP FAILED: $?"
+    ;;
+  adaptive-ngram-best)
+    python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft ngram --dtype bfloat16 \
+        --tokens 128 --widths 2,4,6,8 --max-depth 8 --no-mlxlm --repeats ${REPEATS:-9} --estimator best --no-assert \
+        --out $OUT/adaptive-ngram-h200-best.json --plot $OUT/adaptive-ngram-h200-best.png || echo "STEP FAILED: $?"
+    ;;
+  mtp-dense)  # Qwen3.5-27B's dense MTP layer; its target cut to 8 layers (the draft chain does not read them)
+    for v in 151936 248320; do
+      python3 bench/mtp.py --shape qwen3.5-27b --layers 8 --vocab $v --dtype bfloat16 --tokens 32 --depths 1,3 \
+          --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-dense-$v-sampled-h200.json || echo "STEP FAILED: $?"
+    done
+    python3 bench/mtp.py --shape qwen3.5-27b --layers 8 --vocab 151936 --dtype bfloat16 --tokens 32 --depths 1,3 \
+        --fr-size 32768 --rows 1,32,128 --out $OUT/mtp-dense-151936-h200.json || echo "STEP FAILED: $?"
+    ;;
+  gate-ab)  # adaptive with its gate closed vs plain, interleaved pairs in random order
+    python3 bench/gate_ab.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
+        --tokens 128 --pairs ${PAIRS:-15} --out $OUT/gate-ab-h200.json || echo "STEP FAILED: $?"
+    ;;
+  topk)  # blockwise top-k in the sampled draw, and the MTP chain with it
+    python3 bench/sampling_probe.py --rows 1,32,128 --out $OUT/sampling-probe-topk-h200.json || echo "STEP FAILED: $?"
+    python3 bench/mtp.py --shape qwen3.5-27b --layers 8 --vocab 151936 --dtype bfloat16 --tokens 32 --depths 1,3 \
+        --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-dense-151936-sampled-topk-h200.json || echo "STEP FAILED: $?"
     ;;
   adaptive-ngram)
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft ngram --dtype bfloat16 \

@@ -69,6 +69,37 @@ def qwen3_next_shape(layers: int, experts: int, hidden: int, vocab: int) -> dict
     }
 
 
+def qwen3_5_27b_shape(layers: int, experts: int, hidden: int, vocab: int) -> dict[str, Any]:
+    """Qwen3.5-27B (dense hybrid: 3 linear : 1 full attention, gated
+    attention, one dense MTP layer), with `layers` target layers; `experts`
+    and `hidden` are ignored (the real hidden size is 5120)."""
+    del experts, hidden
+    return {
+        "model_type": "qwen3_5_text",
+        "vocab_size": vocab,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": layers,
+        "full_attention_interval": 4,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "attn_output_gate": True,
+        "mtp_num_hidden_layers": 1,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+
+
+SHAPES = {"qwen3-next": qwen3_next_shape, "qwen3.5-27b": qwen3_5_27b_shape}
+
+
 class Sink:
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -130,6 +161,9 @@ def draft_chain_ms(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-next",
+                        help="qwen3-next: 64-expert MoE layers and MTP layer; qwen3.5-27b: "
+                             "Qwen3.5-27B's dense layers and MTP layer (hidden 5120)")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -154,7 +188,7 @@ def main() -> None:
         specpipe.sampling.COMPILE_ON_GPU = False
 
     dtype = getattr(mx, args.dtype)
-    config = qwen3_next_shape(args.layers, args.experts, args.hidden, args.vocab)
+    config = SHAPES[args.shape](args.layers, args.experts, args.hidden, args.vocab)
     hybrid = hybrid_args(config, "bench").unwrap()
     mx.random.seed(0)
     model = build_model(hybrid).unwrap()

@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     args.target = args.target or str(model_folder("qwen2.5-coder-1.5b-instruct", "bfloat16"))
     args.draft = args.draft or str(model_folder("qwen2.5-coder-0.5b-instruct", "bfloat16"))
-    pipeline = specpipe.load(args.target, draft=args.draft, num_draft_tokens=4, dtype="bfloat16").unwrap()
+    pipeline = specpipe.load(args.target, draft=args.draft, num_draft_tokens=4, dtype="bfloat16", adaptive=False).unwrap()
     ids = list(pipeline.encode(*PROMPTS["code"]).unwrap())
     out = {"machine": machine_info(), "runs": []}
     for width in [int(w) for w in args.widths.split(",")]:

@@ -37,6 +37,7 @@ def main() -> None:
     import mlx.core as mx
 
     from schemas.request import SamplingParams
+    from specpipe import sampling
     from specpipe.sampling import sample
 
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
@@ -80,6 +81,14 @@ def main() -> None:
             entry[f"{name}_head_and_sample_ms"] = timed(
                 lambda v, w=weights: sampler((v @ w.T).astype(mx.float32), seeds, steps), x
             )
+            # top-k by one partition of the row vs blockwise (specpipe.sampling.top_k_ids)
+            drawn = {}
+            for stages, threshold in (("one", 1 << 30), ("blockwise", 0)):
+                sampling.TWO_STAGE_TOP_K_FROM = threshold
+                sampling.compiled_draw.cache_clear()
+                entry[f"{name}_sample_topk_{stages}_ms"] = timed(sampler, logits, seeds, steps)
+                drawn[stages] = sampler(logits, seeds, steps)
+            entry[f"{name}_topk_stages_equal"] = bool(mx.array_equal(drawn["one"], drawn["blockwise"]).item())
         report["rows"].append(entry)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}, flush=True)
         write_json(args.out, report)

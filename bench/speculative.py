@@ -91,7 +91,7 @@ def main() -> None:
     print(f"target {target_folder}\ndraft  {draft_folder}", file=sys.stderr, flush=True)
 
     two = specpipe.load(
-        str(target_folder), draft=str(draft_folder), num_draft_tokens=1, dtype=args.dtype
+        str(target_folder), draft=str(draft_folder), num_draft_tokens=1, dtype=args.dtype, adaptive=False
     ).unwrap()
     assert two.draft is not None
     plain = evolve(two, draft=None)

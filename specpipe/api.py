@@ -334,16 +334,18 @@ def load(
     device_round: bool = False,
     registry: DraftRegistry | None = None,
     draft_vocab: str | None = None,
-    adaptive: bool | CostModel = False,
+    adaptive: bool | CostModel | None = None,
     phase_timing: bool = False,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
     ngram), a registered kind name, or any model reference the loader takes.
     `draft_vocab`: an FR-Spec id list (path), "off", or None for the list the
-    draft ships as draft_vocab.json. `adaptive`: choose each row's depth per
-    round from measured costs (True: the cached calibration, measured on first
-    use; or a ready `CostModel`)."""
+    draft ships as draft_vocab.json. `adaptive` (on by default when drafting):
+    choose each row's depth per round, up to the draft width, from measured
+    costs, decoding plainly where no depth pays (None or True: the cached
+    calibration of this machine, measured on first use; a ready `CostModel`;
+    False: every round drafts the full width)."""
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
         return Failure(
@@ -373,7 +375,7 @@ def load(
     policy_adaptive = None
     if isinstance(adaptive, CostModel):
         policy_adaptive = AdaptivePolicy(adaptive)
-    elif adaptive:
+    elif adaptive is None or adaptive:
         cost = calibrate(target, loaded_draft, dtype, loaded_draft.width + 1)
         policy_adaptive = AdaptivePolicy(cost)
     return Success(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -186,7 +187,14 @@ def calibration_path(
         ]
     )
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    return cache_root() / "calibration" / f"{digest}.json"
+    return calibration_root() / f"{digest}.json"
+
+
+def calibration_root() -> Path:
+    """Where calibrations are cached: `$SPECPIPE_CALIBRATION_CACHE`, else
+    `calibration/` under the cache root."""
+    override = os.environ.get("SPECPIPE_CALIBRATION_CACHE")
+    return Path(override) if override else cache_root() / "calibration"
 
 
 def load_cached(path: Path) -> Result[CostModel, ConfigError]:

@@ -221,9 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--adaptive",
-        action="store_true",
-        help="choose each row's draft depth per round from measured costs "
-        "(gates speculation off where it would not pay)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="choose each row's draft depth per round (up to --num-draft-tokens) "
+        "from costs measured on this machine, and gate speculation off where it "
+        "would not pay (default: on when drafting; the first use of a model "
+        "pair calibrates for a few seconds and caches it); --no-adaptive drafts "
+        "the full width every round",
     )
     gen.add_argument(
         "--draft-vocab",

@@ -30,6 +30,10 @@ from schemas.request import SamplingParams
 
 # Whether a GPU draws through `compiled_draw` (benchmarks turn it off to compare).
 COMPILE_ON_GPU = True
+# Top-k over a row longer than this many ids runs in two stages (benchmarks
+# set it past any vocabulary to compare with one partition of the whole row).
+TWO_STAGE_TOP_K_FROM = 65536
+_TOP_K_BLOCK = 1024
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
@@ -78,7 +82,7 @@ def filtered_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     vocab = scaled.shape[-1]
     top: mx.array | None = None  # [N, k] ids of the k largest scores
     if 0 < params.top_k < vocab:
-        top = mx.argpartition(-scaled, params.top_k - 1, axis=-1)[:, : params.top_k]
+        top = top_k_ids(scaled, params.top_k)
         kth = mx.min(mx.take_along_axis(scaled, top, axis=-1), axis=-1, keepdims=True)
         scaled = mx.where(scaled < kth, -mx.inf, scaled)
     probs = mx.softmax(scaled, axis=-1)
@@ -94,6 +98,38 @@ def filtered_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         top_prob = mx.max(probs, axis=-1, keepdims=True)
         probs = mx.where(probs < params.min_p * top_prob, 0.0, probs)
     return probs
+
+
+def top_k_ids(scores: mx.array, k: int) -> mx.array:
+    """`[N, V]` scores -> `[N, k]` ids of the k largest scores (in no order;
+    among ties at the k-th value, any). On a GPU, where a partition is a sort,
+    a long row goes through `blockwise_top_k`; on the CPU (a linear-time
+    partition, measured faster whole) through one partition."""
+    vocab = scores.shape[-1]
+    if on_gpu() and vocab > max(TWO_STAGE_TOP_K_FROM, 4 * k):
+        return blockwise_top_k(scores, k)
+    return mx.argpartition(-scores, k - 1, axis=-1)[:, :k]
+
+
+def blockwise_top_k(scores: mx.array, k: int, block: int = _TOP_K_BLOCK) -> mx.array:
+    """`top_k_ids` in two stages: the k largest of each block of `block` ids,
+    then the k largest of those candidates. The k largest of the row are among
+    its blocks' k largest, so the k-th largest value and the multiset of the k
+    values (all the filters read) are those one partition of the whole row
+    gives."""
+    n, vocab = scores.shape
+    blocks = -(-vocab // block)
+    padded = scores
+    if blocks * block != vocab:
+        pad = mx.full((n, blocks * block - vocab), -mx.inf, dtype=scores.dtype)
+        padded = mx.concatenate([scores, pad], axis=-1)
+    width = min(k, block)
+    tiled = padded.reshape(n, blocks, block)
+    local = mx.argpartition(-tiled, width - 1, axis=-1)[:, :, :width]
+    ids = (local + (mx.arange(blocks) * block)[None, :, None]).reshape(n, -1)
+    values = mx.take_along_axis(padded, ids, axis=-1)  # [N, blocks * width]
+    best = mx.argpartition(-values, k - 1, axis=-1)[:, :k]
+    return mx.take_along_axis(ids, best, axis=-1)
 
 
 def inverse_cdf(probs: mx.array, uniforms: mx.array) -> mx.array:

@@ -9,6 +9,7 @@ for them; an install failure fails those tests, it never skips them.
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,11 @@ from returns.result import Failure, Success
 # an optimised BLAS need not (models/blas.py). tests/models/test_blas.py
 # checks the routing itself in subprocesses.
 os.environ.setdefault("SPECPIPE_BLAS", "reference")
+# Adaptive drafting (on by default) calibrates each model pair once; the test
+# models live in temporary folders, so their calibrations go to one too.
+os.environ.setdefault(
+    "SPECPIPE_CALIBRATION_CACHE", tempfile.mkdtemp(prefix="specpipe-calibration-")
+)
 
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:

@@ -91,7 +91,9 @@ def test_logprobs_are_the_same_with_and_without_drafts(tiny_model: Path) -> None
 
 
 def test_phase_timing_reports_every_phase(tiny_model: Path) -> None:
-    timed = load(str(tiny_model), draft=str(tiny_model), phase_timing=True).unwrap()
+    timed = load(
+        str(tiny_model), draft=str(tiny_model), phase_timing=True, adaptive=False
+    ).unwrap()
     result = timed.generate("def fib", limits=GenerationLimits(max_tokens=8)).unwrap()
     phases = dict(result.stats.phase_ms)
     assert set(phases) == {"draft", "verify", "sample", "commit"}

@@ -466,3 +466,14 @@ def test_the_gate_waits_for_evidence_before_closing() -> None:
     assert once.choose(strict, 2) == 0
     assert row_with(0, 1).choose(hopeful, 2) > 0
     assert row_with(0, 8).choose(hopeful, 2) == 0
+
+
+def test_load_drafts_adaptively_by_default(tmp_path: Path) -> None:
+    target = write_tiny_model(tmp_path / "target")
+    assert load(str(target)).unwrap().adaptive is None  # no draft, nothing to adapt
+    default = load(str(target), draft="ngram", num_draft_tokens=4).unwrap()
+    assert default.adaptive is not None
+    assert default.adaptive.cost.verify_ms  # a calibration of this machine
+    assert len(default.adaptive.cost.verify_ms) >= 5  # windows up to 1 + 4 drafts
+    fixed = load(str(target), draft="ngram", num_draft_tokens=4, adaptive=False).unwrap()
+    assert fixed.adaptive is None

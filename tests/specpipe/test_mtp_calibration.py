@@ -26,6 +26,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
+    # the default place, under the cache root (tests/conftest.py moves it)
+    monkeypatch.delenv("SPECPIPE_CALIBRATION_CACHE", raising=False)
     return tmp_path / "cache"
 
 

@@ -12,9 +12,11 @@ import pytest
 from returns.result import Failure, Success
 
 from schemas.request import SamplingParams
+from specpipe import sampling
 from specpipe.sample_window import sample_window
 from specpipe.sampling import (
     apply_repetition_penalty,
+    blockwise_top_k,
     filtered_probs,
     inverse_cdf,
     key_arrays,
@@ -467,3 +469,31 @@ def test_the_compiled_draw_gives_the_eager_draw_s_tokens(params: SamplingParams)
     compiled = compiled_draw(params)(scores, seeds, steps)
     assert compiled.tolist() == eager.tolist()
     assert len(set(eager.tolist())) > 8  # the keys do spread the draws
+
+
+# --- blockwise top-k (the GPU's path for long rows) -----------------------------------
+
+
+@pytest.mark.parametrize(("vocab", "k", "block"), [(5000, 20, 512), (4096, 7, 1024), (300, 20, 16)])
+def test_blockwise_top_k_keeps_what_one_partition_keeps(vocab: int, k: int, block: int) -> None:
+    rng = np.random.default_rng(vocab + k)
+    scores = rng.normal(size=(3, vocab)).astype(np.float32)
+    # ties across blocks at the k-th value, and a row of mostly equal scores
+    scores[1, rng.choice(vocab, 2 * k, replace=False)] = np.sort(scores[1])[-k]
+    scores[2] = np.round(scores[2])
+    x = mx.array(scores)
+    got = np.array(blockwise_top_k(x, k, block))
+    want = np.array(mx.argpartition(-x, k - 1, axis=-1)[:, :k])
+    for row in range(3):
+        assert len(set(got[row].tolist())) == k  # k distinct ids
+        assert np.array_equal(np.sort(scores[row, got[row]]), np.sort(scores[row, want[row]]))
+
+
+def test_filters_over_blockwise_top_k_equal_one_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(size=(4, 40_000)).astype(np.float32) * 3.0)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
+    whole = filtered_probs(logits, params)
+    monkeypatch.setattr(sampling, "on_gpu", lambda: True)  # take the GPU's path here
+    blockwise = filtered_probs(logits, params)
+    assert mx.array_equal(whole, blockwise).item()
