@@ -1,5 +1,6 @@
-"""Adaptive drafting with the gate closed vs plain decoding, as interleaved
-pairs: does a gated row cost anything over plain decoding?
+"""Adaptive drafting vs plain decoding (or a fixed draft width, `--against K`),
+as interleaved pairs: does a gated row cost anything over plain decoding, and
+does an adaptive row keep up with a fixed width?
 
 Where no depth can win (a draft step as dear as a target step, as with random
 weights on the H200), adaptive drafting should be plain decoding. On a busy
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--max-depth", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--against", type=int, default=0,
+                        help="the baseline: 0 plain decoding, K a fixed draft width K")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -50,7 +53,14 @@ def main() -> None:
     ).unwrap()
     assert adaptive.adaptive is not None
     plain = evolve(adaptive, draft=None, adaptive=None)
-    pipes = {"plain": plain, "adaptive": adaptive}
+    baseline = plain
+    if args.against > 0:
+        baseline = specpipe.load(
+            str(target), draft=draft, num_draft_tokens=args.against, dtype=args.dtype,
+            adaptive=False,
+        ).unwrap()
+    base = "plain" if args.against == 0 else f"fixed k={args.against}"
+    pipes = {base: baseline, "adaptive": adaptive}
     started = time.perf_counter()
     rng = random.Random(0)
     payload: dict[str, Any] = {
@@ -59,6 +69,7 @@ def main() -> None:
         "draft": draft,
         "tokens": args.tokens,
         "pairs": args.pairs,
+        "against": base,
         "cost_model": str(adaptive.adaptive.cost),
         "prompts": {},
     }
@@ -67,41 +78,41 @@ def main() -> None:
         ids = list(plain.encode(text, chat).unwrap())
         for name, pipe in pipes.items():  # warm-up
             specpipe_run(pipe, ids, 8, name)
-        tps: dict[str, list[float]] = {"plain": [], "adaptive": []}
+        tps: dict[str, list[float]] = {base: [], "adaptive": []}
         ratios = []
         same = True
         reference: list[int] | None = None
         depths: dict[str, int] = {}
         for _ in range(args.pairs):
-            order = ["plain", "adaptive"]
+            order = [base, "adaptive"]
             rng.shuffle(order)
             got = {}
             for name in order:
                 run = specpipe_run(pipes[name], ids, args.tokens, name)
                 got[name] = run.decode_tps
                 tps[name].append(run.decode_tps)
-                if reference is None and name == "plain":
+                if reference is None and name == base:
                     reference = run.tokens
                 if reference is not None and run.tokens != reference:
                     same = False
                 for d, n in run.extra.get("depths", {}).items():
                     depths[d] = depths.get(d, 0) + n
-            ratios.append(got["adaptive"] / got["plain"])
+            ratios.append(got["adaptive"] / got[base])
         entry = {
-            "plain_tps": tps["plain"],
+            "baseline_tps": tps[base],
             "adaptive_tps": tps["adaptive"],
             "pair_ratios": ratios,
             "median_pair_ratio": statistics.median(ratios),
-            "best_ratio": max(tps["adaptive"]) / max(tps["plain"]),
-            "median_ratio": statistics.median(tps["adaptive"]) / statistics.median(tps["plain"]),
+            "best_ratio": max(tps["adaptive"]) / max(tps[base]),
+            "median_ratio": statistics.median(tps["adaptive"]) / statistics.median(tps[base]),
             "adaptive_depths": depths,
             "outputs_equal": same,
         }
         payload["prompts"][prompt] = entry
         print(
-            f"{prompt:5s} adaptive/plain: median pair ratio {entry['median_pair_ratio']:.3f}, "
+            f"{prompt:5s} adaptive/{base}: median pair ratio {entry['median_pair_ratio']:.3f}, "
             f"best {entry['best_ratio']:.3f}, medians {entry['median_ratio']:.3f} "
-            f"(plain median {statistics.median(tps['plain']):.0f} tok/s), depths {depths}, "
+            f"({base} median {statistics.median(tps[base]):.0f} tok/s), depths {depths}, "
             f"outputs equal: {same}",
             flush=True,
         )

@@ -72,10 +72,22 @@ for step in "$@"; do
     python3 bench/gate_ab.py --target $R/qwen2.5-1.5b-bf16 --draft $R/qwen2.5-0.5b-bf16 --dtype bfloat16 \
         --tokens 128 --pairs ${PAIRS:-15} --out $OUT/gate-ab-h200.json || echo "STEP FAILED: $?"
     ;;
+  ngram-ab)  # adaptive n-gram vs a fixed width (AGAINST, default 4), interleaved pairs
+    python3 bench/gate_ab.py --target $R/qwen2.5-1.5b-bf16 --draft ngram --dtype bfloat16 --max-depth 8 \
+        --tokens 128 --pairs ${PAIRS:-15} --against ${AGAINST:-4} --out $OUT/ngram-ab-h200.json || echo "STEP FAILED: $?"
+    ;;
   topk)  # blockwise top-k in the sampled draw, and the MTP chain with it
     python3 bench/sampling_probe.py --rows 1,32,128 --out $OUT/sampling-probe-topk-h200.json || echo "STEP FAILED: $?"
     python3 bench/mtp.py --shape qwen3.5-27b --layers 8 --vocab 151936 --dtype bfloat16 --tokens 32 --depths 1,3 \
         --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-dense-151936-sampled-topk-h200.json || echo "STEP FAILED: $?"
+    ;;
+  topk-ab)  # the MTP chain with one-partition and blockwise top-k, both head sizes, one lease
+    for v in 151936 248320; do i=0; for st in one auto one auto; do i=$((i+1))
+      echo "vocab $v top-k $st ($i)"
+      python3 bench/mtp.py --shape qwen3.5-27b --layers 4 --vocab $v --dtype bfloat16 --tokens 16 --depths 1,3 \
+          --fr-size 32768 --sampling qwen --rows 1,32,128 --top-k-stages $st \
+          --out $OUT/mtp-dense-$v-$st-$i.json | grep '"rows"' || echo "STEP FAILED: $?"
+    done; done
     ;;
   adaptive-ngram)
     python3 bench/adaptive.py --target $R/qwen2.5-1.5b-bf16 --draft ngram --dtype bfloat16 \

@@ -180,8 +180,15 @@ def main() -> None:
     parser.add_argument("--rows", default="1", help="batch sizes for the draft-chain timing, e.g. 1,8,32")
     parser.add_argument("--eager-sampling", action="store_true",
                         help="sample without compiling the draw (specpipe.sampling.COMPILE_ON_GPU)")
+    parser.add_argument("--top-k-stages", choices=("auto", "one"), default="auto",
+                        help="one: top-k by one partition of the whole row (before blockwise "
+                             "top-k; specpipe.sampling.top_k_ids)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.top_k_stages == "one":
+        import specpipe.sampling
+
+        specpipe.sampling.TWO_STAGE_TOP_K_FROM = 1 << 30
     if args.eager_sampling:
         import specpipe.sampling
 
@@ -215,6 +222,7 @@ def main() -> None:
         "sampling": args.sampling,
         "fused_projections": not args.no_fuse,
         "compiled_sampling": not args.eager_sampling,
+        "top_k_stages": args.top_k_stages,
         "plain": {
             "tokens": len(plain),
             "decode_tps": len(plain) / plain_result.decode_seconds,

@@ -37,7 +37,7 @@ def _tokens(
 def qwen_pair() -> Pipeline:
     """The 1.5B target with the 0.5B draft; its plain twin shares the target
     (one copy of the 6 GB float32 weights in memory)."""
-    return load(QWEN_15, draft=QWEN_05, num_draft_tokens=4).unwrap()
+    return load(QWEN_15, draft=QWEN_05, num_draft_tokens=4, adaptive=False).unwrap()
 
 
 @pytest.mark.fixture
@@ -45,7 +45,7 @@ def qwen_pair() -> Pipeline:
     "sampling", SAMPLINGS, ids=["greedy", "t0.7-topp-topk", "t1.0"]
 )
 def test_ngram_on_smollm2(smollm2: Pipeline, sampling: SamplingParams) -> None:
-    ngram = load(SMOLLM2, draft="ngram", num_draft_tokens=6).unwrap().draft
+    ngram = load(SMOLLM2, draft="ngram", num_draft_tokens=6, adaptive=False).unwrap().draft
     spec = evolve(smollm2, draft=ngram)
     plain_batch = _tokens(smollm2, PROMPTS, sampling, 32)
     assert _tokens(spec, PROMPTS, sampling, 32) == plain_batch
