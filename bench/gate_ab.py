@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
-
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 from bench.common import PROMPTS, machine_info, model_folder, specpipe_run, write_json
 
 

@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="code")
     parser.add_argument("--width", type=int, default=6)
     parser.add_argument("--staged", choices=("on", "off"), default="on")
+    parser.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
     parser.add_argument("--draft-vocab", help="an FR-Spec list for the draft")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -67,13 +68,13 @@ def main() -> None:
     from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 
     target_folder = model_folder(args.target, args.dtype)
-    draft_folder = model_folder(args.draft, args.dtype)
+    draft_folder = model_folder(args.draft, args.draft_dtype or args.dtype)
     base = specpipe.load(str(target_folder), dtype=args.dtype).unwrap()
     loaded = base.registry.load(
         "two-model",
         DraftLoadRequest(
             target=base.target, source=str(draft_folder), width=args.width,
-            draft_vocab=args.draft_vocab, dtype=args.dtype,
+            draft_vocab=args.draft_vocab, dtype=args.draft_dtype or args.dtype,
             policy=DraftPolicy(staged=args.staged == "on"),
         ),
     ).unwrap()

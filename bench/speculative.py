@@ -60,6 +60,9 @@ def main() -> None:
     parser.add_argument("--two-model-prompts", default="code,chat,edit")
     parser.add_argument("--draft-vocab", help="an FR-Spec list (draft_vocab.json): also run two-model "
                         "with the draft projecting onto it (method 'two-model-fr', same widths)")
+    parser.add_argument("--draft-dtype", default=None,
+                        help="dtype of the FR-Spec drafts (--draft-vocab), e.g. bfloat16 on a CPU "
+                             "(models/cpu_kernel.py); the full-vocabulary draft and mlx-lm's keep --dtype")
     parser.add_argument("--compare-unstaged", action="store_true",
                         help="also run the FR-Spec two-model draft unstaged (DraftPolicy.staged=False)")
     parser.add_argument("--no-mlxlm", action="store_true")
@@ -88,6 +91,8 @@ def main() -> None:
     machine = machine_info()
     target_folder = model_folder(args.target, args.dtype)
     draft_folder = model_folder(args.draft, args.dtype)
+    fr_dtype = args.draft_dtype or args.dtype
+    fr_folder = model_folder(args.draft, fr_dtype) if fr_dtype != args.dtype else draft_folder
     print(f"target {target_folder}\ndraft  {draft_folder}", file=sys.stderr, flush=True)
 
     two = specpipe.load(
@@ -103,15 +108,15 @@ def main() -> None:
     two_model_fr: dict[int, Any] = {}
     if args.draft_vocab:
         fr = registry.load("two-model", DraftLoadRequest(
-            target=two.target, source=str(draft_folder), width=1, draft_vocab=args.draft_vocab,
-            dtype=args.dtype)).unwrap()
+            target=two.target, source=str(fr_folder), width=1, draft_vocab=args.draft_vocab,
+            dtype=fr_dtype)).unwrap()
         two_model_fr = {k: evolve(two, draft=evolve(fr, width=k)) for k in widths}
     two_model_unstaged: dict[int, Any] = {}
     if args.compare_unstaged:
         assert args.draft_vocab, "--compare-unstaged compares the FR-Spec draft: give --draft-vocab"
         chain = registry.load("two-model", DraftLoadRequest(
-            target=two.target, source=str(draft_folder), width=1, draft_vocab=args.draft_vocab,
-            dtype=args.dtype, policy=DraftPolicy(staged=False))).unwrap()
+            target=two.target, source=str(fr_folder), width=1, draft_vocab=args.draft_vocab,
+            dtype=fr_dtype, policy=DraftPolicy(staged=False))).unwrap()
         two_model_unstaged = {k: evolve(two, draft=evolve(chain, width=k)) for k in widths}
     ngram = {
         k: evolve(
@@ -126,6 +131,7 @@ def main() -> None:
     dtypes = {
         "specpipe_target": str(model_dtype(plain.target.model)),
         "specpipe_draft": str(model_dtype(draft_model)),
+        "specpipe_fr_draft": fr_dtype,
     }
     peer = peer_draft = None
     if not args.no_mlxlm:

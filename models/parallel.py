@@ -11,7 +11,8 @@ same inputs by the same kernel, so the result is bit-identical to the
 unsplit product (tests/models/test_parallel.py checks that).
 
 On a GPU, and for products too small to be worth a thread handoff, nothing
-is split. The thread count defaults to the CPUs this process may run on
+is split. bfloat16 weights on the CPU go to `models/cpu_kernel.py` instead
+(a vectorised kernel that threads its own products). The thread count defaults to the CPUs this process may run on
 (Linux; 1 on macOS, whose Accelerate BLAS threads its own products); the
 environment variable `SPECPIPE_CPU_THREADS` or `set_cpu_threads` overrides it
 (1 turns the split off).
@@ -25,6 +26,8 @@ from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from models import cpu_kernel
 
 # Products with fewer than this many weights (inputs x outputs) stay whole:
 # below ~0.5M weights a CPU product takes well under a millisecond and the
@@ -125,6 +128,11 @@ def project(
             stream=stream,
         )
 
+    if not bits and cpu_kernel.usable(weight):
+        # bf16 on the CPU: the vectorised kernel, threaded on its own
+        out = cpu_kernel.bf16_product(x, weight, bias, cpu_threads())
+        if out is not None:
+            return out
     rows = int(weight.shape[0])
     count = _blocks(x, rows)
     if count == 1:

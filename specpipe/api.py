@@ -336,6 +336,7 @@ def load(
     draft_vocab: str | None = None,
     adaptive: bool | CostModel | None = None,
     phase_timing: bool = False,
+    draft_dtype: str | None = None,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -345,7 +346,9 @@ def load(
     choose each row's depth per round, up to the draft width, from measured
     costs, decoding plainly where no depth pays (None or True: the cached
     calibration of this machine, measured on first use; a ready `CostModel`;
-    False: every round drafts the full width)."""
+    False: every round drafts the full width). `draft_dtype`: a draft model's
+    dtype when it differs from the target's (e.g. a bfloat16 draft for a
+    float32 target on a CPU, models/cpu_kernel.py); drafts change speed only."""
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
         return Failure(
@@ -366,7 +369,7 @@ def load(
         ngram_max=ngram_max,
         policy=policy or DraftPolicy(),
         draft_vocab=draft_vocab,
-        dtype=dtype,
+        dtype=draft_dtype or dtype,
     )
     result = _resolve_draft(registry, draft, target, request)
     if not isinstance(result, Success):
@@ -376,7 +379,8 @@ def load(
     if isinstance(adaptive, CostModel):
         policy_adaptive = AdaptivePolicy(adaptive)
     elif adaptive is None or adaptive:
-        cost = calibrate(target, loaded_draft, dtype, loaded_draft.width + 1)
+        key = dtype if draft_dtype in (None, dtype) else f"{dtype or 'native'}/draft={draft_dtype}"
+        cost = calibrate(target, loaded_draft, key, loaded_draft.width + 1)
         policy_adaptive = AdaptivePolicy(cost)
     return Success(
         Pipeline(

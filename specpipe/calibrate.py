@@ -28,6 +28,7 @@ from typing import Protocol, cast, runtime_checkable
 import mlx.core as mx
 from returns.result import Failure, Result
 
+from models import cpu_kernel
 from models.base import CausalLM
 from models.blas import route_blas
 from models.parallel import cpu_threads
@@ -175,6 +176,7 @@ def calibration_path(
     device = str(mx.default_device())
     if mx.default_device().type == mx.DeviceType.cpu:
         device += f"/threads={cpu_threads()}/blas={route_blas().library}"
+        device += f"/bf16-kernel={'on' if cpu_kernel.ready() else 'off'}"
     key = json.dumps(
         [
             FORMAT,

@@ -29,8 +29,11 @@ from tests.models.decoder_support import tiny_args
 
 @pytest.fixture(autouse=True)
 def split_everything(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Split even the tiny products of these tests; restore the thread count."""
+    """Split even the tiny products of these tests; restore the thread count.
+    bf16 products take MLX's split path here, not the CPU kernel (its own
+    tests: tests/models/test_cpu_kernel.py)."""
     monkeypatch.setattr(parallel, "MIN_SPLIT_WEIGHTS", 0)
+    monkeypatch.setattr(parallel.cpu_kernel, "usable", lambda _weight: False)
     yield
     parallel.set_cpu_threads(None)
 

@@ -1,0 +1,191 @@
+"""bfloat16 weight products on the CPU through a small vectorised C kernel.
+
+MLX's CPU backend multiplies bfloat16 matrices with a generic loop: a
+`[1, 1536] x [1536, 8960]` product took 24 ms against 16 ms in float32 on
+OpenBLAS and 2.1 ms in `kernels/bf16_matmul.c` (2-core AVX2 machine,
+bench/RESULTS.md). A decode step is bound by reading its weights, and bf16
+weights are half the bytes of float32, so with this kernel a bf16 model is
+the fastest way to decode on such a CPU, and a bf16 draft model costs a
+fraction of a float32 target's step.
+
+The kernel is compiled from its C source with the system C compiler on first
+use (`$CC`, else `cc`; `-O3 -mavx2 -mfma -ffp-contract=off`) into the cache folder
+(`$SPECPIPE_CACHE/kernels`, default `~/.cache/specpipe/kernels`), written
+under a temporary name and renamed into place, so a failed or interrupted
+build leaves nothing half-written. Where it cannot be had (not x86-64 with
+AVX2 and FMA, no compiler, a failed build, or `SPECPIPE_CPU_KERNEL=off`),
+bf16 products run on MLX's own kernel and a one-line notice says why.
+
+The call is eager: the input is evaluated, multiplied in C over the weight's
+memory (no copy), and the result enters MLX as a new array. Every output
+value is accumulated in the same order whatever the number of input rows
+(see the C source), so a verify window's products equal a single token's bit
+for bit, as the lossless guarantee wants.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ENV = "SPECPIPE_CPU_KERNEL"
+SOURCE = Path(__file__).resolve().parent / "kernels" / "bf16_matmul.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+# Products with fewer weights than this run on one thread: a thread's start
+# costs more than its share of a small product, and a small weight is read
+# from cache (the 0.5B draft's forward: 131 ms at this threshold, 141 ms at
+# 2^19, 159 ms at 2^23 on the 2-core machine).
+MIN_THREADED_WEIGHTS = 1 << 21
+
+
+def _cpu_supports_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in info.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return {"avx2", "fma"} <= flags
+    return False
+
+
+def _cache_folder() -> Path:
+    env = os.environ.get("SPECPIPE_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "specpipe"
+    return root / "kernels"
+
+
+def _build(compiler: str, out: Path) -> str | None:
+    """Compile the kernel to `out` (atomically); an error message, or None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lpthread"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            return f"{compiler} failed: {done.stderr.strip()[:300]}"
+        os.replace(tmp, out)
+        return None
+    except OSError as exc:
+        return f"{compiler} could not run: {exc}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernel, or why it is not available."""
+    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return f"{ENV}=off"
+    if not _cpu_supports_avx2_fma():
+        return "this CPU is not x86-64 with AVX2 and FMA"
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return f"no C compiler ({compiler}) on PATH"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = _cache_folder() / f"bf16_matmul-{digest}.so"
+    if not path.is_file():
+        error = _build(compiler, path)
+        if error is not None:
+            return error
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return f"{path} did not load: {exc}"
+    fn = lib.specpipe_bf16_matmul
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    fn.restype = None
+    return lib
+
+
+_noticed = False
+
+
+def ready() -> bool:
+    """Whether the kernel is built and loaded here (no notice when not)."""
+    return not isinstance(_library(), str)
+
+
+def available() -> bool:
+    """Whether bf16 CPU products run on the kernel (built on first call)."""
+    global _noticed
+    lib = _library()
+    if isinstance(lib, str):
+        if not _noticed:
+            _noticed = True
+            print(
+                f"specpipe: bf16 CPU kernel not used ({lib}); bf16 products run "
+                "on MLX's slower generic kernel",
+                file=sys.stderr,
+            )
+        return False
+    return True
+
+
+def usable(weight: mx.array) -> bool:
+    """Whether `x @ weight.T` can run on the kernel here: a 2-D bf16 weight on
+    the CPU, laid out row after row."""
+    return (
+        weight.dtype == mx.bfloat16
+        and weight.ndim == 2
+        and mx.default_device().type == mx.DeviceType.cpu
+        and available()
+    )
+
+
+def bf16_product(
+    x: mx.array,  # [..., I]
+    weight: mx.array,  # [O, I] bfloat16
+    bias: mx.array | None,  # [O]
+    threads: int,
+) -> mx.array | None:  # [..., O] in x's dtype; None: use MLX's product
+    """`x @ weight.T (+ bias)` on the kernel, accumulated in float32 and
+    rounded once to x's dtype; None if the weight is not laid out row after
+    row (a column slice), which MLX's product then takes."""
+    lib = _library()
+    assert not isinstance(lib, str), "bf16_product without the kernel"
+    out_rows, inner = int(weight.shape[0]), int(weight.shape[1])
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, inner).astype(mx.float32)
+    bias32 = bias.astype(mx.float32) if bias is not None else None
+    mx.eval(flat, weight, *([bias32] if bias32 is not None else []))
+    w = np.asarray(weight.view(mx.uint16))
+    if not w.flags["C_CONTIGUOUS"]:
+        return None
+    xs = np.ascontiguousarray(np.asarray(flat))
+    b = np.ascontiguousarray(np.asarray(bias32)) if bias32 is not None else None
+    y = np.empty((xs.shape[0], out_rows), dtype=np.float32)
+    if out_rows * inner < MIN_THREADED_WEIGHTS:
+        threads = 1
+    lib.specpipe_bf16_matmul(
+        w.ctypes.data,
+        xs.ctypes.data,
+        b.ctypes.data if b is not None else None,
+        y.ctypes.data,
+        out_rows,
+        inner,
+        xs.shape[0],
+        threads,
+    )
+    return mx.array(y).reshape(*lead, out_rows).astype(x.dtype)

@@ -1,0 +1,172 @@
+"""The bf16 CPU kernel (models/cpu_kernel.py, models/kernels/bf16_matmul.c).
+
+It must compute float32 sums of bf16 weights times the inputs, the same
+value for a row whatever else is in the product (window invariance: a verify
+window's products equal a single token's bit for bit), agree with MLX's own
+bf16 product to bf16 rounding, and step aside cleanly where it cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from models import cpu_kernel
+from models.parallel import Linear, project
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.api import load
+from tests.cli.conftest import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernel._cpu_supports_avx2_fma(),
+    reason="the kernel is for x86-64 CPUs with AVX2 and FMA",
+)
+
+
+def _weights(rows: int, inner: int, seed: int) -> mx.array:
+    mx.random.seed(seed)
+    return (mx.random.normal((rows, inner)) * 0.05).astype(mx.bfloat16)
+
+
+def test_the_kernel_builds_here() -> None:
+    assert cpu_kernel.available(), cpu_kernel._library()
+
+
+@pytest.mark.parametrize(("rows", "inner"), [(250, 96), (37, 1000), (1152, 896)])
+@pytest.mark.parametrize("window", [1, 3, 4, 7, 9])
+def test_product_is_the_float32_sum(rows: int, inner: int, window: int) -> None:
+    weight = _weights(rows, inner, rows + window)
+    x = mx.random.normal((2, window, inner))
+    bias = mx.random.normal((rows,))
+    got = project(x, weight, bias=bias)
+    assert got.dtype == mx.float32 and got.shape == (2, window, rows)
+    exact = np.asarray(x, dtype=np.float64) @ np.asarray(
+        weight.astype(mx.float32), dtype=np.float64
+    ).T + np.asarray(bias, dtype=np.float64)
+    # float32 accumulation over `inner` terms
+    assert np.allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5 * np.sqrt(inner))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("inner", [96, 1000])  # 1000: a tail past the 16-wide steps
+def test_each_row_is_computed_as_alone(threads: int, inner: int) -> None:
+    weight = _weights(301, inner, threads)
+    bias = mx.random.normal((301,)).astype(mx.bfloat16)
+    x = mx.random.normal((1, 9, inner)).astype(mx.bfloat16)
+    window = cpu_kernel.bf16_product(x, weight, bias, threads)
+    assert window is not None
+    for i in range(9):
+        for width in (1, 2, 5):
+            part = x[:, i : i + width]
+            alone = cpu_kernel.bf16_product(part, weight, bias, 1)
+            assert alone is not None
+            assert mx.array_equal(alone, window[:, i : i + part.shape[1]]).item()
+
+
+def test_agrees_with_mlx_to_bf16_rounding() -> None:
+    weight = _weights(512, 384, 3)
+    x = mx.random.normal((4, 384)).astype(mx.bfloat16)
+    ours = project(x, weight).astype(mx.float32)
+    theirs = (x @ weight.T).astype(mx.float32)
+    assert ours.dtype == theirs.dtype
+    # at most a unit in bf16's last place (2^-8 of the magnitude) apart
+    scale = mx.maximum(mx.abs(theirs), 1e-3)
+    assert (mx.abs(ours - theirs) / scale).max().item() <= 2.0**-7
+
+
+def test_layers_use_it_and_a_column_slice_falls_back() -> None:
+    layer = Linear(1000, 37, bias=True)
+    layer.set_dtype(mx.bfloat16)
+    x = mx.random.normal((3, 1000)).astype(mx.bfloat16)
+    assert mx.array_equal(
+        layer(x), cpu_kernel.bf16_product(x, layer.weight, layer.bias, 2)
+    ).item()
+    wide = _weights(64, 200, 5)
+    sliced = wide[:, :96]  # not row after row in memory
+    y = mx.random.normal((2, 96)).astype(mx.bfloat16)
+    assert cpu_kernel.bf16_product(y, sliced, None, 2) is None
+    assert mx.array_equal(project(y, sliced), y @ sliced.T).item()
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import mlx.core as mx\n"
+        "from models import cpu_kernel\n"
+        "from models.parallel import project\n"
+        "w = mx.ones((40, 32), dtype=mx.bfloat16)\n"
+        "x = mx.ones((2, 32), dtype=mx.bfloat16)\n"
+        "assert project(x, w).tolist() == [[32.0] * 40] * 2\n"
+        "print('kernel', cpu_kernel.ready())\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+def test_switched_off_it_says_so_and_mlx_multiplies(tmp_path: Path) -> None:
+    done = _probe({"SPECPIPE_CPU_KERNEL": "off", "SPECPIPE_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "kernel False" in done.stdout
+    assert "SPECPIPE_CPU_KERNEL=off" in done.stderr
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path: Path) -> None:
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'no such compiler' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    cache = tmp_path / "cache"
+    done = _probe({"CC": str(failing), "SPECPIPE_CACHE": str(cache)})
+    assert done.returncode == 0, done.stderr
+    assert "kernel False" in done.stdout
+    assert "failed" in done.stderr and "no such compiler" in done.stderr
+    assert list((cache / "kernels").iterdir()) == []  # no partial library
+    built = _probe({"SPECPIPE_CACHE": str(cache)})  # a working compiler: built once
+    assert "kernel True" in built.stdout, built.stderr
+    assert [p.suffix for p in (cache / "kernels").iterdir()] == [".so"]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)])
+def test_bf16_draft_for_a_float32_target_is_lossless(
+    tmp_path: Path, sampling: SamplingParams
+) -> None:
+    target = write_tiny_model(tmp_path / "target")
+    prompts = ["def fibonacci(n):", "Hello world! Hello world!"]
+    limits = GenerationLimits(max_tokens=16)
+    plain = load(str(target), dtype="float32").unwrap().generate_batch(prompts, sampling, limits)
+    spec = load(
+        str(target), draft=str(target), num_draft_tokens=3, dtype="float32",
+        draft_dtype="bfloat16", adaptive=False,
+    ).unwrap()
+    assert spec.draft is not None and spec.draft.model is not None
+    assert spec.draft.model.model.embed_tokens.weight.dtype == mx.bfloat16  # type: ignore[attr-defined]
+    assert spec.target.model.model.embed_tokens.weight.dtype == mx.float32  # type: ignore[attr-defined]
+    results = spec.generate_batch(prompts, sampling, limits).unwrap()
+    assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
+    assert sum(r.stats.accepted for r in results) > 0  # the bf16 copy agrees often
+
+
+def test_bf16_target_speculates_losslessly(tmp_path: Path) -> None:
+    target = write_tiny_model(tmp_path / "target")
+    prompts = ["def fibonacci(n):", "Hello world! Hello world!"]
+    limits = GenerationLimits(max_tokens=16)
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=2)
+    plain = load(str(target), dtype="bfloat16").unwrap().generate_batch(prompts, sampling, limits)
+    spec = load(
+        str(target), draft="ngram", num_draft_tokens=4, dtype="bfloat16", adaptive=False
+    ).unwrap()
+    results = spec.generate_batch(prompts, sampling, limits).unwrap()
+    assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
