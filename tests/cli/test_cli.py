@@ -110,6 +110,23 @@ def test_draft_stats_and_same_tokens(
         assert result["stats"]["rounds"] <= 12
 
 
+def test_bf16_draft_for_a_float32_target(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["generate", "def fib", "--model", str(tiny_model), "--max-tokens", "12"]
+    _, plain, _ = run(capsys, *base, "--json", "--dtype", "float32")
+    code, out, _ = run(
+        capsys, *base, "--json", "--dtype", "float32", "--draft", str(tiny_model),
+        "--draft-dtype", "bfloat16", "--num-draft-tokens", "3", "--no-adaptive",
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert result["tokens"] == json.loads(plain)["tokens"]
+    assert result["stats"]["draft"] == "two-model" and result["stats"]["drafted"] > 0
+    code, _, err = run(capsys, *base, "--draft", "ngram", "--draft-dtype", "int3")
+    assert code != 0 and "--draft-dtype" in err
+
+
 def test_prompts_file_batch(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
