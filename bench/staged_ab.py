@@ -11,6 +11,10 @@ whether every output equals plain decoding (greedy).
     python bench/staged_ab.py --prompts code,chat,edit --widths 4,6,8 --repeats 3 \\
         --draft-vocab bench/results/draft_vocab_stdlib_32k.json \\
         --out bench/results/staged-ab-cpu.json
+
+`--draft-dtype bfloat16` runs the draft on the bf16 CPU kernel
+(models/cpu_kernel.py); `--plain-each-repeat` decodes plainly again in every
+repeat, so the speedups divide by the median of interleaved plain runs.
 """
 
 from __future__ import annotations
@@ -50,7 +54,11 @@ def main() -> None:
     parser.add_argument("--prompts", default="code,chat,edit")
     parser.add_argument("--widths", default="4,6,8")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plain-each-repeat", action="store_true",
+                        help="decode plainly again in every repeat (interleaved); speedups "
+                             "then divide by the median of all plain runs")
     parser.add_argument("--draft-vocab", help="an FR-Spec list for the draft")
+    parser.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
     parser.add_argument("--out", default=str(RESULTS / "staged-ab.json"))
     args = parser.parse_args()
 
@@ -61,7 +69,8 @@ def main() -> None:
     from schemas.request import DraftPolicy
 
     target_folder = model_folder(args.target, args.dtype)
-    draft_folder = model_folder(args.draft, args.dtype)
+    draft_dtype = args.draft_dtype or args.dtype
+    draft_folder = model_folder(args.draft, draft_dtype)
     base = specpipe.load(str(target_folder), dtype=args.dtype).unwrap()
     drafts: dict[str, Any] = {}
     counters: dict[str, CountingModel] = {}
@@ -70,7 +79,7 @@ def main() -> None:
             "two-model",
             DraftLoadRequest(
                 target=base.target, source=str(draft_folder), width=1,
-                draft_vocab=args.draft_vocab, dtype=args.dtype,
+                draft_vocab=args.draft_vocab, dtype=draft_dtype,
                 policy=DraftPolicy(staged=staged),
             ),
         ).unwrap()
@@ -84,18 +93,23 @@ def main() -> None:
 
     payload: dict[str, Any] = {
         "machine": machine_info(), "target": str(target_folder), "draft": str(draft_folder),
-        "dtype": args.dtype, "max_tokens": args.tokens, "draft_vocab": args.draft_vocab,
+        "dtype": args.dtype, "draft_dtype": draft_dtype, "max_tokens": args.tokens, "draft_vocab": args.draft_vocab,
         "repeats": args.repeats, "prompts": {},
     }
     for prompt in args.prompts.split(","):
         text, chat = PROMPTS[prompt]
         ids = list(base.encode(text, chat).unwrap())
         reference = specpipe_run(base, ids, args.tokens, "plain")
+        plain_tps = [reference.decode_tps]
         block: dict[str, Any] = {"plain_tps": reference.decode_tps, "widths": {}}
         payload["prompts"][prompt] = block
         for k in [int(w) for w in args.widths.split(",")]:
             seen: dict[str, dict[str, Any]] = {n: {"tps": [], "forwards": []} for n in drafts}
             for _ in range(args.repeats):
+                if args.plain_each_repeat:
+                    again = specpipe_run(base, ids, args.tokens, "plain")
+                    assert again.tokens == reference.tokens
+                    plain_tps.append(again.decode_tps)
                 for name, draft in drafts.items():
                     counters[name].forwards = 0
                     run = specpipe_run(evolve(base, draft=evolve(draft, width=k)), ids, args.tokens, name)
@@ -104,11 +118,14 @@ def main() -> None:
                     seen[name]["forwards"].append(counters[name].forwards - 1)  # minus the prompt
                     seen[name]["rounds"] = run.rounds
                     seen[name]["tokens_per_round"] = run.acceptance_length
+            plain_median = statistics.median(plain_tps)
+            block["plain_tps_all"] = plain_tps
+            block["plain_tps_median"] = plain_median
             entry = {
                 name: {
                     "tps": s["tps"],
                     "median_tps": statistics.median(s["tps"]),
-                    "speedup": statistics.median(s["tps"]) / reference.decode_tps,
+                    "speedup": statistics.median(s["tps"]) / plain_median,
                     "draft_forwards_per_round": statistics.median(s["forwards"]) / s["rounds"],
                     "tokens_per_round": s["tokens_per_round"],
                 }
@@ -118,7 +135,7 @@ def main() -> None:
             block["widths"][str(k)] = entry
             write_json(Path(args.out), payload)
             print(
-                f"{prompt:5s} k={k:2d}: staged {entry['staged']['median_tps']:.3f} tok/s "
+                f"{prompt:5s} k={k:2d}: plain {plain_median:.3f} tok/s  staged {entry['staged']['median_tps']:.3f} tok/s "
                 f"(x{entry['staged']['speedup']:.2f}, {entry['staged']['draft_forwards_per_round']:.2f} fwd/round)  "
                 f"unstaged {entry['unstaged']['median_tps']:.3f} "
                 f"(x{entry['unstaged']['speedup']:.2f}, {entry['unstaged']['draft_forwards_per_round']:.2f})  "
