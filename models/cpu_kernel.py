@@ -39,6 +39,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from models.paths import cache_root
+
 ENV = "SPECPIPE_CPU_KERNEL"
 SOURCE = Path(__file__).resolve().parent / "kernels" / "bf16_matmul.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
@@ -61,12 +63,6 @@ def _cpu_supports_avx2_fma() -> bool:
             flags = set(line.split(":", 1)[1].split())
             return {"avx2", "fma"} <= flags
     return False
-
-
-def _cache_folder() -> Path:
-    env = os.environ.get("SPECPIPE_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "specpipe"
-    return root / "kernels"
 
 
 def _build(compiler: str, out: Path) -> str | None:
@@ -104,7 +100,7 @@ def _library() -> ctypes.CDLL | str:
         return f"no C compiler ({compiler}) on PATH"
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = _cache_folder() / f"bf16_matmul-{digest}.so"
+    path = cache_root() / "kernels" / f"bf16_matmul-{digest}.so"
     if not path.is_file():
         error = _build(compiler, path)
         if error is not None:

@@ -32,11 +32,11 @@ from models import cpu_kernel
 from models.base import CausalLM
 from models.blas import route_blas
 from models.parallel import cpu_threads
+from models.paths import cache_root
 from models.vocab_head import HeadWeights
 from schemas.converter import strict, structure
 from schemas.errors import ConfigError
 from specpipe.adaptive import CostModel
-from specpipe.fixtures import cache_root
 
 CONTEXT = 64
 # what a calibration measures; a new field makes older caches stale

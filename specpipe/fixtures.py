@@ -34,6 +34,7 @@ from attrs import frozen
 from returns.result import Failure, Result, Success
 from tqdm import tqdm
 
+from models.paths import cache_root as cache_root
 from schemas import converter
 from schemas.errors import LoadError, SpecpipeException
 
@@ -109,11 +110,6 @@ def fixture_names() -> list[str]:
         case Failure(error):
             raise SpecpipeException(error)
     raise AssertionError("unreachable")
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPECPIPE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specpipe"
 
 
 def install_fixture(

@@ -25,12 +25,13 @@ from returns.result import Failure, Result, Success
 from models.base import CausalLM
 from models.build import build_model, load_weights, quantize_layers, quantize_model
 from models.fuse import fuse_projections
+from models.paths import cache_root
 from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
 from schemas.hf_hybrid import HYBRID_MODEL_TYPES, HybridArgs, hybrid_args
-from specpipe.fixtures import cache_root, fixture_names, install_fixture
+from specpipe.fixtures import fixture_names, install_fixture
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -106,9 +106,9 @@ void specpipe_bf16_matmul(const uint16_t *w, const float *x, const float *bias, 
     pthread_t tid[MAX_THREADS];
     job_t jobs[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > n) threads = (int)n;
+    if (threads < 1) threads = 1; /* also for n == 0: no rows, no division by zero */
     const long per = (n + threads - 1) / threads;
     for (int t = 0; t < threads; t++) {
         const long n0 = t * per < n ? t * per : n;
