@@ -398,6 +398,19 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def median_ms(fn: Any, repeats: int, warmup: int = 3) -> float:
+    """Median wall time of `mx.eval(fn())` over `repeats` calls, in ms, after
+    `warmup` untimed calls (first traces and kernel builds)."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))

@@ -9,6 +9,8 @@
 # (2026-11-30, second session: call 2 `setup adaptive`, call 3 `adaptive-ngram mtp mtp-sampled`;
 #  fifth session: call 2 `setup adaptive-ngram-best mtp-dense`, call 3 `adaptive-best`;
 #  2026-12-01: call 2 `setup-min mtp-rows`; fourth session: call 2 `setup-min mtp-wide`, then `setup-min mtp-compiled`, `setup-min mtp-ab`, `setup adaptive-ngram adaptive-nolm`, then with REPEATS=7)
+# (2026-12-02, seventh session: call 2 `setup-min mtp-steps` on two leases, `setup-min step-probe`,
+#  `setup-min gdn`, then the `gdn-mtp` step's probe and one mtp.py run per kernel setting by hand)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -128,6 +130,38 @@ for step in "$@"; do
       flag=""; case $v in eager*) flag="--eager-sampling";; esac
       python3 bench/mtp.py --layers 12 --experts 64 --dtype bfloat16 --tokens 32 --depths 1,3 $flag \
           --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-ab-$v-h200.json || echo "STEP FAILED: $?"
+    done
+    ;;
+  mtp-steps)  # eager vs compiled draft steps (specpipe.drafts.mtp.HeadStep), full head vs FR-Spec 32k
+    python3 bench/mtp.py --shape qwen3.5-27b --layers 4 --vocab 151936 --dtype bfloat16 --tokens 32 --depths 1,3 \
+        --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-steps-27b-151936-qwen-h200.json | grep -v '"rows"' || echo "STEP FAILED: $?"
+    python3 bench/mtp.py --shape qwen3.5-27b --layers 4 --vocab 151936 --dtype bfloat16 --depths 1,3 --no-generate \
+        --fr-size 32768 --sampling greedy --rows 1,32,128 --out $OUT/mtp-steps-27b-151936-greedy-h200.json | grep CUT || echo "STEP FAILED: $?"
+    python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 --tokens 32 --depths 1,3 \
+        --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-steps-next-151936-qwen-h200.json | grep -v '"rows"' || echo "STEP FAILED: $?"
+    python3 bench/mtp.py --shape qwen3.5-27b --layers 4 --vocab 248320 --dtype bfloat16 --depths 1,3 --no-generate \
+        --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-steps-27b-248320-qwen-h200.json | grep CUT || echo "STEP FAILED: $?"
+    ;;
+  step-probe)  # where a draft step's time goes, under different CUDA graph sizes
+    for ops in 20 60 200; do
+      MLX_MAX_OPS_PER_BUFFER=$ops python3 bench/step_probe.py --shape qwen3.5-27b --rows 1,32,128 \
+          --out $OUT/step-probe-27b-ops$ops-h200.json || echo "STEP FAILED: $?"
+    done
+    MLX_USE_CUDA_GRAPHS=0 python3 bench/step_probe.py --shape qwen3.5-27b --rows 1,32,128 \
+        --out $OUT/step-probe-27b-nographs-h200.json || echo "STEP FAILED: $?"
+    for ops in 20 200; do
+      MLX_MAX_OPS_PER_BUFFER=$ops python3 bench/step_probe.py --shape qwen3-next --rows 1,32,128 \
+          --out $OUT/step-probe-next-ops$ops-h200.json || echo "STEP FAILED: $?"
+    done
+    ;;
+  gdn)  # the gated delta rule over a verify window: per-position states vs MLX's fused kernel
+    python3 bench/gdn_probe.py --rows 1,32 --windows 1,2,4,8 --out $OUT/gdn-probe-h200.json || echo "STEP FAILED: $?"
+    ;;
+  gdn-mtp)  # the window kernel (models/gated_delta_cuda.py): probe, then plain and MTP rounds with and without it
+    python3 bench/gdn_probe.py --rows 1,32 --windows 1,2,4 --repeats 20 --out $OUT/gdn-kernel-probe-h200.json | cut -c1-400 || echo "STEP FAILED: $?"
+    for k in on off on off; do flag=""; [ $k = off ] && flag="--no-window-kernel"
+      python3 bench/mtp.py --shape qwen3.5-27b --layers 8 --vocab 151936 --dtype bfloat16 --tokens 32 --depths 1,3 \
+          --fr-size 32768 --sampling qwen --rows 1 --steps compiled $flag --out $OUT/mtp-kernel-$k-h200.json | grep -v '"rows"' || echo "STEP FAILED: $?"
     done
     ;;
   mtp)

@@ -32,7 +32,7 @@ from models.build import build_model, quantize_model
 from models.fuse import fuse_projections
 from models.mtp import MtpHead
 from schemas.hf_hybrid import hybrid_args
-from schemas.request import SamplingParams
+from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.mtp import MtpDrafter
 from specpipe.loop import RoundOptions, RowRequest, generate_rows
@@ -159,6 +159,14 @@ def draft_chain_ms(
     return statistics.median(times)
 
 
+def chain_or_error(*args: Any) -> float | str:
+    """`draft_chain_ms`, or the error it raised (recorded; the run goes on)."""
+    try:
+        return draft_chain_ms(*args)
+    except Exception as exc:  # recorded; the run goes on
+        return f"{type(exc).__name__}: {exc}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-next",
@@ -183,12 +191,24 @@ def main() -> None:
     parser.add_argument("--top-k-stages", choices=("auto", "one"), default="auto",
                         help="one: top-k by one partition of the whole row (before blockwise "
                              "top-k; specpipe.sampling.top_k_ids)")
+    parser.add_argument("--steps", default="eager,compiled",
+                        help="draft step modes to compare: eager (op by op) and/or compiled "
+                             "(specpipe.drafts.mtp.HeadStep, the GPU default)")
+    parser.add_argument("--no-generate", action="store_true",
+                        help="time the draft chains only (skip the MTP generations)")
+    parser.add_argument("--no-window-kernel", action="store_true",
+                        help="run the hybrid layers' recurrence as MLX operations on a GPU "
+                             "(models.gated_delta.WINDOW_KERNEL_ON_GPU)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.top_k_stages == "one":
         import specpipe.sampling
 
         specpipe.sampling.TWO_STAGE_TOP_K_FROM = 1 << 30
+    if args.no_window_kernel:
+        import models.gated_delta
+
+        models.gated_delta.WINDOW_KERNEL_ON_GPU = False
     if args.eager_sampling:
         import specpipe.sampling
 
@@ -222,6 +242,7 @@ def main() -> None:
         "sampling": args.sampling,
         "fused_projections": not args.no_fuse,
         "compiled_sampling": not args.eager_sampling,
+        "window_kernel": not args.no_window_kernel,
         "top_k_stages": args.top_k_stages,
         "plain": {
             "tokens": len(plain),
@@ -233,9 +254,16 @@ def main() -> None:
     }
     ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
     vocab = DraftVocabulary.create(ids, args.vocab).unwrap()
-    for depth in [int(d) for d in args.depths.split(",")]:
-        for name, listed in (("full", None), (f"fr{args.fr_size}", vocab)):
-            drafter = MtpDrafter(model, head, vocab=listed)
+    modes = args.steps.split(",")
+    report["steps"] = modes
+    for depth, (name, listed), mode in (
+        (d, v, m)
+        for d in [int(d) for d in args.depths.split(",")]
+        for v in (("full", None), (f"fr{args.fr_size}", vocab))
+        for m in modes
+    ):
+        drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode == "compiled"), vocab=listed)
+        if not args.no_generate:
             tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth, sampling)
             # bf16 on a GPU: a window's logits may differ from single-token
             # logits in the last bits, which flips near-tied argmaxes of random
@@ -248,6 +276,7 @@ def main() -> None:
                 {
                     "depth": depth,
                     "vocab": name,
+                    "steps": mode,
                     "rounds": m.rounds,
                     "acceptance_length": m.acceptance_length,
                     "ms_per_round": statistics.median(result.round_ms),
@@ -256,20 +285,33 @@ def main() -> None:
                     "first_difference": first_diff,
                 }
             )
-            for batch in [int(b) for b in args.rows.split(",")]:
-                report["draft_chain"].append(
-                    {
-                        "depth": depth,
-                        "vocab": name,
-                        "rows": batch,
-                        "ms": draft_chain_ms(
-                            drafter, model, prompt, depth, args.repeats, sampling, batch
-                        ),
-                    }
-                )
+        for batch in [int(b) for b in args.rows.split(",")]:
+            report["draft_chain"].append(
+                {
+                    "depth": depth,
+                    "vocab": name,
+                    "steps": mode,
+                    "rows": batch,
+                    "ms": chain_or_error(
+                        drafter, model, prompt, depth, args.repeats, sampling, batch
+                    ),
+                }
+            )
+        if not args.no_generate:
             print(json.dumps(report["mtp"][-1]), flush=True)
-            for entry in report["draft_chain"][-len(args.rows.split(",")):]:
-                print(json.dumps(entry), flush=True)
+        for entry in report["draft_chain"][-len(args.rows.split(",")):]:
+            print(json.dumps(entry), flush=True)
+    # the FR-Spec cut of the draft chain per step mode, depth and batch
+    chains = {(e["steps"], e["depth"], e["rows"], e["vocab"]): e["ms"] for e in report["draft_chain"]
+              if isinstance(e["ms"], float)}
+    report["cuts"] = [
+        {"steps": st, "depth": d, "rows": r, "full_ms": full, "fr_ms": chains[(st, d, r, f"fr{args.fr_size}")],
+         "cut": full / chains[(st, d, r, f"fr{args.fr_size}")]}
+        for (st, d, r, v), full in chains.items()
+        if v == "full" and (st, d, r, f"fr{args.fr_size}") in chains
+    ]
+    for cut in report["cuts"]:
+        print("CUT", json.dumps(cut), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report["plain"]))

@@ -12,7 +12,7 @@ them. (Recurrent layers cannot do this; they carry per-position states.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -28,6 +28,10 @@ def on_gpu() -> bool:
 
 
 _STEP = 256
+
+# How an attention layer stores its window: the window's keys/values
+# `[B, Hkv, L, D]` in, the keys/values its queries attend over `[B, Hkv, S, D]` out.
+KVWrite = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
 
 
 class KVCache:
@@ -142,3 +146,29 @@ class KVCache:
                 for i in range(first.num_layers)
             ]
         return out
+
+
+def scatter_window(
+    buffer: mx.array,  # [B, Hkv, C, D]
+    window: mx.array,  # [B, Hkv, L, D]
+    starts: mx.array,  # [B] int32
+) -> mx.array:  # [B, Hkv, C, D]
+    """`buffer` with row b's window written at positions `starts[b] ..
+    starts[b] + L - 1` (a new array). The positions are device values, so a
+    traced (compiled) forward stays valid whatever the rows' lengths."""
+    length = window.shape[2]
+    positions = starts[:, None] + mx.arange(length, dtype=mx.int32)  # [B, L]
+    index = mx.broadcast_to(positions[:, None, :, None], window.shape)
+    return mx.put_along_axis(buffer, index, window, axis=2)
+
+
+def position_mask(
+    starts: mx.array,  # [B] int32
+    length: int,
+    span: int,
+) -> mx.array:  # [B, 1, L, S] bool
+    """Query i of row b (at position starts[b] + i) sees keys j <= its position;
+    the device-offset form of `models.base.attention_mask`."""
+    query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
+    key = mx.arange(span, dtype=mx.int32)[None, None, None, :]
+    return key <= starts[:, None, None, None] + query

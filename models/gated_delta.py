@@ -22,7 +22,9 @@ ones (models/qwen3_5.py); `GatedDeltaMixer` is everything after them.
 The layer never writes its committed states: it reads the conv state
 [B, K-1, C] and the recurrent state [B, Hv, Dk, Dv] and returns the window's
 states (see models/hybrid_cache.py), one per position for short windows, the
-final one only for long prefill chunks.
+final one only for long prefill chunks. On a CUDA GPU those windows run
+as one kernel (models/gated_delta_cuda.py); long prefill chunks take the
+chunked form everywhere.
 Reference: transformers `models/qwen3_next/modeling_qwen3_next.py`
 (`Qwen3NextGatedDeltaNet`, `torch_recurrent_gated_delta_rule`).
 """
@@ -32,6 +34,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from models.cache import on_gpu
+from models.gated_delta_cuda import window_recurrence
 from models.hybrid_cache import WindowStates
 from models.parallel import Linear
 from schemas.hf_hybrid import HybridArgs
@@ -78,6 +82,20 @@ delta_step = mx.compile(_delta_step)
 # Windows without per-position states and at least this long run the
 # chunked form (prefill); its chunk length, a power of two.
 CHUNK = 64
+
+# Whether a GPU runs the per-position recurrence as one CUDA kernel per
+# window (models/gated_delta_cuda.py); benchmarks turn it off to compare.
+WINDOW_KERNEL_ON_GPU = True
+
+
+def uses_window_kernel(length: int, per_position: bool) -> bool:
+    """Whether a window of `length` runs `window_recurrence` (CUDA) rather than
+    the recurrence as MLX operations: on a CUDA GPU, for every window that
+    does not take the chunked form."""
+    if not (WINDOW_KERNEL_ON_GPU and (per_position or length < CHUNK) and on_gpu()):
+        return False
+    cuda = getattr(mx, "cuda", None)  # absent from builds without the backend
+    return cuda is not None and bool(cuda.is_available())
 
 
 def gated_delta_rule(
@@ -273,18 +291,37 @@ class GatedDeltaMixer(nn.Module):
         k = mixed[..., keys : 2 * keys].reshape(batch, length, hk, dk)
         v = mixed[..., 2 * keys :].reshape(batch, length, hv, dv)
 
-        # value head h reads key head h // r (transformers' repeat_interleave)
-        q = mx.repeat(l2_normalize(q) * dk**-0.5, r, axis=2)
-        k = mx.repeat(l2_normalize(k.astype(mx.float32)), r, axis=2)
+        q = l2_normalize(q) * dk**-0.5
+        k = l2_normalize(k.astype(mx.float32))
         beta = mx.sigmoid(b).astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
             a.astype(mx.float32) + self.dt_bias.astype(mx.float32)
         )
-        out, states = gated_delta_rule(
-            q, k, v.astype(mx.float32), g, beta, recurrent_state, per_position
-        )
+        if uses_window_kernel(length, per_position):
+            out, stacked = window_recurrence(
+                q,
+                k,
+                v.astype(mx.float32),
+                mx.exp(g),
+                beta,
+                recurrent_state,
+                per_position,
+            )
+            states = WindowStates(window, (stacked,), per_position, stacked=True)
+        else:
+            # value head h reads key head h // r (transformers' repeat_interleave)
+            out, each = gated_delta_rule(
+                mx.repeat(q, r, axis=2),
+                mx.repeat(k, r, axis=2),
+                v.astype(mx.float32),
+                g,
+                beta,
+                recurrent_state,
+                per_position,
+            )
+            states = WindowStates(window, each, per_position)
         out = self.norm(out.astype(x.dtype), z).reshape(batch, length, hv * dv)
-        return self.out_proj(out), WindowStates(window, states, per_position)
+        return self.out_proj(out), states
 
 
 class GatedDeltaNet(GatedDeltaMixer):

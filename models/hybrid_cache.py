@@ -97,6 +97,9 @@ class WindowStates:
     # state after all L positions (long prefill chunks)
     recurrent: tuple[mx.array, ...]  # each [B, Hv, Dk, Dv] f32
     per_position: bool
+    # stacked: `recurrent` is one array [K, B, Hv, Dk, Dv] holding those K
+    # states (the CUDA window kernel's output, models/gated_delta_cuda.py)
+    stacked: bool = False
 
 
 class HybridDelta:
@@ -124,6 +127,9 @@ class HybridDelta:
         assert self.cache.recurrent is self.before, "a delta commits onto its own start"
         assert len(kept) == self.cache.batch, "one kept count per row"
         assert all(0 <= k <= self.length for k in kept), "kept within the window"
+        assert all(
+            w.per_position or k in (0, self.length) for w in self.windows for k in kept
+        ), "a window without per-position states commits all or nothing"
         self._used = True
         conv = [self._conv(w, kept) for w in self.windows]
         recurrent = [
@@ -146,13 +152,34 @@ class HybridDelta:
         before: mx.array,  # [B, Hv, Dk, Dv]
         kept: Sequence[int],
     ) -> mx.array:  # [B, Hv, Dk, Dv]
+        if window.stacked:
+            return self._gathered(window, before, kept)
         if window.per_position:
             after = (before, *window.recurrent)  # after[k]: k positions in
         else:
-            assert all(k in (0, self.length) for k in kept), (
-                "a window without per-position states commits all or nothing"
-            )
             after = (before,) + (window.recurrent[-1],) * self.length
         if all(k == kept[0] for k in kept):
             return after[kept[0]]
         return mx.concatenate([after[k][b : b + 1] for b, k in enumerate(kept)])
+
+    def _gathered(
+        self,
+        window: WindowStates,
+        before: mx.array,  # [B, Hv, Dk, Dv]
+        kept: Sequence[int],
+    ) -> mx.array:  # [B, Hv, Dk, Dv]
+        """The kept states out of a stacked window, gathered into an array of
+        their own: a view would keep the whole window's states alive."""
+        (states,) = window.recurrent  # [K, B, Hv, Dk, Dv]
+        count, batch = states.shape[0], states.shape[1]
+        if all(k == 0 for k in kept):
+            return before
+        index = [
+            (min(k, count) - 1) * batch + b if k else b for b, k in enumerate(kept)
+        ]
+        flat = states.reshape(count * batch, *states.shape[2:])
+        picked = mx.take(flat, mx.array(index, dtype=mx.int32), axis=0)
+        if all(k > 0 for k in kept):
+            return picked
+        moved = mx.array([k > 0 for k in kept])[:, None, None, None]
+        return mx.where(moved, picked, before)

@@ -47,7 +47,7 @@ from returns.result import Failure, Result, Success
 
 from models.base import attention_mask, rope_offset
 from models.build import quantized_layers
-from models.cache import KVCache
+from models.cache import KVCache, position_mask, scatter_window
 from models.fuse import fuse_projections
 from models.layers import flat_parameters, model_dtype
 from models.parallel import Linear
@@ -91,15 +91,7 @@ class MtpHead(nn.Module):
         assert hidden.shape == token_embeds.shape, "one hidden per token"
         assert len(offsets) == batch, "one offset per row"
         cache.reserve(max(offsets) + length)
-        x = self.fc(
-            mx.concatenate(
-                [
-                    self.pre_fc_norm_embedding(token_embeds),
-                    self.pre_fc_norm_hidden(hidden),
-                ],
-                axis=-1,
-            )
-        )
+        x = self.fused_input(token_embeds, hidden)
         layer = self.layers[step % len(self.layers)]
         return layer(
             x,
@@ -107,6 +99,47 @@ class MtpHead(nn.Module):
             offsets,
             attention_mask(offsets, length, cache.key_span(offsets, length)),
             rope_offset(offsets),
+        )
+
+    def forward_at(
+        self,
+        token_embeds: mx.array,  # [B, L, H]
+        hidden: mx.array,  # [B, L, H], as for __call__
+        keys: mx.array,  # [B, Hkv, C, D], layer `step mod n`'s whole key buffer
+        values: mx.array,  # [B, Hkv, C, D]
+        starts: mx.array,  # [B] int32, per row the position of hidden[:, 0]
+        step: int = 0,
+    ) -> tuple[mx.array, mx.array, mx.array]:  # out [B, L, H], keys, values
+        """`__call__` with the positions as device values and the layer's
+        buffers passed in and returned (written at `starts`, the queries
+        attending over all C positions under a position mask): no host value
+        enters the graph, so one trace serves every round (`mx.compile`)."""
+        length = token_embeds.shape[1]
+        x = self.fused_input(token_embeds, hidden)
+        written: list[mx.array] = []
+
+        def write(k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+            written[:] = [
+                scatter_window(keys, k, starts),
+                scatter_window(values, v, starts),
+            ]
+            return written[0], written[1]
+
+        layer = self.layers[step % len(self.layers)]
+        mask = position_mask(starts, length, keys.shape[2])
+        out = layer.forward(x, write, mask, starts)
+        return out, written[0], written[1]
+
+    def fused_input(self, token_embeds: mx.array, hidden: mx.array) -> mx.array:
+        """fc([norm(embed), norm(hidden)]): the layer's input, [B, L, H]."""
+        return self.fc(
+            mx.concatenate(
+                [
+                    self.pre_fc_norm_embedding(token_embeds),
+                    self.pre_fc_norm_hidden(hidden),
+                ],
+                axis=-1,
+            )
         )
 
     def normed(self, out: mx.array) -> mx.array:  # [..., H] -> [..., H]

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.base import Mask, ModelOutput, RoPE, attention_mask, rope_offset
-from models.cache import KVCache
+from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
@@ -79,6 +79,19 @@ class GatedAttention(nn.Module):
         mask: Mask,  # None, "causal" or [B, 1, L, S]
         rope_at: int | mx.array,  # scalar or [B]
     ) -> mx.array:  # [B, L, H]
+        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+            return cache.write(self.kv_index, keys, values, offsets)
+
+        return self.attend(x, write, mask, rope_at)
+
+    def attend(
+        self,
+        x: mx.array,  # [B, L, H]
+        write: KVWrite,
+        mask: Mask,
+        rope_at: int | mx.array,
+    ) -> mx.array:  # [B, L, H]
+        """The layer with its window's keys/values stored by `write`."""
         batch, length, _ = x.shape
         d = self.head_dim
         fused = fused_or_none(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
@@ -94,7 +107,7 @@ class GatedAttention(nn.Module):
         v = v.reshape(batch, length, self.kv_heads, d)
         q = self.rope(q.transpose(0, 2, 1, 3), rope_at)  # [B, Hq, L, D]
         k = self.rope(k.transpose(0, 2, 1, 3), rope_at)  # [B, Hkv, L, D]
-        keys, values = cache.write(self.kv_index, k, v.transpose(0, 2, 1, 3), offsets)
+        keys, values = write(k, v.transpose(0, 2, 1, 3))
         out = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=self.scale, mask=mask
         )  # [B, Hq, L, D]
@@ -314,7 +327,16 @@ class AttentionLayer(nn.Module):
         mask: Mask,
         rope_at: int | mx.array,
     ) -> mx.array:  # [B, L, H]
-        h = x + self.self_attn(self.input_layernorm(x), cache, offsets, mask, rope_at)
+        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+            return cache.write(self.self_attn.kv_index, keys, values, offsets)
+
+        return self.forward(x, write, mask, rope_at)
+
+    def forward(
+        self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array
+    ) -> mx.array:  # [B, L, H] -> [B, L, H]
+        """The layer with its keys/values stored by `write` (GatedAttention.attend)."""
+        h = x + self.self_attn.attend(self.input_layernorm(x), write, mask, rope_at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -128,16 +128,27 @@ class DraftPolicy:
     it measured 1.18-1.25x faster on an edit prompt and within the noise on
     code and chat (bench/RESULTS.md), and not on a GPU, where the unstaged
     chain runs as one lazy graph without host reads.
+
+    `compiled` (MTP heads): each draft step runs as one compiled function
+    (specpipe/drafts/mtp.py, the same drafts). None, the default, compiles on
+    a GPU, where draft chains measured 7-22 % faster on an H200 (its first use
+    on a machine builds the fused kernels once), and not on the CPU, whose
+    bf16 products run eagerly in specpipe's own kernel.
     """
 
     greedy: bool = False
     temperature: float | None = None
     drop_filters: bool = False
     staged: bool | None = None
+    compiled: bool | None = None
 
     def stages(self, on_gpu: bool) -> bool:
         """Whether a draft model stages its forwards on this device."""
         return (not on_gpu) if self.staged is None else self.staged
+
+    def compiles(self, on_gpu: bool) -> bool:
+        """Whether an MTP head drafts through compiled steps on this device."""
+        return on_gpu if self.compiled is None else self.compiled
 
     def draft_params(self, params: SamplingParams) -> SamplingParams:
         out = evolve(params, repetition_penalty=1.0)

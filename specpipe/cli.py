@@ -87,6 +87,7 @@ def _generate(args: argparse.Namespace) -> None:
         temperature=args.draft_temperature,
         drop_filters=args.draft_drop_filters,
         staged={"auto": None, "on": True, "off": False}[args.staged_draft],
+        compiled={"auto": None, "on": True, "off": False}[args.compiled_draft],
     )
     pipeline = _unwrap(
         load(
@@ -214,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="a draft model's forwards also check prompt-lookup guesses, several "
         "drafts per forward when they match (auto: on a CPU, not on a GPU)",
+    )
+    gen.add_argument(
+        "--compiled-draft",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="an MTP head's draft steps run as compiled functions (auto: on a "
+        "GPU, not on a CPU)",
     )
     gen.add_argument(
         "--device-round",

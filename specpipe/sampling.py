@@ -30,9 +30,12 @@ from schemas.request import SamplingParams
 
 # Whether a GPU draws through `compiled_draw` (benchmarks turn it off to compare).
 COMPILE_ON_GPU = True
-# Top-k over a row longer than this many ids runs in two stages (benchmarks
-# set it past any vocabulary to compare with one partition of the whole row).
-TWO_STAGE_TOP_K_FROM = 65536
+# Top-k over a row longer than this many ids runs in two stages on a GPU
+# (benchmarks set it past any vocabulary to compare with one partition of the
+# whole row). It covers FR-Spec lists of 32k ids: their draw inside a compiled
+# MTP step on an H200, 128 rows, 0.92 -> 0.80 ms; 1 and 32 rows unchanged
+# (bench/step_probe.py, bench/RESULTS.md).
+TWO_STAGE_TOP_K_FROM = 16384
 _TOP_K_BLOCK = 1024
 
 _M1 = 0x7FEB352D
@@ -155,7 +158,22 @@ def sample(
     if params.greedy:
         return mx.argmax(scores, axis=-1).astype(mx.int32)
     if COMPILE_ON_GPU and on_gpu():
-        return compiled_draw(_filters(params))(scores, seeds, steps)
+        return compiled_draw(draw_filters(params))(scores, seeds, steps)
+    return _draw(scores, seeds, steps, params)
+
+
+def draw(
+    logits: mx.array,  # [N, V]
+    params: SamplingParams,
+    seeds: mx.array,  # [N] uint32
+    steps: mx.array,  # [N] uint32
+) -> mx.array:  # [N] int32
+    """`sample` without a token history and without `compiled_draw`: the draw
+    a function that is itself compiled traces (specpipe/drafts/mtp.py)."""
+    assert not params.needs_history, "a repetition penalty needs `sample`"
+    scores = logits.astype(mx.float32)
+    if params.greedy:
+        return mx.argmax(scores, axis=-1).astype(mx.int32)
     return _draw(scores, seeds, steps, params)
 
 
@@ -165,7 +183,7 @@ def _draw(
     return inverse_cdf(filtered_probs(scores, params), step_uniforms(seeds, steps))
 
 
-def _filters(params: SamplingParams) -> SamplingParams:
+def draw_filters(params: SamplingParams) -> SamplingParams:
     """What the draw depends on (the seed travels in `seeds`)."""
     return SamplingParams(
         temperature=params.temperature,

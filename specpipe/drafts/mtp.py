@@ -16,26 +16,109 @@ state, where position p holds the pair (t[p+1], h[p]). Each round:
 Drafts are sampled with the step key of the position they predict (coupled
 draw); with a draft vocabulary (FR-Spec) the head projects onto the listed
 rows of the target's vocabulary projection only.
+
+On a GPU each step runs as one compiled function (`HeadStep`): the head's
+forward at device-valued positions over its whole KV buffers (written by a
+scatter, read under a position mask), the norm, the projection and the draw.
+A draft step is dozens of small kernels whose host cost, not their bytes,
+bounds it at one row (bench/step_probe.py); traced once, a step is replayed
+without rebuilding its graph op by op, and its element-wise passes fuse
+(draft chains 7-22 % faster on an H200, bench/RESULTS.md). Tails are
+padded to a power of two (the padded pairs write scratch KV past the row's
+length, which later steps overwrite and no real query sees), so a handful
+of traces serve every round; longer tails (a prompt's first round), rows
+with different draw filters, and the CPU take the eager path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
-from attrs import evolve, field, frozen
+from attrs import Factory, evolve, field, frozen
 
 from models.base import ModelOutput
-from models.cache import KVCache
+from models.cache import KVCache, on_gpu
 from models.mtp import MtpHead
-from models.vocab_head import HeadWeights
 from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, Proposal
-from specpipe.draft_vocab import DraftVocabulary
+from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.sample_window import sample_window
+from specpipe.sampling import draw, draw_filters
 from specpipe.state import RowState
 from specpipe.transaction import Prepared
+
+# The longest tail a compiled step pairs (padded up to a power of two).
+COMPILED_TAIL_MAX = 16
+
+# (ids [B, L], hidden [B, L, H], last [B], starts [B], keys, values, seeds [B],
+#  steps [B]) -> (tokens [B], normed [B, 1, H], keys, values)
+StepFn = Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]]
+
+
+@frozen(eq=False)
+class HeadStep:
+    """The head's draft step as compiled functions, one per (first step,
+    layer, draw filters). A step pairs `ids` with `hidden` at per-row
+    `starts` (the first step of a round pairs the tail: raw target hidden
+    states, normed by the target's final norm; a chained step pairs a draft
+    with the previous step's `normed`), keeps position `last[b]`'s output,
+    and draws from it with step keys (seeds, steps). The traces capture the
+    head's and projection's weights: they must not change after the drafter
+    is made (they do not after load)."""
+
+    target: Any  # models.qwen3_next.Model
+    head: MtpHead
+    subset: SubsetHead | None
+    traced: dict[tuple[bool, int, SamplingParams], StepFn] = field(
+        factory=dict, init=False
+    )
+
+    def __call__(self, first: bool, layer: int, filters: SamplingParams) -> StepFn:
+        key = (first, layer % len(self.head.layers), filters)
+        step = self.traced.get(key)
+        if step is None:
+
+            def run(
+                ids: mx.array,
+                hidden: mx.array,
+                last: mx.array,
+                starts: mx.array,
+                keys: mx.array,
+                values: mx.array,
+                seeds: mx.array,
+                steps: mx.array,
+            ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+                if first:
+                    hidden = self.target.final_norm(hidden)
+                out, keys, values = self.head.forward_at(
+                    self.target.embed(ids), hidden, keys, values, starts, key[1]
+                )
+                out = mx.take_along_axis(out, last[:, None, None], axis=1)
+                normed = self.head.normed(out)  # [B, 1, H]
+                return (
+                    self.draw(normed[:, 0], filters, seeds, steps),
+                    normed,
+                    keys,
+                    values,
+                )
+
+            step = cast(StepFn, mx.compile(run))
+            self.traced[key] = step
+        return step
+
+    def draw(
+        self,
+        normed: mx.array,  # [B, H]
+        params: SamplingParams,
+        seeds: mx.array,  # [B] uint32
+        steps: mx.array,  # [B] uint32
+    ) -> mx.array:  # [B] int32 token ids
+        if self.subset is None:
+            return draw(self.target.project(normed), params, seeds, steps)
+        index = draw(self.subset.weights.project(normed), params, seeds, steps)
+        return mx.take(self.subset.ids, index)
 
 
 @frozen
@@ -47,13 +130,21 @@ class MtpRows:
     tail: mx.array  # [B, T, H] target hidden states not yet paired, right-padded
     tail_lengths: tuple[int, ...]  # per row; lengths[b] + tail_lengths[b] == row.length
     policy: DraftPolicy
-    vocab_ids: mx.array | None = None  # [N] FR-Spec ids, ascending
-    vocab_head: HeadWeights | None = None  # the projection's rows at vocab_ids
+    step: HeadStep
+    compiled: bool  # whether rounds draft through `step` where they can
     needs_target_hidden: bool = field(default=True, init=False)
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
         if min(self.tail_lengths) == 0:
             return Proposal.empty(len(rows))  # a one-token prompt: no hidden yet
+        params = [self.policy.draft_params(row.sampling) for row in rows]
+        filters = {draw_filters(p) for p in params}
+        if (
+            self.compiled
+            and len(filters) == 1
+            and max(self.tail_lengths) <= COMPILED_TAIL_MAX
+        ):
+            return self._propose_compiled(rows, depth, params, filters.pop())
         width = max(self.tail_lengths)
         grid = []
         for row, start, count in zip(
@@ -66,7 +157,6 @@ class MtpRows:
         out = self.head(self.target.embed(ids), hidden, self.cache, list(self.lengths))
         last = mx.array([c - 1 for c in self.tail_lengths], dtype=mx.int32)
         out = mx.take_along_axis(out, last[:, None, None], axis=1)  # [B, 1, H]
-        params = [self.policy.draft_params(row.sampling) for row in rows]
         drafted = [self._draw(out, rows, params, 0)]
         for i in range(1, depth):
             embeds = self.target.embed(drafted[-1][:, None])
@@ -84,11 +174,69 @@ class MtpRows:
     ) -> mx.array:  # [B] int32 token ids
         shifted = [evolve(row, step=row.step + ahead) for row in rows]
         normed = self.head.normed(out)
-        if self.vocab_head is None or self.vocab_ids is None:
+        subset = self.step.subset
+        if subset is None:
             logits = self.target.project(normed)
             return sample_window(logits, None, shifted, params)[:, 0]
-        index = sample_window(self.vocab_head.project(normed), None, shifted, params)
-        return mx.take(self.vocab_ids, index[:, 0])
+        index = sample_window(subset.weights.project(normed), None, shifted, params)
+        return mx.take(subset.ids, index[:, 0])
+
+    def _propose_compiled(
+        self,
+        rows: Sequence[RowState],
+        depth: int,
+        params: Sequence[SamplingParams],
+        filters: SamplingParams,
+    ) -> Proposal:
+        """`propose` through `HeadStep`: the same pairs, positions and keys."""
+        count = max(self.tail_lengths)
+        width = 1 << (count - 1).bit_length()  # padded to a power of two
+        grid = [
+            [*row.tokens[start + 1 : start + 1 + n], *[row.pending] * (width - n)]
+            for row, start, n in zip(rows, self.lengths, self.tail_lengths, strict=True)
+        ]
+        tail = self.tail[:, :width]
+        if tail.shape[1] < width:
+            tail = mx.pad(tail, [(0, 0), (0, width - tail.shape[1]), (0, 0)])
+        cache = self.cache
+        cache.reserve(
+            max(
+                max(self.lengths) + width,
+                max(row.length for row in rows) + depth - 1,
+            )
+        )
+        seeds = mx.array([p.seed for p in params], dtype=mx.uint32)
+        steps = mx.array([row.step for row in rows], dtype=mx.uint32)
+        token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(
+            mx.array(grid, dtype=mx.int32),
+            tail,
+            mx.array([n - 1 for n in self.tail_lengths], dtype=mx.int32),
+            mx.array(self.lengths, dtype=mx.int32),
+            cache.keys[0],
+            cache.values[0],
+            seeds,
+            steps,
+        )
+        drafted = [token]
+        lengths = mx.array([row.length for row in rows], dtype=mx.int32)
+        first = mx.zeros((len(rows),), dtype=mx.int32)
+        layers = len(self.head.layers)
+        for i in range(1, depth):
+            layer = i % layers
+            token, normed, cache.keys[layer], cache.values[layer] = self.step(
+                False, layer, filters
+            )(
+                token[:, None],
+                normed,
+                first,
+                lengths + (i - 1),
+                cache.keys[layer],
+                cache.values[layer],
+                seeds,
+                steps + i,
+            )
+            drafted.append(token)
+        return Proposal(depth, device=mx.stack(drafted, axis=1))
 
     def prepare_commit(
         self,
@@ -172,6 +320,20 @@ class MtpDrafter:
     vocab: DraftVocabulary | None = None
     kind: str = "mtp"
     needs_target_hidden: bool = field(default=True, init=False)
+    # the FR-Spec rows gathered once, and the compiled steps' traces
+    step: HeadStep = field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=Factory(
+            lambda self: HeadStep(
+                self.target,
+                self.head,
+                SubsetHead.of(self.target, self.vocab) if self.vocab else None,
+            ),
+            takes_self=True,
+        ),
+    )
 
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None
@@ -179,10 +341,6 @@ class MtpDrafter:
         assert hidden is not None, (
             "the MTP head reads the target's prompt hidden states"
         )
-        ids = head = None
-        if self.vocab is not None:
-            ids = self.vocab.array()
-            head = self.target.head_weights().take(ids)
         return MtpRows(
             self.target,
             self.head,
@@ -191,8 +349,8 @@ class MtpDrafter:
             hidden,
             tuple(row.length for row in rows),
             self.policy,
-            ids,
-            head,
+            self.step,
+            self.policy.compiles(on_gpu()),
         )
 
     @property
@@ -209,7 +367,7 @@ class MtpDrafter:
         (`specpipe.calibrate.DraftStep`): the head first reads the context's
         pairs, then each call runs its forward over one (token, hidden) pair
         and draws greedily through the shared projection (its FR-Spec rows
-        when a draft vocabulary is set)."""
+        when a draft vocabulary is set), compiled where rounds compile."""
         length = int(context.shape[1])
         cache = self.head.make_cache(1)
         out = self.head(
@@ -221,19 +379,32 @@ class MtpDrafter:
         normed = self.head.normed(out[:, -1:])
         mx.eval(normed, cache.arrays())
         token = context[:, -1:]
-        ids = rows = None
-        if self.vocab is not None:
-            ids = self.vocab.array()
-            rows = self.target.head_weights().take(ids)
-            mx.eval(ids, rows.weight, rows.scales, rows.biases)
+        greedy = SamplingParams()
+        keys = mx.zeros((1,), dtype=mx.uint32)  # greedy: the step key is not read
+        compiled = self.policy.compiles(on_gpu())
+        layer = 1 % len(self.head.layers)
+        only = mx.zeros((1,), dtype=mx.int32)  # the one position's output
+        starts = mx.array([length - 1], dtype=mx.int32)
 
         def step() -> mx.array:  # [1, 1] int32
+            if compiled:
+                drafted, _, cache.keys[layer], cache.values[layer] = self.step(
+                    False, layer, greedy
+                )(
+                    token,
+                    normed,
+                    only,
+                    starts,
+                    cache.keys[layer],
+                    cache.values[layer],
+                    keys,
+                    keys,
+                )
+                return drafted[:, None]
             out = self.head(
                 self.target.embed(token), normed, cache, [length - 1], step=1
             )
-            last = self.head.normed(out)
-            if ids is None or rows is None:
-                return mx.argmax(self.target.project(last), axis=-1)
-            return mx.take(ids, mx.argmax(rows.project(last), axis=-1))
+            last = self.head.normed(out)[:, 0]
+            return self.step.draw(last, greedy, keys, keys)[:, None]
 
         return step

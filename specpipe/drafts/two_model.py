@@ -34,33 +34,12 @@ from models.cache import on_gpu
 from models.vocab_head import HeadWeights
 from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, Proposal
-from specpipe.draft_vocab import DraftVocabulary
+from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.drafts.ngram import lookup as ngram_lookup
 from specpipe.prefill import prefill_rows
 from specpipe.sample_window import sample_window
 from specpipe.state import RowState
 from specpipe.transaction import Prepared, ready
-
-
-@frozen
-class SubsetHead:
-    """A draft head over the listed ids only (FR-Spec)."""
-
-    ids: mx.array  # [N] int32, ascending
-    weights: HeadWeights  # the head's rows at `ids`
-
-    @classmethod
-    def of(cls, model: CausalLM, vocab: DraftVocabulary) -> SubsetHead:
-        ids = vocab.array()
-        weights = model.head_weights().take(ids)
-        # gathered now, not inside a draft step (a 30k-row gather from a
-        # 150k-row head takes as long as a few draft steps)
-        mx.eval(ids, weights.weight, weights.scales, weights.biases)
-        return cls(ids, weights)
-
-    def logits(self, model: CausalLM, hidden: mx.array) -> mx.array:
-        """`[..., H]` hidden -> `[..., N]` logits over the listed ids."""
-        return self.weights.project(model.final_norm(hidden))
 
 
 @frozen
@@ -174,7 +153,12 @@ class TwoModelRows:
     ) -> mx.array:  # [B, W] int32 token ids
         if self.vocab is None:
             return sample_window(self.model.lm_head(hidden), None, rows, params)
-        index = sample_window(self.vocab.logits(self.model, hidden), None, rows, params)
+        index = sample_window(
+            self.vocab.weights.project(self.model.final_norm(hidden)),
+            None,
+            rows,
+            params,
+        )
         return mx.take(self.vocab.ids, index)
 
     def _draw(
