@@ -38,6 +38,7 @@ from typing import Any, cast
 import mlx.core as mx
 from attrs import Factory, evolve, field, frozen
 
+from models import cpu_kernel
 from models.base import ModelOutput
 from models.cache import KVCache, on_gpu
 from models.mtp import MtpHead
@@ -350,8 +351,18 @@ class MtpDrafter:
             tuple(row.length for row in rows),
             self.policy,
             self.step,
-            self.policy.compiles(on_gpu()),
+            self.compiles(),
         )
+
+    def compiles(self) -> bool:
+        """Whether draft steps run compiled here (`DraftPolicy.compiles`). On
+        the CPU a bf16 head multiplies in specpipe's eager kernel
+        (models/cpu_kernel.py), which a trace cannot hold: it stays eager."""
+        gpu = on_gpu()
+        if not self.policy.compiles(gpu):
+            return False
+        weights = (self.head.fc.weight, self.target.head_weights().weight)
+        return gpu or not any(cpu_kernel.usable(w) for w in weights)
 
     @property
     def calibration_key(self) -> str:
@@ -381,7 +392,7 @@ class MtpDrafter:
         token = context[:, -1:]
         greedy = SamplingParams()
         keys = mx.zeros((1,), dtype=mx.uint32)  # greedy: the step key is not read
-        compiled = self.policy.compiles(on_gpu())
+        compiled = self.compiles()
         layer = 1 % len(self.head.layers)
         only = mx.zeros((1,), dtype=mx.int32)  # the one position's output
         starts = mx.array([length - 1], dtype=mx.int32)

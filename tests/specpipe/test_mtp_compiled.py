@@ -23,6 +23,7 @@ from test_mtp import (
     scaled,
 )
 
+from models import cpu_kernel
 from models.build import build_model
 from models.cache import position_mask, scatter_window
 from models.mtp import MtpHead
@@ -229,3 +230,19 @@ def test_the_compiled_calibration_step_drafts_the_eager_token(
     assert len(set(tokens[0])) == 1  # each call times the same step
     if listed is not None:
         assert tokens[0][0] in listed.ids
+
+
+def test_a_head_on_the_bf16_cpu_kernel_drafts_eagerly(target: Any) -> None:
+    """The bf16 CPU kernel evaluates its inputs, which a trace cannot hold:
+    on the CPU a bf16 head keeps the eager step even when compiling is asked
+    for, and still drafts losslessly."""
+    head = random_head(3)
+    head.set_dtype(mx.bfloat16)
+    drafter = MtpDrafter(target, head, DraftPolicy(compiled=True))
+    assert drafter.compiles() is not cpu_kernel.available()
+    assert MtpDrafter(target, random_head(3), DraftPolicy(compiled=True)).compiles()
+    assert not MtpDrafter(target, random_head(3)).compiles()  # default: GPU only
+    plain, _ = run(target, PROMPTS, SAMPLINGS[1], max_tokens=10)
+    spec, results = run(target, PROMPTS, SAMPLINGS[1], drafter, 3, max_tokens=10)
+    assert spec == plain
+    assert all(r.metrics.draft_errors == [] for r in results)
