@@ -57,7 +57,7 @@ def kept_runs(
         predicted = mx.argmax(draft.lm_head(hidden), axis=-1)
     else:
         predicted = mx.take(
-            subset.ids, mx.argmax(subset.weights.project(draft.final_norm(hidden)), axis=-1)
+            subset.ids, mx.argmax(subset.project(draft.final_norm(hidden)), axis=-1)
         )
     hits = [int(p) == t for p, t in zip(predicted[0].tolist(), output, strict=True)]
     runs = [0] * (len(output) + 1)

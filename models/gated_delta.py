@@ -31,6 +31,8 @@ Reference: transformers `models/qwen3_next/modeling_qwen3_next.py`
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -92,8 +94,18 @@ def uses_window_kernel(length: int, per_position: bool) -> bool:
     """Whether a window of `length` runs `window_recurrence` (CUDA) rather than
     the recurrence as MLX operations: on a CUDA GPU, for every window that
     does not take the chunked form."""
-    if not (WINDOW_KERNEL_ON_GPU and (per_position or length < CHUNK) and on_gpu()):
-        return False
+    return (
+        WINDOW_KERNEL_ON_GPU
+        and (per_position or length < CHUNK)
+        and on_gpu()
+        and _cuda_backend()
+    )
+
+
+@functools.cache
+def _cuda_backend() -> bool:
+    """Whether MLX runs with its CUDA backend (asked once: every linear layer
+    of every forward checks)."""
     cuda = getattr(mx, "cuda", None)  # absent from builds without the backend
     return cuda is not None and bool(cuda.is_available())
 

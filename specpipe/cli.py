@@ -17,6 +17,9 @@ from specpipe.api import load
 from specpipe.load import DEFAULT_MODEL, save_folder
 from specpipe.load import load as load_model
 
+# An auto/on/off option's value: None leaves the choice to the device.
+_SWITCH: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
 
 def _fail(message: str, code: int = 2) -> NoReturn:
     print(f"specpipe: error: {message}", file=sys.stderr)
@@ -86,8 +89,8 @@ def _generate(args: argparse.Namespace) -> None:
         greedy=args.greedy_draft,
         temperature=args.draft_temperature,
         drop_filters=args.draft_drop_filters,
-        staged={"auto": None, "on": True, "off": False}[args.staged_draft],
-        compiled={"auto": None, "on": True, "off": False}[args.compiled_draft],
+        staged=_SWITCH[args.staged_draft],
+        compiled=_SWITCH[args.compiled_draft],
     )
     pipeline = _unwrap(
         load(
@@ -211,14 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-drop-filters", action="store_true")
     gen.add_argument(
         "--staged-draft",
-        choices=("auto", "on", "off"),
+        choices=tuple(_SWITCH),
         default="auto",
         help="a draft model's forwards also check prompt-lookup guesses, several "
         "drafts per forward when they match (auto: on a CPU, not on a GPU)",
     )
     gen.add_argument(
         "--compiled-draft",
-        choices=("auto", "on", "off"),
+        choices=tuple(_SWITCH),
         default="auto",
         help="an MTP head's draft steps run as compiled functions (auto: on a "
         "GPU, not on a CPU)",

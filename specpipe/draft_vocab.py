@@ -132,6 +132,10 @@ class SubsetHead:
         mx.eval(ids, weights.weight, weights.scales, weights.biases)
         return cls(ids, weights)
 
+    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., N]
+        """Logits over the listed ids of an already normed hidden state."""
+        return self.weights.project(normed)
+
 
 def configured(
     setting: str | None, vocab_size: int, companion: Path | None

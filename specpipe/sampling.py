@@ -155,11 +155,10 @@ def sample(
     if params.needs_history:
         assert history is not None, "a repetition penalty needs the token history"
         scores = apply_repetition_penalty(scores, history, params.repetition_penalty)
-    if params.greedy:
-        return mx.argmax(scores, axis=-1).astype(mx.int32)
-    if COMPILE_ON_GPU and on_gpu():
-        return compiled_draw(draw_filters(params))(scores, seeds, steps)
-    return _draw(scores, seeds, steps, params)
+    filters = draw_filters(params)  # the penalty is in `scores` now
+    if not params.greedy and COMPILE_ON_GPU and on_gpu():
+        return compiled_draw(filters)(scores, seeds, steps)
+    return draw(scores, filters, seeds, steps)
 
 
 def draw(

@@ -63,8 +63,8 @@ class HeadStep:
     """The head's draft step as compiled functions, one per (first step,
     layer, draw filters). A step pairs `ids` with `hidden` at per-row
     `starts` (the first step of a round pairs the tail: raw target hidden
-    states, normed by the target's final norm; a chained step pairs a draft
-    with the previous step's `normed`), keeps position `last[b]`'s output,
+    states, normed by the target's final norm, and keeps position `last[b]`'s
+    output; a chained step pairs one draft with the previous step's `normed`),
     and draws from it with step keys (seeds, steps). The traces capture the
     head's and projection's weights: they must not change after the drafter
     is made (they do not after load)."""
@@ -96,7 +96,8 @@ class HeadStep:
                 out, keys, values = self.head.forward_at(
                     self.target.embed(ids), hidden, keys, values, starts, key[1]
                 )
-                out = mx.take_along_axis(out, last[:, None, None], axis=1)
+                if first:  # a chained step reads one position: `last` unread
+                    out = mx.take_along_axis(out, last[:, None, None], axis=1)
                 normed = self.head.normed(out)  # [B, 1, H]
                 return (
                     self.draw(normed[:, 0], filters, seeds, steps),
@@ -116,10 +117,46 @@ class HeadStep:
         seeds: mx.array,  # [B] uint32
         steps: mx.array,  # [B] uint32
     ) -> mx.array:  # [B] int32 token ids
+        return self.token_ids(draw(self.logits(normed), params, seeds, steps))
+
+    def logits(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V or N]
+        """The shared projection of `normed`, onto the FR-Spec rows when listed."""
         if self.subset is None:
-            return draw(self.target.project(normed), params, seeds, steps)
-        index = draw(self.subset.weights.project(normed), params, seeds, steps)
-        return mx.take(self.subset.ids, index)
+            full: mx.array = self.target.project(normed)
+            return full
+        return self.subset.project(normed)
+
+    def token_ids(self, index: mx.array) -> mx.array:  # int32, any shape
+        """Token ids of indices into `logits`' last axis."""
+        return index if self.subset is None else mx.take(self.subset.ids, index)
+
+    def chained(
+        self,
+        cache: KVCache,
+        layer: int,
+        filters: SamplingParams,
+        token: mx.array,  # [B] int32, the previous step's draft
+        normed: mx.array,  # [B, 1, H], the previous step's normed output
+        starts: mx.array,  # [B] int32, the position the pair sits at
+        seeds: mx.array,  # [B] uint32
+        steps: mx.array,  # [B] uint32
+    ) -> tuple[mx.array, mx.array]:  # the step's draft [B] and normed output
+        """One chained step (`layer` mod the head's layers), its KV written
+        into `cache`."""
+        index = layer % len(self.head.layers)
+        token, normed, cache.keys[index], cache.values[index] = self(
+            False, index, filters
+        )(
+            token[:, None],
+            normed,
+            starts,  # the `last` slot, which a chained step does not read
+            starts,
+            cache.keys[index],
+            cache.values[index],
+            seeds,
+            steps,
+        )
+        return token, normed
 
 
 @frozen
@@ -174,13 +211,8 @@ class MtpRows:
         ahead: int,
     ) -> mx.array:  # [B] int32 token ids
         shifted = [evolve(row, step=row.step + ahead) for row in rows]
-        normed = self.head.normed(out)
-        subset = self.step.subset
-        if subset is None:
-            logits = self.target.project(normed)
-            return sample_window(logits, None, shifted, params)[:, 0]
-        index = sample_window(subset.weights.project(normed), None, shifted, params)
-        return mx.take(subset.ids, index[:, 0])
+        logits = self.step.logits(self.head.normed(out))
+        return self.step.token_ids(sample_window(logits, None, shifted, params)[:, 0])
 
     def _propose_compiled(
         self,
@@ -220,21 +252,9 @@ class MtpRows:
         )
         drafted = [token]
         lengths = mx.array([row.length for row in rows], dtype=mx.int32)
-        first = mx.zeros((len(rows),), dtype=mx.int32)
-        layers = len(self.head.layers)
         for i in range(1, depth):
-            layer = i % layers
-            token, normed, cache.keys[layer], cache.values[layer] = self.step(
-                False, layer, filters
-            )(
-                token[:, None],
-                normed,
-                first,
-                lengths + (i - 1),
-                cache.keys[layer],
-                cache.values[layer],
-                seeds,
-                steps + i,
+            token, normed = self.step.chained(
+                cache, i, filters, token, normed, lengths + (i - 1), seeds, steps + i
             )
             drafted.append(token)
         return Proposal(depth, device=mx.stack(drafted, axis=1))
@@ -393,23 +413,12 @@ class MtpDrafter:
         greedy = SamplingParams()
         keys = mx.zeros((1,), dtype=mx.uint32)  # greedy: the step key is not read
         compiled = self.compiles()
-        layer = 1 % len(self.head.layers)
-        only = mx.zeros((1,), dtype=mx.int32)  # the one position's output
         starts = mx.array([length - 1], dtype=mx.int32)
 
         def step() -> mx.array:  # [1, 1] int32
             if compiled:
-                drafted, _, cache.keys[layer], cache.values[layer] = self.step(
-                    False, layer, greedy
-                )(
-                    token,
-                    normed,
-                    only,
-                    starts,
-                    cache.keys[layer],
-                    cache.values[layer],
-                    keys,
-                    keys,
+                drafted, _ = self.step.chained(
+                    cache, 1, greedy, token[:, 0], normed, starts, keys, keys
                 )
                 return drafted[:, None]
             out = self.head(

@@ -153,12 +153,8 @@ class TwoModelRows:
     ) -> mx.array:  # [B, W] int32 token ids
         if self.vocab is None:
             return sample_window(self.model.lm_head(hidden), None, rows, params)
-        index = sample_window(
-            self.vocab.weights.project(self.model.final_norm(hidden)),
-            None,
-            rows,
-            params,
-        )
+        logits = self.vocab.project(self.model.final_norm(hidden))
+        index = sample_window(logits, None, rows, params)
         return mx.take(self.vocab.ids, index)
 
     def _draw(
