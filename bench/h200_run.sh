@@ -11,6 +11,8 @@
 #  2026-12-01: call 2 `setup-min mtp-rows`; fourth session: call 2 `setup-min mtp-wide`, then `setup-min mtp-compiled`, `setup-min mtp-ab`, `setup adaptive-ngram adaptive-nolm`, then with REPEATS=7)
 # (2026-12-02, seventh session: call 2 `setup-min mtp-steps` on two leases, `setup-min step-probe`,
 #  `setup-min gdn`, then the `gdn-mtp` step's probe and one mtp.py run per kernel setting by hand)
+# (eighth session: `ROWS=1,8 setup-min fused`, `ROWS=1,2,8 setup-min fused`, then fused_probe.py and
+#  the `fused-mtp` step's mtp.py commands with --depths 3 / 1,3 by hand, PYTHONPATH=$HOME/site)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -141,6 +143,19 @@ for step in "$@"; do
         --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-steps-next-151936-qwen-h200.json | grep -v '"rows"' || echo "STEP FAILED: $?"
     python3 bench/mtp.py --shape qwen3.5-27b --layers 4 --vocab 248320 --dtype bfloat16 --depths 1,3 --no-generate \
         --fr-size 32768 --sampling qwen --rows 1,32,128 --out $OUT/mtp-steps-27b-248320-qwen-h200.json | grep CUT || echo "STEP FAILED: $?"
+    ;;
+  fused)  # the one-kernel MTP draft step vs the compiled MLX step: agreement, time, FR cut
+    for shape in ${SHAPES:-qwen3-next qwen3.5-27b}; do
+      timeout 280 python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} --repeats ${REPEATS:-20} \
+          --out $OUT/fused-probe-$shape-h200.json || echo "STEP FAILED: $?"
+    done
+    ;;
+  fused-mtp)  # MTP rounds and draft chains, compiled MLX step vs the fused kernel (Qwen3-Next layer)
+    for sampling in ${SAMPLINGS:-greedy qwen}; do
+      timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \
+          --tokens 32 --depths 1,3 --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
+          --steps compiled,fused --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
+    done
     ;;
   step-probe)  # where a draft step's time goes, under different CUDA graph sizes
     for ops in 20 60 200; do

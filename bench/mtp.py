@@ -192,8 +192,9 @@ def main() -> None:
                         help="one: top-k by one partition of the whole row (before blockwise "
                              "top-k; specpipe.sampling.top_k_ids)")
     parser.add_argument("--steps", default="eager,compiled",
-                        help="draft step modes to compare: eager (op by op) and/or compiled "
-                             "(specpipe.drafts.mtp.HeadStep, the GPU default)")
+                        help="draft step modes to compare: eager (op by op), compiled "
+                             "(specpipe.drafts.mtp.HeadStep's MLX step) and/or fused (the "
+                             "one-kernel step of models/mtp_cuda.py where in scope, the CUDA default)")
     parser.add_argument("--no-generate", action="store_true",
                         help="time the draft chains only (skip the MTP generations)")
     parser.add_argument("--no-window-kernel", action="store_true",
@@ -262,7 +263,10 @@ def main() -> None:
         for v in (("full", None), (f"fr{args.fr_size}", vocab))
         for m in modes
     ):
-        drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode == "compiled"), vocab=listed)
+        import models.mtp_cuda
+
+        models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
+        drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
         if not args.no_generate:
             tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth, sampling)
             # bf16 on a GPU: a window's logits may differ from single-token

@@ -12,6 +12,7 @@ them. (Recurrent layers cannot do this; they carry per-position states.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -25,6 +26,14 @@ BUCKETED_WINDOW = 128
 def on_gpu() -> bool:
     """Whether MLX runs on a GPU now (where window shapes are bucketed)."""
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+@functools.cache
+def cuda_backend() -> bool:
+    """Whether MLX runs with its CUDA backend (asked once: every linear layer
+    of every forward checks)."""
+    cuda = getattr(mx, "cuda", None)  # absent from builds without the backend
+    return cuda is not None and bool(cuda.is_available())
 
 
 _STEP = 256

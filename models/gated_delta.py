@@ -31,12 +31,10 @@ Reference: transformers `models/qwen3_next/modeling_qwen3_next.py`
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.cache import on_gpu
+from models.cache import cuda_backend, on_gpu
 from models.gated_delta_cuda import window_recurrence
 from models.hybrid_cache import WindowStates
 from models.parallel import Linear
@@ -98,16 +96,8 @@ def uses_window_kernel(length: int, per_position: bool) -> bool:
         WINDOW_KERNEL_ON_GPU
         and (per_position or length < CHUNK)
         and on_gpu()
-        and _cuda_backend()
+        and cuda_backend()
     )
-
-
-@functools.cache
-def _cuda_backend() -> bool:
-    """Whether MLX runs with its CUDA backend (asked once: every linear layer
-    of every forward checks)."""
-    cuda = getattr(mx, "cuda", None)  # absent from builds without the backend
-    return cuda is not None and bool(cuda.is_available())
 
 
 def gated_delta_rule(

@@ -379,7 +379,11 @@ def load(
     if isinstance(adaptive, CostModel):
         policy_adaptive = AdaptivePolicy(adaptive)
     elif adaptive is None or adaptive:
-        key = dtype if draft_dtype in (None, dtype) else f"{dtype or 'native'}/draft={draft_dtype}"
+        key = (
+            dtype
+            if draft_dtype in (None, dtype)
+            else f"{dtype or 'native'}/draft={draft_dtype}"
+        )
         cost = calibrate(target, loaded_draft, key, loaded_draft.width + 1)
         policy_adaptive = AdaptivePolicy(cost)
     return Success(

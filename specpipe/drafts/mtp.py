@@ -38,10 +38,11 @@ from typing import Any, cast
 import mlx.core as mx
 from attrs import Factory, evolve, field, frozen
 
-from models import cpu_kernel
+from models import cpu_kernel, mtp_cuda
 from models.base import ModelOutput
-from models.cache import KVCache, on_gpu
+from models.cache import KVCache, cuda_backend, on_gpu
 from models.mtp import MtpHead
+from models.mtp_cuda import FusedStep
 from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, Proposal
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
@@ -75,6 +76,7 @@ class HeadStep:
     traced: dict[tuple[bool, int, SamplingParams], StepFn] = field(
         factory=dict, init=False
     )
+    fused: dict[int, FusedStep | None] = field(factory=dict, init=False)
 
     def __call__(self, first: bool, layer: int, filters: SamplingParams) -> StepFn:
         key = (first, layer % len(self.head.layers), filters)
@@ -107,8 +109,26 @@ class HeadStep:
                 )
 
             step = cast(StepFn, mx.compile(run))
+            fused = self.fused_step(key[1])
+            if fused is not None and fused.supports(filters.temperature, filters.top_k):
+                step = _through_kernel(fused, first, filters, step)
             self.traced[key] = step
         return step
+
+    def fused_step(self, layer: int) -> FusedStep | None:
+        """The one-kernel step of a layer (models/mtp_cuda.py) on a CUDA GPU,
+        or None (another device, `FUSED_ON_GPU` off, or out of its scope)."""
+        if layer not in self.fused:
+            usable = mtp_cuda.FUSED_ON_GPU and on_gpu() and cuda_backend()
+            subset = self.subset
+            if not usable or (subset is not None and subset.weights.bits):
+                self.fused[layer] = None
+            else:
+                rows = None if subset is None else (subset.ids, subset.weights.weight)
+                self.fused[layer] = FusedStep.for_head(
+                    self.target, self.head, layer, rows
+                )
+        return self.fused[layer]
 
     def draw(
         self,
@@ -157,6 +177,22 @@ class HeadStep:
             steps,
         )
         return token, normed
+
+
+def _through_kernel(
+    fused: FusedStep, first: bool, filters: SamplingParams, compiled: StepFn
+) -> StepFn:
+    """`compiled`, with the steps whose shape the kernel takes run by it."""
+    top_k = 0 if filters.greedy else filters.top_k
+    kernel = fused.step(first, filters.temperature, filters.top_p, filters.min_p, top_k)
+
+    def run(*args: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        rows, length = args[0].shape
+        if fused.fits(rows, length, filters.greedy, top_k):
+            return kernel(*args)
+        return compiled(*args)
+
+    return run
 
 
 @frozen

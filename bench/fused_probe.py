@@ -1,0 +1,219 @@
+"""The one-kernel MTP draft step (models/mtp_cuda.py) against the compiled MLX
+step (specpipe.drafts.mtp.HeadStep) on a CUDA GPU: agreement and time.
+
+Builds `bench/mtp.py`'s head shapes (random weights, a one-layer target) and,
+per row count, sampling (greedy, Qwen's) and head (full vocabulary, a 32k
+FR-Spec list):
+
+- agreement of one chained step and one first step (a 2-position window,
+  the target's final norm applied): drafted tokens equal, the largest
+  difference of the normed output and of the window's keys / values, and
+  for tokens that differ, the MLX step's logit gap between the two tokens
+  (a near-tie, if small);
+- time: one chained step, and a depth-3 chain (a first step of one position
+  and two chained steps, evaluated once), median of `--repeats`, for both;
+- the kernel's phases: microseconds from its start to the end of each
+  (fc, q/k/v, attention, o_proj, the MLP's two or three phases, the
+  projection, the draw), as block 0 saw them, median of 7 profiled launches;
+- the grid barriers that gave up (must be 0).
+
+    python bench/fused_probe.py --shape qwen3-next --rows 1,4,8 --out bench/results/fused-probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+import models.mtp_cuda
+from bench.common import machine_info, median_ms
+from bench.mtp import SAMPLINGS, SHAPES
+from bench.step_probe import split_ms
+from models.build import build_model
+from models.fuse import fuse_projections
+from models.mtp import MtpHead
+from models.mtp_cuda import FusedStep, draw_params, fused_weights
+from schemas.hf_hybrid import hybrid_args
+from specpipe.draft_vocab import DraftVocabulary, SubsetHead
+from specpipe.drafts.mtp import HeadStep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-next")
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--fr-size", type=int, default=32768)
+    parser.add_argument("--rows", default="1,4,8")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    # the reference is the compiled MLX step: HeadStep must not route to the kernel
+    models.mtp_cuda.FUSED_ON_GPU = False
+    config = SHAPES[args.shape](1, args.experts, 2048, args.vocab)
+    hybrid = hybrid_args(config, "probe").unwrap()
+    mx.random.seed(0)
+    target = build_model(hybrid).unwrap()
+    target.set_dtype(getattr(mx, args.dtype))
+    head = MtpHead(hybrid)
+    head.set_dtype(getattr(mx, args.dtype))
+    fuse_projections(target)
+    fuse_projections(head)
+    mx.eval(target.parameters(), head.parameters())
+    ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
+    subset = SubsetHead.of(target, DraftVocabulary.create(ids, args.vocab).unwrap())
+    weights = fused_weights(target, head, 0)
+    assert weights is not None, "this head is outside the fused kernel's scope"
+    heads: dict[str, tuple[HeadStep, FusedStep]] = {}
+    for name, sub in (("full", None), ("fr", subset)):
+        rows_w = target.head_weights().weight if sub is None else sub.weights.weight
+        fused = FusedStep.make(weights, rows_w, None if sub is None else sub.ids)
+        assert fused is not None
+        heads[name] = (HeadStep(target, head, sub), fused)
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "shape": args.shape,
+        "config": config,
+        "vocab": args.vocab,
+        "fr_size": args.fr_size,
+        "rows": [],
+    }
+    hidden_size = hybrid.hidden_size
+
+    def measure(rows: int) -> dict[str, Any]:
+        cache = head.make_cache(rows)
+        cache.reserve(args.context + 8)
+        keys = (mx.random.normal(cache.keys[0].shape) * 0.5).astype(cache.keys[0].dtype)
+        values = (mx.random.normal(cache.values[0].shape) * 0.5).astype(cache.values[0].dtype)
+        token = mx.random.randint(0, args.vocab, (rows, 1)).astype(mx.int32)
+        normed = (mx.random.normal((rows, 1, hidden_size)) * 0.5).astype(keys.dtype)
+        window_ids = mx.random.randint(0, args.vocab, (rows, 2)).astype(mx.int32)
+        raw = (mx.random.normal((rows, 2, hidden_size)) * 2.0).astype(keys.dtype)
+        zeros = mx.zeros((rows,), dtype=mx.int32)
+        ones = mx.ones((rows,), dtype=mx.int32)
+        starts = mx.array([args.context - 3 * b for b in range(rows)], dtype=mx.int32)
+        seeds = mx.arange(rows, dtype=mx.uint32) * 7 + 1
+        steps = mx.arange(rows, dtype=mx.uint32) + 100
+        mx.eval(keys, values, token, normed, window_ids, raw, zeros, ones, starts, seeds, steps)
+        entry: dict[str, Any] = {"rows": rows}
+        for name, (step, fused) in heads.items():
+            for label, params in (("greedy", SAMPLINGS["greedy"]), ("qwen", SAMPLINGS["qwen"])):
+                top_k = 0 if params.greedy else params.top_k
+                key = f"{name}_{label}"
+
+                def ref(first: bool, n: int = 1) -> Any:
+                    if first:
+                        return step(True, 0, params)(
+                            window_ids, raw, ones, starts, keys, values, seeds, steps
+                        )
+                    return step(False, 0, params)(
+                        token, normed, zeros, starts, keys, values, seeds, steps
+                    )
+
+                def fused_step(first: bool) -> Any:
+                    return fused.step(first, params.temperature if not params.greedy else 0.0,
+                                      params.top_p, params.min_p, top_k)
+
+                def fast(first: bool) -> Any:
+                    if first:
+                        return fused_step(True)(window_ids, raw, ones, starts, keys, values, seeds, steps)
+                    return fused_step(False)(token, normed, zeros, starts, keys, values, seeds, steps)
+
+                if not fused.fits(rows, 2, params.greedy, top_k):
+                    entry[f"agree_{key}"] = "outside the fused kernel's scope"
+                    continue
+
+                agree: dict[str, Any] = {}
+                for first in (False, True):
+                    r_tok, r_norm, r_k, r_v = ref(first)
+                    f_tok, f_norm, f_k, f_v = fast(first)
+                    mx.eval(r_tok, r_norm, r_k, r_v, f_tok, f_norm, f_k, f_v)
+                    same = (r_tok == f_tok).tolist()
+                    gaps = []
+                    for b, ok in enumerate(same):
+                        if not ok:  # the MLX logits of the two tokens
+                            logits = step.target.project(r_norm[b, 0].astype(mx.float32)[None])[0] \
+                                if step.subset is None else None
+                            if logits is not None:
+                                gaps.append(float(logits[r_tok[b]] - logits[f_tok[b]]))
+                    agree["first" if first else "chained"] = {
+                        "tokens_equal": f"{sum(same)}/{rows}",
+                        "ref_tokens": r_tok.tolist(),
+                        "fused_tokens": f_tok.tolist(),
+                        "logit_gaps": gaps,
+                        "normed_max_diff": float(mx.max(mx.abs(r_norm.astype(mx.float32) - f_norm.astype(mx.float32)))),
+                        "normed_max": float(mx.max(mx.abs(r_norm.astype(mx.float32)))),
+                        "keys_max_diff": float(mx.max(mx.abs(r_k.astype(mx.float32) - f_k.astype(mx.float32)))),
+                        "values_max_diff": float(mx.max(mx.abs(r_v.astype(mx.float32) - f_v.astype(mx.float32)))),
+                    }
+                entry[f"agree_{key}"] = agree
+
+                def chain(fn: Any) -> Any:
+                    t, n, k, v = fn(True)
+                    for _ in range(2):
+                        if fn is fast:
+                            t, n, k, v = fused_step(False)(
+                                t[:, None], n, zeros, starts + 2, k, v, seeds, steps)
+                        else:
+                            t, n, k, v = step(False, 0, params)(
+                                t[:, None], n, zeros, starts + 2, k, v, seeds, steps)
+                    return t
+
+                def chain10(fn: Any) -> Any:  # ten chained steps, evaluated once
+                    t, n, k, v = token[:, 0], normed, keys, values
+                    for i in range(10):
+                        t, n, k, v = fn(False)(t[:, None], n, zeros, starts + i, k, v, seeds, steps)
+                    return t
+
+                entry[f"chain10_mlx_{key}"] = median_ms(
+                    lambda: chain10(lambda first: step(first, 0, params)), args.repeats) / 10
+                entry[f"chain10_fused_{key}"] = median_ms(
+                    lambda: chain10(fused_step), args.repeats) / 10
+                dist = draw_params(fused.weights.eps, params.temperature, params.top_p,
+                                   params.min_p)
+                stamps = [
+                    fused.phase_times(False, params.greedy, top_k, dist, token, normed, zeros,
+                                      starts, keys, values, seeds, steps)
+                    for _ in range(7)
+                ]
+                entry[f"phases_{key}"] = [statistics.median(p) for p in zip(*stamps, strict=True)]
+                entry[f"split_mlx_{key}"] = split_ms(lambda: ref(False)[0], args.repeats)
+                entry[f"split_fused_{key}"] = split_ms(lambda: fast(False)[0], args.repeats)
+                entry[f"step_mlx_{key}"] = median_ms(lambda: ref(False)[0], args.repeats)
+                entry[f"step_fused_{key}"] = median_ms(lambda: fast(False)[0], args.repeats)
+                entry[f"chain_mlx_{key}"] = median_ms(lambda: chain(ref), args.repeats)
+                entry[f"chain_fused_{key}"] = median_ms(lambda: chain(fast), args.repeats)
+        for kind in ("step", "chain", "chain10"):
+            for impl in ("mlx", "fused"):
+                for label in ("greedy", "qwen"):
+                    full = entry.get(f"{kind}_{impl}_full_{label}")
+                    fr = entry.get(f"{kind}_{impl}_fr_{label}")
+                    if full and fr:
+                        entry[f"cut_{kind}_{impl}_{label}"] = round(full / fr, 3)
+        entry["barrier_failures"] = {n: f.failures() for n, (_, f) in heads.items()}
+        return entry
+
+    for rows in [int(r) for r in args.rows.split(",")]:
+        entry = measure(rows)
+        report["rows"].append(entry)
+        print(json.dumps({k: v for k, v in entry.items() if not k.startswith("agree")}), flush=True)
+        for k, v in entry.items():
+            if k.startswith("agree"):
+                print(k, json.dumps(v), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

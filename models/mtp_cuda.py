@@ -1,0 +1,1377 @@
+"""An MTP draft step as ONE CUDA kernel (MLX's CUDA backend, `mx.fast.cuda_kernel`).
+
+As MLX operations a draft step of the MTP head (fc, the decoder layer, the
+norm, the vocabulary projection, the draw) is some fifty kernels, and MLX's
+CUDA backend spends ~10-15 us of host time encoding each: 0.4-0.8 ms a step
+at one row against ~0.05 ms (Qwen3-Next's layer) of weight bytes, so a
+frequency-ranked draft vocabulary (FR-Spec) could cut only the projection's
+share of a step that fixed costs dominate (bench/step_probe.py,
+bench/RESULTS.md). Here the whole step is one persistent kernel: NBLK
+blocks (at most one per multiprocessor, all resident at once) run its phases
+in order and meet at a grid barrier between phases (an atomic counter; a
+barrier that waits longer than 0.2 s gives up and counts a failure in
+`sync[1]` instead of hanging the device, so a broken launch yields wrong
+drafts, which verification rejects, never wrong output):
+
+1. fc over [norm(embed(token)), norm(hidden)] for every window position
+   (the first step of a round: hidden through the target's final norm first);
+2. q(+gate) / k / v of every position (input norm applied on the fly);
+3. attention of each row's LAST position (q/k per-head norm, partial RoPE,
+   the cached keys below the row's start and the window's own keys above),
+   times sigmoid(gate); the window's keys and values are returned to be
+   stored in the head's cache;
+4. o_proj plus the residual;
+5-6. the MLP (dense SwiGLU), or the sparse MoE block (router softmax top-k,
+   the chosen experts' SwiGLU, the sigmoid-gated shared expert), plus the
+   residual;
+7. the head's norm, the projection onto the full vocabulary or the FR-Spec
+   rows (each block a contiguous chunk of rows), each block's best (greedy)
+   or top-k candidates (sampled);
+8. the draw: the argmax, or Qwen-style temperature / top-k / top-p / min-p
+   filtering and the coupled inverse-CDF draw of `specpipe.sampling` with the
+   same (seed, step) uniform.
+
+Products read each weight row once with 16-byte loads (one warp per output
+row, float32 sums) and apply the preceding RMSNorm to their input as they
+read it. Only the rows' last positions go through attention, the MLP and the
+projection (a one-layer head needs no other). The step is a draft: it
+rounds differently from the MLX step (float32 throughout instead of rounding
+to the weights' dtype after each operation), so a near-tie can draft another
+token; verification keeps the output exactly plain decoding's either way.
+
+Scope: float16 / bfloat16 weights that are not quantized, the fused q/k/v
+and gate/up products (models/fuse.py), non-traditional RoPE, head_dim a
+multiple of 32, hidden and intermediate sizes multiples of 256, at most
+`MAX_VECTORS` window positions over at most 8 rows, greedy or top-k (<= 32)
+sampling. Anything else keeps the compiled MLX step (`specpipe.drafts.mtp`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cache
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from attrs import field, frozen
+
+from models.base import RoPE
+from models.cache import scatter_window
+
+# (ids [B, L], hidden [B, L, H], last [B], starts [B], keys, values, seeds [B],
+#  steps [B]) -> (tokens [B], normed [B, 1, H], keys, values), as
+# specpipe.drafts.mtp.HeadStep's steps
+StepFn = Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]]
+
+BLOCK = 256  # threads per block: 8 warps
+MAX_ROWS = 8  # rows of one step (one warp per row in the per-row phases)
+MAX_VECTORS = 8  # window positions of one step, all rows together
+MAX_TOP_K = 32  # the sampled draw keeps its candidates one per lane
+# Blocks of the persistent kernel: at most one per multiprocessor, so that all
+# are resident at once (the grid barrier needs it). 128 fits an H100/H200 (132).
+BLOCKS = 128
+MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
+PHASE_STAMPS = 16  # floats at the scratch's end for `FusedStep.phase_times`
+
+_HEADER = r"""
+namespace specpipe_mtp {
+
+typedef unsigned long long u64;
+#define SP_INF (cuda::std::numeric_limits<float>::infinity())
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// The larger of (value, index) pairs, the smaller index on a tie.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+  }
+}
+
+template <typename W>
+__device__ __forceinline__ void load8(const W* p, float* out) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(e[i]);
+}
+
+// Eight floats written by other blocks of this launch (bypassing L1).
+__device__ __forceinline__ void load8s(const float* p, float* out) {
+  const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldcg(reinterpret_cast<const float4*>(p + 4));
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+__device__ __forceinline__ u64 now_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Every block's threads arrive; thread 0 counts the block in and waits for
+// all. `goal` (thread 0 only) advances by the grid size per barrier.
+__device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    goal += gridDim.x;
+    __threadfence();
+    atomicAdd(bar, 1ULL);
+    if (!gave_up) {
+      const u64 t0 = now_ns();
+      while (*(volatile u64*)bar < goal) {
+        if (now_ns() - t0 > 200000000ULL) {
+          gave_up = true;
+          atomicAdd(bar + 1, 1ULL);
+          break;
+        }
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Sum over the block (all threads get it); `red` holds one float per warp.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
+  return t;
+}
+
+// The mean-square inverse rsqrt(mean(x^2) + eps) of a scratch vector.
+__device__ __forceinline__ float inv_rms(const float* x, int n, float eps, float* red) {
+  float s = 0.0f;
+  for (int k = threadIdx.x; k < n; k += blockDim.x) {
+    const float v = __ldcg(x + k);
+    s += v * v;
+  }
+  return rsqrtf(block_sum(s, red) / n + eps);
+}
+
+template <typename W>
+__device__ __forceinline__ float inv_rms_w(const W* x, int n, float eps, float* red) {
+  float s = 0.0f;
+  for (int k = threadIdx.x; k < n; k += blockDim.x) {
+    const float v = static_cast<float>(x[k]);
+    s += v * v;
+  }
+  return rsqrtf(block_sum(s, red) / n + eps);
+}
+
+// Rows r = first, first + stride, ... of a product: NV input vectors times
+// NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
+// per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
+// elements k .. k + 7 (from shared memory); of(r, acc) gets the sums (every
+// lane holds them).
+template <typename W, int NV, int NDOT, typename RF, typename XF, typename OF>
+__device__ __forceinline__ void product(
+    int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
+  constexpr int U = NDOT * NV <= 4 ? 8 : 4;
+  const int lane = threadIdx.x & 31;
+  for (int r = first; r < rows; r += stride) {
+    const W* wr[NDOT];
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) wr[j] = rowf(r, j);
+    float acc[NV][NDOT];
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) acc[v][j] = 0.0f;
+    for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
+      uint4 raw[U][NDOT];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < NDOT; ++j)
+          raw[u][j] = (k0 + u * 256 < K)
+              ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k0 + u * 256))
+              : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = k0 + u * 256;
+        if (k >= K) break;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          float x[8];
+          xf(v, r, k, x);
+#pragma unroll
+          for (int j = 0; j < NDOT; ++j) {
+            const W* e = reinterpret_cast<const W*>(&raw[u][j]);
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
+            acc[v][j] += s;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) acc[v][j] = warp_sum(acc[v][j]);
+    of(r, acc);
+  }
+}
+
+// Eight staged floats from shared memory.
+__device__ __forceinline__ void smem8(const float* p, float* out) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+__host__ __device__ constexpr size_t align8(size_t n) { return (n + 7) / 8 * 8; }
+
+// Top-`count` of `n` values in shared memory (destroyed: taken ones become
+// -inf), by one warp, best first: out_v / out_i (shared) get them. Each lane
+// caches the best of its strided share; a round takes the warp's best and
+// only the lane that gave it rescans.
+__device__ __forceinline__ void warp_top(
+    float* vals, const int* ids, int n, int count, float* out_v, int* out_i) {
+  const int lane = threadIdx.x & 31;
+  float bv = -SP_INF;
+  int bp = 0x7fffffff;
+  for (int p = lane; p < n; p += 32)
+    if (vals[p] > bv) { bv = vals[p]; bp = p; }
+  for (int c = 0; c < count; ++c) {
+    float v = bv;
+    int id = (bp < n) ? ids[bp] : 0x7fffffff;
+    int pos = bp;
+    // argmax over lanes on (value, id), carrying the position
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int oid = __shfl_xor_sync(0xffffffffu, id, o);
+      const int op = __shfl_xor_sync(0xffffffffu, pos, o);
+      if (ov > v || (ov == v && oid < id)) { v = ov; id = oid; pos = op; }
+    }
+    if (lane == 0) { out_v[c] = v; out_i[c] = id; }
+    if (pos == bp && bp < n && v != -SP_INF) {  // the giving lane rescans
+      vals[bp] = -SP_INF;
+      bv = -SP_INF;
+      bp = 0x7fffffff;
+      for (int p = lane; p < n; p += 32)
+        if (vals[p] > bv) { bv = vals[p]; bp = p; }
+    }
+    __syncwarp();
+  }
+}
+
+__device__ __forceinline__ unsigned int mix32(unsigned int x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// specpipe.sampling.step_uniforms
+__device__ __forceinline__ float step_uniform(unsigned int seed, unsigned int step) {
+  unsigned int h = mix32(mix32(seed ^ 0x9E3779B9u) + step);
+  h = mix32(h ^ 0x85EBCA6Bu);
+  return ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+}  // namespace specpipe_mtp
+"""
+
+_SOURCE = r"""
+  using namespace specpipe_mtp;
+  using W = T;
+  constexpr int NWARP = 8;
+  constexpr int QKVN = 2 * HQ * D + 2 * HKV * D;
+  constexpr int DPL = D / 32;
+  constexpr int HALF = ROT / 2;
+  constexpr int GROUP = HQ / HKV;
+  constexpr int KC = GREEDY ? 1 : TOPK;
+  constexpr size_t O_H0 = 0;
+  constexpr size_t O_QKV = O_H0 + align8((size_t)M * H);
+  constexpr size_t O_ATT = O_QKV + align8((size_t)M * QKVN);
+  constexpr size_t O_R1 = O_ATT + align8((size_t)B * HQ * D);
+  constexpr size_t O_ACT = O_R1 + align8((size_t)B * H);
+  // MoE: router logits and shared gate [B, E + 1] | shared act [B, IS] |
+  // expert act [B, KE, IE] | expert weights [B, KE] | expert ids [B, KE]
+  constexpr size_t O_ROUT = O_ACT;
+  constexpr size_t O_SACT = O_ROUT + align8((size_t)B * (E + 1));
+  constexpr size_t O_EACT = O_SACT + align8((size_t)B * IS);
+  constexpr size_t O_EW = O_EACT + align8((size_t)B * KE * IE);
+  constexpr size_t O_EI = O_EW + align8((size_t)B * KE);
+  constexpr size_t ACTN = DENSE ? align8((size_t)B * IM) : (O_EI + align8((size_t)B * KE) - O_ACT);
+  constexpr size_t O_R2 = O_ACT + ACTN;
+  constexpr size_t O_CV = O_R2 + align8((size_t)B * H);
+  constexpr size_t O_CI = O_CV + align8((size_t)B * NBLK * KC);
+  constexpr int CHUNK = (V + NBLK - 1) / NBLK;
+  // PROFILE: block 0 stamps the time since its start after every barrier
+  // and at its end (ns, float) into the scratch's last PHASES floats
+  constexpr size_t O_TS = O_CI + align8((size_t)B * NBLK * KC);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int blk = blockIdx.x;
+  const int gwarp = blk * NWARP + warp;
+  constexpr int NW = NBLK * NWARP;
+  const int C = keys_shape[2];
+  const float eps = fparams[0];
+  float* S = scratch;
+  u64* bar = (u64*)(sync);
+  u64 goal = 0;
+  bool gave_up = false;
+
+  extern __shared__ float dyn[];  // the head's normed inputs [B, H], then logits
+  __shared__ float red[NWARP];
+  __shared__ float s_m[NWARP], s_l[NWARP];
+  __shared__ float s_acc[NWARP][D];
+  constexpr int TOPN = NWARP * (B > KC ? B : KC) + KC;
+  __shared__ float s_topv[TOPN];
+  __shared__ int s_topi[TOPN];
+  __shared__ int s_eid[B][KE > 0 ? KE : 1];
+  __shared__ float s_ew[B][KE > 0 ? KE : 1];
+
+  if (tid == 0) {
+    const u64 c = *(volatile u64*)bar;
+    goal = c - c % ((u64)NBLK * NBAR);
+  }
+  const u64 t_start = PROFILE ? now_ns() : 0;
+  int stamps = 0;
+  auto stamp = [&]() {
+    if (PROFILE && blk == 0 && tid == 0) S[O_TS + stamps] = (float)(now_ns() - t_start);
+    ++stamps;
+  };
+
+  float* xs = dyn;  // each phase's staged input vectors
+  // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
+  for (int m = 0; m < M; ++m) {
+    const W* e = embed + (size_t)ids[m] * H;
+    const W* h = hid + (size_t)m * H;
+    const float ie = inv_rms_w(e, H, eps, red);
+    float ih = inv_rms_w(h, H, eps, red);
+    float ifin = 1.0f;
+    if (FIRST) {  // the target's final norm first, then the head's
+      ifin = ih;
+      float s = 0.0f;
+      for (int k = tid; k < H; k += blockDim.x) {
+        const float v = static_cast<float>(h[k]) * ifin * static_cast<float>(w_final[k]);
+        s += v * v;
+      }
+      ih = rsqrtf(block_sum(s, red) / H + eps);
+    }
+    for (int k = tid; k < H; k += blockDim.x) {
+      xs[(size_t)m * 2 * H + k] = static_cast<float>(e[k]) * ie * static_cast<float>(w_norm_e[k]);
+      float v = static_cast<float>(h[k]);
+      if (FIRST) v *= ifin * static_cast<float>(w_final[k]);
+      xs[(size_t)m * 2 * H + H + k] = v * ih * static_cast<float>(w_norm_h[k]);
+    }
+  }
+  __syncthreads();
+  product<W, M, 1>(
+      H, 2 * H, gwarp, NW,
+      [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
+      [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
+      [&](int r, float (&acc)[M][1]) {
+        if (lane == 0)
+          for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
+      });
+  grid_sync(bar, goal, gave_up);
+  stamp();
+
+  // ---- 2. q(+gate), k, v of every position ---------------------------------
+  for (int m = 0; m < M; ++m) {
+    const float iv = inv_rms(S + O_H0 + (size_t)m * H, H, eps, red);
+    for (int k = tid; k < H; k += blockDim.x)
+      xs[(size_t)m * H + k] = __ldcg(S + O_H0 + (size_t)m * H + k) * iv * static_cast<float>(w_in[k]);
+  }
+  __syncthreads();
+  product<W, M, 1>(
+      QKVN, H, gwarp, NW,
+      [&](int r, int) { return w_qkv + (size_t)r * H; },
+      [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
+      [&](int r, float (&acc)[M][1]) {
+        if (lane == 0)
+          for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
+      });
+  grid_sync(bar, goal, gave_up);
+  stamp();
+
+  // ---- 3. attention of each row's last position ---------------------------
+  // A warp holds DPL consecutive dims per lane; RoPE pairs dim d < HALF with
+  // d + HALF, HALF / DPL lanes away.
+  auto normed_roped = [&](const float* src, const W* wn, int pos, float* x) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) { x[i] = __ldcg(src + lane * DPL + i); ss += x[i] * x[i]; }
+    const float inv = rsqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) x[i] *= inv * static_cast<float>(wn[lane * DPL + i]);
+    constexpr int OFF = HALF / DPL;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      const int d = lane * DPL + i;
+      const int src_lane = d < HALF ? lane + OFF : (d < ROT ? lane - OFF : lane);
+      const float other = __shfl_sync(0xffffffffu, x[i], src_lane & 31);
+      if (d < ROT) {
+        const int f = d < HALF ? d : d - HALF;
+        float sn, cs;
+        sincosf((float)pos * inv_freq[f], &sn, &cs);
+        x[i] = d < HALF ? x[i] * cs - other * sn : x[i] * cs + other * sn;
+      }
+    }
+  };
+  const float scale = rsqrtf((float)D);
+  for (int item = blk; item < B * HQ; item += NBLK) {
+    const int b = item / HQ, hq = item % HQ, g = hq / GROUP;
+    const int lb = TT == 1 ? 0 : last[b], st = starts[b];  // chained steps: no `last`
+    const int mq = b * TT + lb;
+    float q[DPL];
+    normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st + lb, q);
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) q[i] *= scale;
+    if (hq % GROUP == 0) {  // store the window's keys and values of head g
+      for (int t = warp; t < TT; t += NWARP) {
+        const float* row = S + O_QKV + (size_t)(b * TT + t) * QKVN;
+        float k[DPL];
+        normed_roped(row + 2 * HQ * D + g * D, w_kn, st + t, k);
+        const size_t at = (((size_t)b * HKV + g) * TT + t) * D + lane * DPL;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          knew[at + i] = static_cast<W>(k[i]);
+          vnew[at + i] = static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i));
+        }
+      }
+    }
+    float mx_ = -SP_INF, l = 0.0f, acc[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+    const size_t cache_row = ((size_t)b * HKV + g) * C;
+    for (int p = warp; p <= st + lb; p += NWARP) {
+      float k[DPL], v[DPL];
+      if (p < st) {
+        const W* kp = keys + (cache_row + p) * D + lane * DPL;
+        const W* vp = values + (cache_row + p) * D + lane * DPL;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) { k[i] = static_cast<float>(kp[i]); v[i] = static_cast<float>(vp[i]); }
+      } else {
+        const float* row = S + O_QKV + (size_t)(b * TT + (p - st)) * QKVN;
+        normed_roped(row + 2 * HQ * D + g * D, w_kn, p, k);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          k[i] = static_cast<float>(static_cast<W>(k[i]));
+          v[i] = static_cast<float>(static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i)));
+        }
+      }
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) s += q[i] * k[i];
+      s = warp_sum(s);
+      const float mnew = fmaxf(mx_, s);
+      const float corr = expf(mx_ - mnew);
+      const float e = expf(s - mnew);
+      l = l * corr + e;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * corr + e * v[i];
+      mx_ = mnew;
+    }
+    if (lane == 0) { s_m[warp] = mx_; s_l[warp] = l; }
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) s_acc[warp][lane * DPL + i] = acc[i];
+    __syncthreads();
+    for (int d = tid; d < D; d += blockDim.x) {
+      float top = -SP_INF;
+      for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_m[w]);
+      float den = 0.0f, num = 0.0f;
+      for (int w = 0; w < NWARP; ++w) {
+        const float f = s_l[w] > 0.0f ? expf(s_m[w] - top) : 0.0f;
+        den += s_l[w] * f;
+        num += s_acc[w][d] * f;
+      }
+      const float gate = __ldcg(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d);
+      S[O_ATT + (size_t)b * HQ * D + (size_t)hq * D + d] = num / den * sigmoid(gate);
+    }
+    __syncthreads();
+  }
+  grid_sync(bar, goal, gave_up);
+  stamp();
+
+  // ---- 4. o_proj plus the residual ------------------------------------------
+  for (int i = tid; i < B * HQ * D; i += blockDim.x) xs[i] = __ldcg(S + O_ATT + i);
+  __syncthreads();
+  product<W, B, 1>(
+      H, HQ * D, gwarp, NW,
+      [&](int r, int) { return w_o + (size_t)r * HQ * D; },
+      [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
+      [&](int r, float (&acc)[B][1]) {
+        if (lane == 0)
+          for (int b = 0; b < B; ++b)
+            S[O_R1 + (size_t)b * H + r] =
+                acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + (TT == 1 ? 0 : last[b])) * H + r);
+      });
+  grid_sync(bar, goal, gave_up);
+  stamp();
+
+  // ---- 5-6. the MLP plus the residual ----------------------------------------
+  for (int b = 0; b < B; ++b) {
+    const float iv = inv_rms(S + O_R1 + (size_t)b * H, H, eps, red);
+    for (int k = tid; k < H; k += blockDim.x)
+      xs[(size_t)b * H + k] = __ldcg(S + O_R1 + (size_t)b * H + k) * iv * static_cast<float>(w_post[k]);
+  }
+  __syncthreads();
+  if constexpr (DENSE) {
+    product<W, B, 2>(
+        IM, H, gwarp, NW,
+        [&](int r, int j) { return mlp0 + ((size_t)r + (size_t)j * IM) * H; },
+        [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
+        [&](int r, float (&acc)[B][2]) {
+          if (lane == 0)
+            for (int b = 0; b < B; ++b)
+              S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
+        });
+    grid_sync(bar, goal, gave_up);
+  stamp();
+    for (int i = tid; i < B * IM; i += blockDim.x) xs[i] = __ldcg(S + O_ACT + i);
+    __syncthreads();
+    product<W, B, 1>(
+        H, IM, gwarp, NW,
+        [&](int r, int) { return mlp1 + (size_t)r * IM; },
+        [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
+        [&](int r, float (&acc)[B][1]) {
+          if (lane == 0)
+            for (int b = 0; b < B; ++b)
+              S[O_R2 + (size_t)b * H + r] = acc[b][0] + __ldcg(S + O_R1 + (size_t)b * H + r);
+        });
+    grid_sync(bar, goal, gave_up);
+  stamp();
+  } else {
+    // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
+    product<W, B, 2>(
+        E + 1 + IS, H, gwarp, NW,
+        [&](int r, int j) {
+          if (r < E) return mlp0 + (size_t)r * H;  // j == 1 reads the same row
+          if (r == E) return mlp1;
+          return mlp5 + ((size_t)(r - E - 1) + (size_t)j * IS) * H;
+        },
+        [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
+        [&](int r, float (&acc)[B][2]) {
+          if (lane == 0)
+            for (int b = 0; b < B; ++b) {
+              if (r <= E) S[O_ROUT + (size_t)b * (E + 1) + r] = acc[b][0];
+              else S[O_SACT + (size_t)b * IS + (r - E - 1)] = silu(acc[b][0]) * acc[b][1];
+            }
+        });
+    grid_sync(bar, goal, gave_up);
+  stamp();
+    // every block: softmax top-KE of each row's router (warp b for row b)
+    if (warp < B) {
+      const int b = warp;
+      const float* lg = S + O_ROUT + (size_t)b * (E + 1);
+      float top = -SP_INF;
+      for (int e = lane; e < E; e += 32) top = fmaxf(top, __ldcg(lg + e));
+      top = warp_max(top);
+      float z = 0.0f;
+      for (int e = lane; e < E; e += 32) z += expf(__ldcg(lg + e) - top);
+      z = warp_sum(z);
+      float total = 0.0f;
+      for (int c = 0; c < KE; ++c) {
+        float bv = -SP_INF;
+        int bi = 0x7fffffff;
+        for (int e = lane; e < E; e += 32) {
+          bool taken = false;
+          for (int t = 0; t < c; ++t) taken |= (s_eid[b][t] == e);
+          const float v = __ldcg(lg + e);
+          if (!taken && (v > bv || (v == bv && e < bi))) { bv = v; bi = e; }
+        }
+        warp_argmax(bv, bi);
+        const float p = expf(bv - top) / z;
+        if (lane == 0) { s_eid[b][c] = bi; s_ew[b][c] = p; }
+        total += p;
+        __syncwarp();
+      }
+      if (NORM_TOPK && lane < KE) s_ew[b][lane] /= total;
+      __syncwarp();
+      if (blk == 0 && lane < KE) {
+        S[O_EW + (size_t)b * KE + lane] = s_ew[b][lane];
+        S[O_EI + (size_t)b * KE + lane] = (float)s_eid[b][lane];
+      }
+    }
+    __syncthreads();
+    // the chosen experts' gate/up: rows (b, c, j)
+    product<W, 1, 2>(
+        B * KE * IE, H, gwarp, NW,
+        [&](int r, int j) {
+          const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
+          const W* base = j == 0 ? mlp2 : mlp3;
+          return base + ((size_t)s_eid[b][c] * IE + row) * H;
+        },
+        [&](int, int r, int k, float* x) { smem8(xs + (size_t)(r / (KE * IE)) * H + k, x); },
+        [&](int r, float (&acc)[1][2]) {
+          if (lane == 0) S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
+        });
+    grid_sync(bar, goal, gave_up);
+  stamp();
+    // down: per output (b, h) the weighted experts plus the gated shared one
+    float* xe = xs;                               // [B, KE, IE]
+    float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
+    for (int i = tid; i < B * KE * IE; i += blockDim.x) xe[i] = __ldcg(S + O_EACT + i);
+    for (int i = tid; i < B * IS; i += blockDim.x) xsh[i] = __ldcg(S + O_SACT + i);
+    __syncthreads();
+    constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
+    constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
+    for (int r = gwarp; r < B * H; r += NW) {
+      const int b = r / H, hr = r % H;
+      const float sg = sigmoid(__ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
+      float part = 0.0f;
+      if constexpr (BATCHED) {
+        uint4 raw[KE * CH + SCH > 0 ? KE * CH + SCH : 1];
+#pragma unroll
+        for (int c = 0; c < KE; ++c)
+#pragma unroll
+          for (int q = 0; q < CH; ++q)
+            raw[c * CH + q] = __ldg(reinterpret_cast<const uint4*>(
+                mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE + q * 256 + lane * 8));
+#pragma unroll
+        for (int q = 0; q < SCH; ++q)
+          raw[KE * CH + q] = __ldg(reinterpret_cast<const uint4*>(
+              mlp6 + (size_t)hr * IS + q * 256 + lane * 8));
+#pragma unroll
+        for (int c = 0; c <= KE; ++c) {
+          const float weight = c < KE ? s_ew[b][c] : sg;
+          const float* xa = c < KE ? xe + ((size_t)b * KE + c) * IE : xsh + (size_t)b * IS;
+          float s = 0.0f;
+#pragma unroll
+          for (int q = 0; q < (c < KE ? CH : SCH); ++q) {
+            const W* e = reinterpret_cast<const W*>(&raw[c * CH + q]);
+            float x[8];
+            smem8(xa + q * 256 + lane * 8, x);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
+          }
+          part += weight * s;
+        }
+      } else {
+        for (int c = 0; c < KE; ++c) {
+          const W* wr = mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE;
+          const float* xa = xe + ((size_t)b * KE + c) * IE;
+          for (int k = lane * 8; k < IE; k += 256) {
+            float w[8], x[8];
+            load8(wr + k, w);
+            smem8(xa + k, x);
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s += w[i] * x[i];
+            part += s_ew[b][c] * s;
+          }
+        }
+        const W* wr = mlp6 + (size_t)hr * IS;
+        for (int k = lane * 8; k < IS; k += 256) {
+          float w[8], x[8];
+          load8(wr + k, w);
+          smem8(xsh + (size_t)b * IS + k, x);
+          float s = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s += w[i] * x[i];
+          part += sg * s;
+        }
+      }
+      part = warp_sum(part);
+      if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
+    }
+    grid_sync(bar, goal, gave_up);
+  stamp();
+  }
+
+  // ---- 7. the head's norm, the projection, each block's candidates -------
+  // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
+  float* lg = dyn + (size_t)B * H;
+  for (int b = 0; b < B; ++b) {
+    const float iv = inv_rms(S + O_R2 + (size_t)b * H, H, eps, red);
+    for (int k = tid; k < H; k += blockDim.x) {
+      const float v = __ldcg(S + O_R2 + (size_t)b * H + k) * iv * static_cast<float>(w_hnorm[k]);
+      xs[(size_t)b * H + k] = v;
+      if (blk == 0) normed[(size_t)b * H + k] = static_cast<W>(v);
+    }
+  }
+  __syncthreads();
+  const int lo = blk * CHUNK;
+  const int hi = min(V, lo + CHUNK);
+  float best_v[B];
+  int best_i[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
+  // two adjacent rows per warp (more loads in flight); an odd last row pairs
+  // with itself and its second sum is dropped
+  const int n_here = max(0, hi - lo);
+  product<W, B, 2>(
+      (n_here + 1) / 2, H, warp, NWARP,
+      [&](int q, int j) { return w_head + (size_t)min(lo + 2 * q + j, hi - 1) * H; },
+      [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
+      [&](int q, float (&acc)[B][2]) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int r = lo + 2 * q + j;
+          if (r >= hi) break;
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            if (GREEDY) {
+              if (acc[b][j] > best_v[b]) { best_v[b] = acc[b][j]; best_i[b] = r; }
+            } else if (lane == 0) {
+              lg[(size_t)b * CHUNK + (r - lo)] = acc[b][j];
+            }
+          }
+        }
+      });
+  if constexpr (GREEDY) {
+    if (lane == 0)
+      for (int b = 0; b < B; ++b) { s_topv[warp * B + b] = best_v[b]; s_topi[warp * B + b] = best_i[b]; }
+    __syncthreads();
+    if (tid < B) {
+      float v = -SP_INF;
+      int id = 0x7fffffff;
+      for (int w = 0; w < NWARP; ++w) {
+        const float ov = s_topv[w * B + tid];
+        const int oi = s_topi[w * B + tid];
+        if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+      }
+      S[O_CV + (size_t)tid * NBLK + blk] = v;
+      S[O_CI + (size_t)tid * NBLK + blk] = (float)id;
+    }
+  } else {
+    __syncthreads();
+    if (warp < B) {  // warp b: this block's top KC of row b
+      const int b = warp;
+      float* vals = lg + (size_t)b * CHUNK;
+      const int n = hi - lo;
+      float bv = -SP_INF;
+      int bp = 0x7fffffff;
+      for (int p = lane; p < n; p += 32)
+        if (vals[p] > bv || (vals[p] == bv && p < bp)) { bv = vals[p]; bp = p; }
+      for (int c = 0; c < KC; ++c) {
+        float v = bv;
+        int pos = bp;
+        warp_argmax(v, pos);
+        if (lane == 0) {
+          S[O_CV + ((size_t)b * NBLK + blk) * KC + c] = v;
+          S[O_CI + ((size_t)b * NBLK + blk) * KC + c] = (float)(pos < n ? lo + pos : -1);
+        }
+        if (pos == bp && pos < n) {
+          vals[bp] = -SP_INF;
+          bv = -SP_INF;
+          bp = 0x7fffffff;
+          for (int p = lane; p < n; p += 32)
+            if (vals[p] > bv || (vals[p] == bv && p < bp)) { bv = vals[p]; bp = p; }
+        }
+        __syncwarp();
+      }
+    }
+  }
+  grid_sync(bar, goal, gave_up);
+  stamp();
+
+  // ---- 8. the draw: block b draws row b --------------------------------------
+  if (blk < B && warp == 0) {
+    const int b = blk;
+    if (GREEDY) {
+      float v = -SP_INF;
+      int id = 0x7fffffff;
+      for (int c = lane; c < NBLK; c += 32) {
+        const float ov = __ldcg(S + O_CV + (size_t)b * NBLK + c);
+        const int oi = (int)__ldcg(S + O_CI + (size_t)b * NBLK + c);
+        if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+      }
+      warp_argmax(v, id);
+      if (lane == 0) tokens[b] = SUBSET ? sub_ids[id] : id;
+    }
+  }
+  if (!GREEDY && blk < B) {
+    const int b = blk;
+    // the block's candidates into shared memory (after the logits)
+    constexpr int NC = NBLK * KC;
+    float* cv = dyn;
+    int* ci = reinterpret_cast<int*>(dyn + NC);
+    for (int c = tid; c < NC; c += blockDim.x) {
+      cv[c] = __ldcg(S + O_CV + (size_t)b * NC + c);
+      ci[c] = (int)__ldcg(S + O_CI + (size_t)b * NC + c);
+    }
+    __syncthreads();
+    // each warp the top KC of its slice, then warp 0 of those
+    constexpr int SLICE = (NC + NWARP - 1) / NWARP;
+    {
+      const int a = warp * SLICE;
+      const int n = max(0, min(NC, a + SLICE) - a);
+      warp_top(cv + a, ci + a, n, KC, s_topv + warp * KC, s_topi + warp * KC);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      int* tmp_i = s_topi + NWARP * KC;
+      float* tmp_v = s_topv + NWARP * KC;
+      warp_top(s_topv, s_topi, NWARP * KC, KC, tmp_v, tmp_i);
+      __syncwarp();
+      // lane j: the j-th largest logit (descending), or none
+      const bool have = lane < KC && tmp_v[min(lane, KC - 1)] != -SP_INF;
+      const float sc = have ? tmp_v[lane] * fparams[1] : -SP_INF;
+      const int id = have ? tmp_i[lane] : 0x7fffffff;
+      const float smax = __shfl_sync(0xffffffffu, sc, 0);
+      float e = have ? expf(sc - smax) : 0.0f;
+      const float z = warp_sum(e);
+      float p = e / z;
+      const float top_p = fparams[2], min_p = fparams[3];
+      if (top_p < 1.0f) {
+        float before = 0.0f;  // exclusive prefix sum in descending order
+        float run = p;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const float up = __shfl_up_sync(0xffffffffu, run, o);
+          if (lane >= o) run += up;
+        }
+        before = run - p;
+        const float kept = (have && before < top_p) ? p : SP_INF;
+        float cutoff = kept;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) cutoff = fminf(cutoff, __shfl_xor_sync(0xffffffffu, cutoff, o));
+        if (p < cutoff) p = 0.0f;
+      }
+      if (min_p > 0.0f) {
+        const float pmax = __shfl_sync(0xffffffffu, p, 0);
+        if (p < min_p * pmax) p = 0.0f;
+      }
+      // inverse CDF in id order with the (seed, step) uniform
+      float below = 0.0f;  // mass of ids <= mine
+      for (int j = 0; j < 32; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, p, j);
+        const int ij = __shfl_sync(0xffffffffu, id, j);
+        if (ij <= id) below += pj;
+      }
+      const float total = warp_sum(p);
+      const float u = step_uniform(seeds[b], steps[b]);
+      const float target = u * total;
+      int pick = (p > 0.0f && below >= target) ? id : 0x7fffffff;
+      int last_id = p > 0.0f ? id : -1;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        pick = min(pick, __shfl_xor_sync(0xffffffffu, pick, o));
+        last_id = max(last_id, __shfl_xor_sync(0xffffffffu, last_id, o));
+      }
+      if (pick == 0x7fffffff) pick = last_id;
+      if (lane == 0) tokens[b] = SUBSET ? sub_ids[pick] : pick;
+    }
+  }
+  if (blk == 0) __syncthreads();
+  stamp();
+"""
+
+# Phases that end in a grid barrier: dense 1, 2, 3, 4, 5, 6, 7; MoE adds one.
+_BARRIERS = {True: 7, False: 8}
+
+_INPUTS = [
+    "ids", "hid", "last", "starts", "keys", "values", "seeds", "steps",
+    "fparams", "inv_freq", "embed", "w_norm_e", "w_norm_h", "w_final", "w_fc",
+    "w_in", "w_qkv", "w_qn", "w_kn", "w_o", "w_post", "mlp0", "mlp1", "mlp2",
+    "mlp3", "mlp4", "mlp5", "mlp6", "w_hnorm", "w_head", "sub_ids", "sync",
+]  # fmt: skip
+_OUTPUTS = ["tokens", "normed", "knew", "vnew", "scratch"]
+
+
+@cache
+def _kernel(shared: int) -> Callable[..., list[mx.array]]:
+    return cast(
+        Callable[..., list[mx.array]],
+        mx.fast.cuda_kernel(
+            name=f"specpipe_mtp_step_{shared}",
+            input_names=_INPUTS,
+            output_names=_OUTPUTS,
+            source=_SOURCE,
+            header=_HEADER,
+            shared_memory=shared,
+        ),
+    )
+
+
+@frozen
+class LayerShape:
+    """The sizes a fused step is built for (template constants)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary: int
+    dense: bool
+    intermediate: int  # dense MLP; 0 for MoE
+    experts: int  # MoE; 0 for dense
+    top_experts: int
+    expert_intermediate: int
+    shared_intermediate: int
+    norm_top: bool
+
+    def scratch(self, vectors: int, rows: int, candidates: int) -> int:
+        """Floats of the kernel's scratch output (mirrors the source's offsets)."""
+        h = self.hidden
+        qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
+        parts = [
+            vectors * h,
+            vectors * qkv,
+            rows * self.heads * self.head_dim,
+            rows * h,
+        ]
+        if self.dense:
+            parts.append(rows * self.intermediate)
+        else:
+            parts += [
+                rows * (self.experts + 1),
+                rows * self.shared_intermediate,
+                rows * self.top_experts * self.expert_intermediate,
+                rows * self.top_experts,
+                rows * self.top_experts,
+            ]
+        parts += [rows * h, rows * BLOCKS * candidates, rows * BLOCKS * candidates]
+        return sum(_align8(n) for n in parts) + PHASE_STAMPS
+
+    def shared_bytes(
+        self, vectors: int, rows: int, vocab: int, greedy: bool, top_k: int
+    ) -> int:
+        """Dynamic shared memory of a step: the largest of the phases' staged
+        input vectors (float32), the head's (plus the block's logits when
+        sampling) and the draw's candidates."""
+        h = self.hidden
+        mlp = (
+            rows * self.intermediate
+            if self.dense
+            else rows * (self.top_experts * self.expert_intermediate
+                         + self.shared_intermediate)
+        )  # fmt: skip
+        chunk = -(-vocab // BLOCKS)
+        floats = max(
+            vectors * 2 * h,
+            rows * self.heads * self.head_dim,
+            mlp,
+            rows * h + (0 if greedy else rows * chunk),
+            0 if greedy else 2 * BLOCKS * top_k,
+        )
+        return 4 * floats
+
+
+def _align8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+@frozen(eq=False)
+class FusedWeights:
+    """The arrays one fused step reads (all of one 2-byte float dtype)."""
+
+    shape: LayerShape
+    embed: mx.array  # [Vemb, H]
+    norm_embedding: mx.array
+    norm_hidden: mx.array
+    final_norm: mx.array  # the target's
+    fc: mx.array  # [H, 2H]
+    input_norm: mx.array
+    qkv: mx.array  # [2 Hq D + 2 Hkv D, H]
+    q_norm: mx.array
+    k_norm: mx.array
+    o: mx.array  # [H, Hq D]
+    post_norm: mx.array
+    mlp: tuple[mx.array, ...]  # seven arrays, see `_SOURCE` (mlp0 .. mlp6)
+    head_norm: mx.array
+    inv_freq: mx.array  # [rotary / 2] f32
+    eps: float
+
+    def arrays(self) -> list[mx.array]:
+        """The weights in the kernel's input order (`_INPUTS`, embed .. w_hnorm)."""
+        return [
+            self.embed,
+            self.norm_embedding,
+            self.norm_hidden,
+            self.final_norm,
+            self.fc,
+            self.input_norm,
+            self.qkv,
+            self.q_norm,
+            self.k_norm,
+            self.o,
+            self.post_norm,
+            *self.mlp,
+            self.head_norm,
+        ]
+
+
+def _float2(arrays: Sequence[mx.array]) -> mx.Dtype | None:
+    dtypes = {a.dtype for a in arrays}
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    return dtype if dtype in (mx.bfloat16, mx.float16) else None
+
+
+def _inv_freq(rope: RoPE) -> mx.array | None:
+    """RoPE's inverse frequencies as `mx.fast.rope` applies them (positions
+    times scale times base^(-2i/dims), or times 1/freqs when given)."""
+    if rope.traditional:
+        return None
+    half = rope.dims // 2
+    freqs = rope._freqs
+    if freqs is not None:
+        inverse: mx.array = rope.scale / freqs.astype(mx.float32)
+        return inverse.astype(mx.float32)
+    if rope.base is None:
+        return None
+    exponents = mx.arange(half, dtype=mx.float32) * (2.0 / rope.dims)
+    powers: mx.array = mx.power(float(rope.base), -exponents)
+    return (rope.scale * powers).astype(mx.float32)
+
+
+def _weight(module: Any) -> mx.array | None:
+    """A float Linear's weight (None when quantized or biased)."""
+    if not isinstance(module, nn.Linear) or "bias" in module:
+        return None
+    if isinstance(module, nn.QuantizedLinear):
+        return None
+    weight: mx.array = module.weight
+    return weight
+
+
+def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | None:
+    """The fused step's arrays for layer `layer_index` of `head` on `target`
+    (a models.qwen3_next.Model), or None when the step is outside the fused
+    kernel's scope (the module doc)."""
+    # imported here: models.qwen3_next imports the hybrid stack
+    from models.layers import MLP
+    from models.qwen3_next import SparseMoeBlock, SwitchLinear
+
+    layer = head.layers[layer_index]
+    attn = layer.self_attn
+    embed = target.model.embed_tokens
+    if not isinstance(embed, nn.Embedding) or isinstance(embed, nn.QuantizedEmbedding):
+        return None
+    qkv = attn._qkv
+    if (
+        qkv is None
+        or qkv.bits
+        or "bias" in qkv.arrays
+        or not qkv.current((attn.q_proj, attn.k_proj, attn.v_proj))
+    ):
+        return None
+    fc, o = _weight(head.fc), _weight(attn.o_proj)
+    inv_freq = _inv_freq(attn.rope)
+    if fc is None or o is None or inv_freq is None:
+        return None
+    hidden = int(fc.shape[0])
+    head_dim, rotary = attn.head_dim, attn.rope.dims
+    mlp = layer.mlp
+    mlp_arrays: list[mx.array]
+    if isinstance(mlp, MLP):
+        gate_up = mlp._gate_up
+        down = _weight(mlp.down_proj)
+        if gate_up is None or gate_up.bits or "bias" in gate_up.arrays or down is None:
+            return None
+        intermediate = mlp.intermediate
+        shape = LayerShape(
+            hidden, attn.heads, attn.kv_heads, head_dim, rotary, True,
+            intermediate, 0, 0, 0, 0, False,
+        )  # fmt: skip
+        mlp_arrays = [gate_up.arrays["weight"], down]
+    elif isinstance(mlp, SparseMoeBlock):
+        switch, shared = mlp.switch_mlp, mlp.shared_expert
+        router, shared_gate = _weight(mlp.gate), _weight(mlp.shared_expert_gate)
+        parts = (switch.gate_proj, switch.up_proj, switch.down_proj)
+        gate_up = shared._gate_up
+        shared_down = _weight(shared.down_proj)
+        if (
+            router is None
+            or shared_gate is None
+            or not all(isinstance(p, SwitchLinear) for p in parts)
+            or gate_up is None
+            or gate_up.bits
+            or "bias" in gate_up.arrays
+            or shared_down is None
+        ):
+            return None
+        experts, expert_inter, _ = switch.gate_proj.weight.shape
+        shape = LayerShape(
+            hidden, attn.heads, attn.kv_heads, head_dim, rotary, False, 0,
+            int(experts), mlp.top_k, int(expert_inter), shared.intermediate,
+            bool(mlp.norm_topk_prob),
+        )  # fmt: skip
+        mlp_arrays = [
+            router,
+            shared_gate,
+            switch.gate_proj.weight,
+            switch.up_proj.weight,
+            switch.down_proj.weight,
+            gate_up.arrays["weight"],
+            shared_down,
+        ]
+    else:
+        return None
+    sizes = [hidden, hidden * 2, shape.intermediate, shape.expert_intermediate]
+    sizes.append(shape.shared_intermediate)
+    sizes.append(attn.heads * head_dim)
+    if (
+        any(n % 256 for n in sizes)
+        or head_dim % 32
+        or rotary % 2
+        or (rotary // 2) % (head_dim // 32)
+        or rotary > head_dim
+        or attn.heads % attn.kv_heads
+        or head_dim > BLOCK
+        or (not shape.dense and shape.top_experts > 32)
+    ):
+        return None
+    while len(mlp_arrays) < 7:  # unused slots of the dense form
+        mlp_arrays.append(mlp_arrays[0][:1, :8])
+    weights = FusedWeights(
+        shape,
+        embed.weight,
+        head.pre_fc_norm_embedding.weight,
+        head.pre_fc_norm_hidden.weight,
+        target.model.norm.weight,
+        fc,
+        layer.input_layernorm.weight,
+        qkv.arrays["weight"],
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        o,
+        layer.post_attention_layernorm.weight,
+        tuple(mlp_arrays),
+        head.norm.weight,
+        inv_freq,
+        float(head.norm.eps),
+    )
+    return weights if _float2(weights.arrays()) is not None else None
+
+
+# Whether a CUDA GPU drafts MTP steps in scope through the fused kernel. Off
+# until the kernel as it stands is checked against the MLX step on a device
+# (bench/fused_probe.py; its dense form was, an earlier revision: bf16-level
+# differences, the same greedy tokens); `bench/mtp.py --steps fused` turns it on.
+FUSED_ON_GPU = False
+
+
+@frozen(eq=False)
+class FusedStep:
+    """One MTP draft step as one kernel launch (then the two KV scatters)."""
+
+    weights: FusedWeights
+    head: mx.array  # [V, H] projection rows (the FR-Spec rows when listed)
+    subset_ids: mx.array | None  # [V] int32, ascending
+    sync: mx.array  # [2] uint64: barrier counter, failed barriers
+    profiled: list[mx.array] = field(factory=list, init=False)  # the last scratch
+    traced: dict[tuple[bool, float, float, float, int], StepFn] = field(
+        factory=dict, init=False
+    )
+
+    @classmethod
+    def make(
+        cls, weights: FusedWeights, head: mx.array, subset_ids: mx.array | None
+    ) -> FusedStep | None:
+        if head.dtype != weights.embed.dtype or head.shape[1] != weights.shape.hidden:
+            return None
+        sync = mx.zeros((2,), dtype=mx.uint64)
+        mx.eval(sync)
+        return cls(weights, head, subset_ids, sync)
+
+    @classmethod
+    def for_head(
+        cls,
+        target: Any,
+        head: Any,
+        layer: int,
+        subset: tuple[mx.array, mx.array] | None,  # (ids [N], rows [N, H])
+    ) -> FusedStep | None:
+        """The fused step of `head`'s layer `layer` over the target's full
+        vocabulary projection or the FR-Spec `subset`, or None when out of
+        the kernel's scope (float, unquantized, the shapes in the module doc)."""
+        weights = fused_weights(target, head, layer)
+        if weights is None:
+            return None
+        if subset is None:
+            projection = target.head_weights()
+            if projection.bits:
+                return None
+            return cls.make(weights, projection.weight, None)
+        ids, rows = subset
+        return cls.make(weights, rows, ids)
+
+    def supports(self, temperature: float, top_k: int) -> bool:
+        """Whether draws with these filters run in the kernel: greedy, or
+        sampling that keeps at most MAX_TOP_K candidates."""
+        return temperature == 0.0 or 0 < top_k <= min(MAX_TOP_K, self.vocab - 1)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.head.shape[0])
+
+    def fits(self, rows: int, length: int, greedy: bool, top_k: int) -> bool:
+        """Whether a step of `rows` x `length` positions with this draw is in
+        the kernel's scope (else the caller keeps the MLX step)."""
+        shape = self.weights.shape
+        return (
+            rows <= MAX_ROWS
+            and rows * length <= MAX_VECTORS
+            and (greedy or 0 < top_k <= MAX_TOP_K)
+            and top_k < self.vocab
+            and shape.shared_bytes(rows * length, rows, self.vocab, greedy, top_k)
+            <= MAX_SHARED
+        )
+
+    def step(
+        self, first: bool, temperature: float, top_p: float, min_p: float, top_k: int
+    ) -> StepFn:
+        """The step for one draw setting (temperature 0: greedy) as a compiled
+        function of HeadStep's step signature: the kernel, then the window's
+        keys / values scattered into the buffers at `starts`."""
+        key = (first, temperature, top_p, min_p, top_k)
+        traced = self.traced.get(key)
+        if traced is None:
+            greedy = temperature == 0.0
+            dist = draw_params(self.weights.eps, temperature, top_p, min_p)
+            mx.eval(dist)
+
+            def run(*arrays: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+                # arrays: ids, hidden, last, starts, keys, values, seeds, steps
+                starts, keys, values = arrays[3], arrays[4], arrays[5]
+                tokens, normed, knew, vnew = self(
+                    first, greedy, 0 if greedy else top_k, dist, *arrays
+                )
+                return (
+                    tokens,
+                    normed,
+                    scatter_window(keys, knew, starts),
+                    scatter_window(values, vnew, starts),
+                )
+
+            traced = cast(StepFn, mx.compile(run))
+            self.traced[key] = traced
+        return traced
+
+    def failures(self) -> int:
+        """How many grid barriers gave up waiting so far (0 on a sound device)."""
+        count: int = self.sync[1].tolist()  # type: ignore[assignment]
+        return count
+
+    def __call__(
+        self,
+        first: bool,
+        greedy: bool,
+        top_k: int,
+        dist: mx.array,  # [4] f32: eps, 1 / temperature, top_p, min_p
+        ids: mx.array,  # [B, L] int32
+        hidden: mx.array,  # [B, L, H]
+        last: mx.array,  # [B] int32
+        starts: mx.array,  # [B] int32
+        keys: mx.array,  # [B, Hkv, C, D]
+        values: mx.array,
+        seeds: mx.array,  # [B] uint32
+        steps: mx.array,  # [B] uint32
+        *,
+        profile: bool = False,
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(tokens [B], normed [B, 1, H], knew, vnew [B, Hkv, L, D]): the
+        window's keys and values for the caller to store at `starts`.
+        `profile`: stamp the phases (`phase_times`)."""
+        w, s = self.weights, self.weights.shape
+        rows, length = ids.shape
+        vectors = rows * length
+        candidates = 1 if greedy else top_k
+        # MLX lifts a kernel's shared-memory limit only for more than 48000
+        # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
+        # (one block per multiprocessor anyway), in steps of 16 KiB.
+        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, top_k)
+        shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
+        template: list[tuple[str, Any]] = [
+            ("T", w.embed.dtype),
+            ("NBLK", BLOCKS),
+            ("NBAR", _BARRIERS[s.dense]),
+            ("H", s.hidden),
+            ("M", vectors),
+            ("B", rows),
+            ("TT", length),
+            ("HQ", s.heads),
+            ("HKV", s.kv_heads),
+            ("D", s.head_dim),
+            ("ROT", s.rotary),
+            ("DENSE", s.dense),
+            ("IM", max(s.intermediate, 1)),
+            ("E", max(s.experts, 1)),
+            ("KE", max(s.top_experts, 1)),
+            ("IE", max(s.expert_intermediate, 1)),
+            ("IS", max(s.shared_intermediate, 1)),
+            ("NORM_TOPK", s.norm_top),
+            ("V", self.vocab),
+            ("SUBSET", self.subset_ids is not None),
+            ("GREEDY", greedy),
+            ("TOPK", max(top_k, 1)),
+            ("FIRST", first),
+            ("PROFILE", profile),
+        ]
+        sub_ids = self.subset_ids if self.subset_ids is not None else last
+        outputs = _kernel(shared)(
+            inputs=[
+                ids.reshape(-1),
+                hidden.reshape(vectors, s.hidden),
+                last,
+                starts,
+                keys,
+                values,
+                seeds,
+                steps,
+                dist,
+                w.inv_freq,
+                *w.arrays(),
+                self.head,
+                sub_ids,
+                self.sync,
+            ],
+            template=template,
+            grid=(BLOCKS * BLOCK, 1, 1),
+            threadgroup=(BLOCK, 1, 1),
+            output_shapes=[
+                (rows,),
+                (rows, 1, s.hidden),
+                (rows, s.kv_heads, length, s.head_dim),
+                (rows, s.kv_heads, length, s.head_dim),
+                (s.scratch(vectors, rows, candidates),),
+            ],
+            output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
+                           mx.float32],
+        )  # fmt: skip
+        if profile:
+            self.profiled[:] = [outputs[4]]
+        return outputs[0], outputs[1], outputs[2], outputs[3]
+
+    def phase_times(self, *args: Any) -> list[float]:
+        """One profiled launch of `__call__(*args)`: microseconds from block
+        0's start to the end of each phase (the grid barrier closing it, then
+        the draw), as block 0 saw them."""
+        outputs = self(*args, profile=True)
+        scratch = self.profiled[0]
+        mx.eval(*outputs, scratch)
+        phases = _BARRIERS[self.weights.shape.dense] + 1
+        stamps: list[float] = scratch[-PHASE_STAMPS:][:phases].tolist()  # type: ignore[assignment]
+        return [round(t / 1000.0, 2) for t in stamps]
+
+
+def draw_params(eps: float, temperature: float, top_p: float, min_p: float) -> mx.array:
+    """The kernel's float parameters."""
+    inverse = 1.0 / temperature if temperature > 0 else 0.0
+    return mx.array([eps, inverse, top_p, min_p], dtype=mx.float32)

@@ -1,0 +1,346 @@
+"""The one-kernel MTP draft step (models/mtp_cuda.py), what can be checked
+without a GPU: which heads and steps it takes, the RoPE frequencies it
+rotates with (against MLX's own RoPE), the dispatch between it and the
+compiled MLX step, and that its CUDA source (and the gated delta window
+kernel's) compiles under NVRTC for the shapes the library builds, without
+register spills. Its numbers are checked on a device (bench/fused_probe.py:
+tokens, normed output and cached keys / values against the MLX step)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from nvrtc_support import compile_source, source
+
+from models import gated_delta_cuda, mtp_cuda
+from models.base import RoPE
+from models.build import build_model
+from models.fuse import fuse_projections
+from models.mtp import MtpHead
+from models.mtp_cuda import FusedStep, _inv_freq, fused_weights
+from schemas.hf import RopeConfig
+from schemas.hf_hybrid import hybrid_args
+from schemas.request import SamplingParams
+from specpipe.draft_vocab import DraftVocabulary, SubsetHead
+from specpipe.drafts.mtp import HeadStep, _through_kernel
+
+VOCAB = 512
+BASE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "partial_rotary_factor": 0.5,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "max_position_embeddings": 1024,
+}
+MOE = {
+    "model_type": "qwen3_next",
+    **BASE,
+    "intermediate_size": 512,
+    "num_experts": 8,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+}
+DENSE = {
+    "model_type": "qwen3_5_text",
+    **BASE,
+    "intermediate_size": 768,
+    "attn_output_gate": True,
+    "mtp_num_hidden_layers": 1,
+}
+
+
+def built(
+    config: dict[str, Any], dtype: mx.Dtype = mx.bfloat16, fuse: bool = True
+) -> tuple[Any, MtpHead]:
+    args = hybrid_args(config, "test").unwrap()
+    mx.random.seed(0)
+    target = build_model(args).unwrap()
+    target.set_dtype(dtype)
+    head = MtpHead(args)
+    head.set_dtype(dtype)
+    if fuse:
+        fuse_projections(target)
+        fuse_projections(head)
+    mx.eval(target.parameters(), head.parameters())
+    return target, head
+
+
+@pytest.fixture(scope="module")
+def moe() -> tuple[Any, MtpHead]:
+    return built(MOE)
+
+
+@pytest.fixture(scope="module")
+def dense() -> tuple[Any, MtpHead]:
+    return built(DENSE)
+
+
+def test_the_kernel_takes_moe_and_dense_heads(
+    moe: tuple[Any, MtpHead], dense: tuple[Any, MtpHead]
+) -> None:
+    sparse = fused_weights(*moe, 0)
+    assert sparse is not None
+    assert not sparse.shape.dense
+    assert (sparse.shape.experts, sparse.shape.top_experts) == (8, 3)
+    assert sparse.shape.expert_intermediate == sparse.shape.shared_intermediate == 256
+    assert sparse.shape.rotary == 32 and sparse.shape.head_dim == 64
+    plain = fused_weights(*dense, 0)
+    assert plain is not None
+    assert plain.shape.dense and plain.shape.intermediate == 768
+    assert plain.qkv.shape == (2 * 4 * 64 + 2 * 2 * 64, 256)  # q and gate, k, v
+    assert plain.mlp[0].shape == (2 * 768, 256)  # gate and up, fused
+    # the weights go to the kernel in its parameter order, between the RoPE
+    # frequencies and the projection rows
+    names = mtp_cuda._INPUTS
+    start = names.index("inv_freq") + 1
+    assert len(plain.arrays()) == names.index("w_head") - start
+    assert plain.arrays()[names.index("w_qkv") - start] is plain.qkv
+    assert plain.arrays()[names.index("mlp1") - start] is plain.mlp[1]
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["float32", "unfused", "quantized", "hidden 64"],
+)
+def test_heads_outside_the_kernel_s_scope_are_refused(why: str) -> None:
+    config = dict(MOE)
+    if why == "hidden 64":
+        config |= {"hidden_size": 64, "head_dim": 16}
+    target, head = built(
+        config,
+        mx.float32 if why == "float32" else mx.bfloat16,
+        fuse=why != "unfused",
+    )
+    if why == "quantized":
+        nn.quantize(head, group_size=64, bits=4)
+        fuse_projections(head)
+    assert fused_weights(target, head, 0) is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        RopeConfig(theta=10000.0),
+        RopeConfig(theta=1e6, rope_type="linear", factor=4.0),
+        RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0),
+    ],
+)
+def test_rope_frequencies_rotate_as_mlx_rope(config: RopeConfig) -> None:
+    dims, head_dim, position = 32, 64, 37
+    rope = RoPE(dims, config)
+    inv_freq = _inv_freq(rope)
+    assert inv_freq is not None
+    x = mx.random.normal((1, 1, 1, head_dim), key=mx.random.key(3))
+    expected = rope(x, position)[0, 0, 0]
+    half = dims // 2
+    angle = position * inv_freq
+    cos, sin = mx.cos(angle), mx.sin(angle)
+    v = x[0, 0, 0]
+    rotated = mx.concatenate(
+        [
+            v[:half] * cos - v[half:dims] * sin,
+            v[half:dims] * cos + v[:half] * sin,
+            v[dims:],
+        ]
+    )
+    assert mx.allclose(rotated, expected, atol=1e-5).item()
+
+
+def test_traditional_rope_is_out_of_scope() -> None:
+    assert _inv_freq(RoPE(32, RopeConfig(traditional=True))) is None
+
+
+def test_step_sizes_and_draws_in_scope(moe: tuple[Any, MtpHead]) -> None:
+    target, head = moe
+    weights = fused_weights(target, head, 0)
+    assert weights is not None
+    step = FusedStep.make(weights, target.head_weights().weight, None)
+    assert step is not None
+    assert step.fits(1, 1, True, 0)
+    assert step.fits(8, 1, False, 20)
+    assert step.fits(4, 2, True, 0)
+    assert not step.fits(9, 1, True, 0)  # more rows than warps of a block
+    assert not step.fits(4, 4, True, 0)  # 16 window positions
+    assert not step.fits(1, 1, False, 33)  # candidates one per lane
+    assert step.supports(0.0, 0)  # greedy
+    assert step.supports(0.7, 20)
+    assert not step.supports(0.7, 0)  # top-p over the whole vocabulary
+    assert not step.supports(0.7, 40)
+
+
+def test_a_cpu_head_step_has_no_fused_step(moe: tuple[Any, MtpHead]) -> None:
+    target, head = moe
+    assert HeadStep(target, head, None).fused_step(0) is None
+
+
+class FakeFused:
+    """Stands in for a FusedStep: fits one-row, one-position steps only."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def fits(self, rows: int, length: int, greedy: bool, top_k: int) -> bool:
+        return rows == 1 and length == 1
+
+    def step(self, *args: Any) -> Any:
+        def kernel(*arrays: mx.array) -> Any:
+            self.calls.append("kernel")
+            return arrays[:4]
+
+        return kernel
+
+
+def test_steps_the_kernel_cannot_take_run_the_compiled_step() -> None:
+    fake = FakeFused()
+
+    def compiled(*arrays: mx.array) -> Any:
+        fake.calls.append("compiled")
+        return arrays[:4]
+
+    run = _through_kernel(fake, False, SamplingParams(), compiled)  # type: ignore[arg-type]
+    one = (mx.zeros((1, 1), dtype=mx.int32), *[mx.zeros((1,))] * 7)
+    two = (mx.zeros((2, 1), dtype=mx.int32), *[mx.zeros((2,))] * 7)
+    run(*one)
+    run(*two)
+    run(*one)
+    assert fake.calls == ["kernel", "compiled", "kernel"]
+
+
+def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, Any]:
+    """Replace `module._kernel` by one that records what it is called with."""
+    seen: dict[str, Any] = {}
+
+    def fake(*_args: Any) -> Any:
+        def call(**kwargs: Any) -> list[mx.array]:
+            seen.update(kwargs)
+            return [
+                mx.zeros(shape, dtype=dtype)
+                for shape, dtype in zip(
+                    kwargs["output_shapes"], kwargs["output_dtypes"], strict=True
+                )
+            ]
+
+        return call
+
+    monkeypatch.setattr(module, "_kernel", fake)
+    return seen
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
+@pytest.mark.parametrize(
+    ("kind", "greedy", "first", "listed", "rows", "length"),
+    [
+        ("moe", False, True, True, 2, 2),
+        ("moe", True, False, False, 1, 1),
+        ("dense", False, False, False, 8, 1),
+        ("dense", True, True, True, 1, 4),
+    ],
+)
+def test_the_step_kernel_compiles_without_spills(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    kind: str,
+    greedy: bool,
+    first: bool,
+    listed: bool,
+    rows: int,
+    length: int,
+) -> None:
+    target, head = request.getfixturevalue(kind)
+    weights = fused_weights(target, head, 0)
+    assert weights is not None
+    if listed:
+        ids = list(range(0, VOCAB, 3))
+        subset = SubsetHead.of(target, DraftVocabulary.create(ids, VOCAB).unwrap())
+        step = FusedStep.make(weights, subset.weights.weight, subset.ids)
+    else:
+        step = FusedStep.make(weights, target.head_weights().weight, None)
+    assert step is not None
+    seen = captured_kernel(monkeypatch, mtp_cuda)
+    cache = head.make_cache(rows)
+    cache.reserve(64)
+    hidden = weights.shape.hidden
+    tokens, normed, knew, vnew = step(
+        first,
+        greedy,
+        0 if greedy else 20,
+        mtp_cuda.draw_params(1e-6, 0.7, 0.8, 0.05),
+        mx.zeros((rows, length), dtype=mx.int32),
+        mx.zeros((rows, length, hidden), dtype=mx.bfloat16),
+        mx.zeros((rows,), dtype=mx.int32),
+        mx.zeros((rows,), dtype=mx.int32),
+        cache.keys[0],
+        cache.values[0],
+        mx.zeros((rows,), dtype=mx.uint32),
+        mx.zeros((rows,), dtype=mx.uint32),
+        profile=rows == 2,  # the phase stamps compile too
+    )
+    assert tokens.shape == (rows,) and normed.shape == (rows, 1, hidden)
+    assert knew.shape == vnew.shape == (rows, 2, length, 64)
+    text = source(
+        "mtp_step",
+        mtp_cuda._HEADER,
+        mtp_cuda._SOURCE,
+        list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
+        list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
+        seen["template"],
+    )
+    compiled = compile_source(text, tmp_path)
+    assert compiled.ok, compiled.log[:4000]
+    assert compiled.spill_bytes == 0, compiled.log
+    # one block of 256 threads per multiprocessor must fit its register file
+    assert compiled.registers is not None and compiled.registers * 256 <= 65536
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
+@pytest.mark.parametrize("runtime_dims", [False, True])
+@pytest.mark.parametrize("per_position", [False, True])
+def test_the_window_kernel_compiles(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, runtime_dims: bool, per_position: bool
+) -> None:
+    seen = captured_kernel(monkeypatch, gated_delta_cuda)
+    b, length, hk, hv, dk, dv = 2, 3, 2, 4, 32, 32
+    out, states = gated_delta_cuda.window_recurrence(
+        mx.zeros((b, length, hk, dk)),
+        mx.zeros((b, length, hk, dk)),
+        mx.zeros((b, length, hv, dv)),
+        mx.zeros((b, length, hv)),
+        mx.zeros((b, length, hv)),
+        mx.zeros((b, hv, dk, dv)),
+        per_position,
+        runtime_dims,
+    )
+    assert out.shape == (b, length, hv, dv)
+    assert states.shape == ((length if per_position else 1), b, hv, dk, dv)
+    body = (
+        gated_delta_cuda._DIMS_FROM_SHAPE + gated_delta_cuda._SOURCE
+        if runtime_dims
+        else gated_delta_cuda._SOURCE
+    )
+    names = ["q", "k", "v", "decay", "beta", "state"]
+    text = source(
+        "gated_delta",
+        "",
+        body,
+        list(zip(names, seen["inputs"], strict=True)),
+        list(zip(["out", "states"], seen["output_dtypes"], strict=True)),
+        seen["template"],
+    )
+    compiled = compile_source(text, tmp_path)
+    assert compiled.ok, compiled.log[:4000]
+    assert compiled.spill_bytes == 0, compiled.log
