@@ -61,8 +61,18 @@ class CausalLM(Protocol):
     padding_safe: bool
 
     def __call__(
-        self, ids: mx.array, cache: Any, offsets: Sequence[int]
-    ) -> ModelOutput: ...
+        self,
+        ids: mx.array,
+        cache: Any,
+        offsets: Sequence[int],
+        *,
+        prefill: bool = False,
+    ) -> ModelOutput:
+        """The window `ids` at each row's offset. `prefill`: every row keeps
+        the whole window (a prefill chunk), so recurrent layers need only the
+        state after its last position, not one per position (a verify
+        window's commit may keep any prefix)."""
+        ...
 
     def make_cache(self, batch: int) -> Any: ...
 

@@ -101,6 +101,8 @@ class Model(nn.Module):
         ids: mx.array,  # [B, L] int32
         cache: KVCache,
         offsets: Sequence[int],
+        *,
+        prefill: bool = False,  # attention rolls back by position: nothing to skip
     ) -> ModelOutput:
         hidden = self.model(ids, cache, offsets)
         return ModelOutput(logits=self.lm_head(hidden), hidden=hidden)

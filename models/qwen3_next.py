@@ -41,7 +41,9 @@ from schemas.hf import DecoderArgs
 from schemas.hf_hybrid import LINEAR_ATTENTION, HybridArgs
 
 # Windows up to this length keep the recurrent state after every position
-# (verify windows); longer ones (prefill chunks) keep only the final state.
+# (verify windows); longer ones and prefill chunks (`prefill=True`: at 64
+# tokens, 2 MB per position per linear layer of Qwen3-Next's shape, per row)
+# keep only the final state.
 PER_POSITION_MAX = 64
 
 
@@ -397,13 +399,15 @@ class Qwen3NextModel(nn.Module):
         ids: mx.array,  # [B, L] int32
         cache: HybridCache,
         offsets: Sequence[int],
+        prefill: bool = False,
     ) -> tuple[mx.array, list[WindowStates]]:  # [B, L, H] before the final norm
         batch, length = ids.shape
         assert len(offsets) == batch, "one offset per row"
         cache.reserve(max(offsets) + length)
         mask = attention_mask(offsets, length, cache.kv.key_span(offsets, length))
         rope_at = rope_offset(offsets)
-        per_position = length <= PER_POSITION_MAX
+        # a prefill chunk keeps all of itself: only the final state is needed
+        per_position = not prefill and length <= PER_POSITION_MAX
         windows: list[WindowStates] = []
         h = self.embed_tokens(ids)
         for layer in self.layers:
@@ -438,8 +442,10 @@ class Model(nn.Module):
         ids: mx.array,  # [B, L] int32
         cache: HybridCache,
         offsets: Sequence[int],
+        *,
+        prefill: bool = False,
     ) -> ModelOutput:
-        hidden, windows = self.model(ids, cache, offsets)
+        hidden, windows = self.model(ids, cache, offsets, prefill)
         delta = HybridDelta(
             cache, ids.shape[1], self.hybrid.linear_conv_kernel_dim, windows
         )

@@ -59,7 +59,7 @@ def prefill(
     cache.reserve(longest)
     for start in range(0, longest, PREFILL_CHUNK):
         ids = mx.array([g[start : start + PREFILL_CHUNK] for g in grid], dtype=mx.int32)
-        out = model(ids, cache, [start] * len(rows))
+        out = model(ids, cache, [start] * len(rows), prefill=True)
         if out.delta is not None:
             out.delta.commit(
                 [min(PREFILL_CHUNK, max(row.length - start, 0)) for row in rows]

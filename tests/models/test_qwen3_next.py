@@ -224,6 +224,41 @@ def test_prefill_then_decode_matches_full_sequence(
     assert max(support.prefill_then_decode_errors(hf, model, prompt)) < TOL
 
 
+@pytest.mark.parametrize("length", [1, 7, PER_POSITION_MAX - 1])
+def test_a_prefill_window_keeps_only_its_final_state(
+    pair: tuple[Any, Model], length: int
+) -> None:
+    """`prefill=True` (specpipe.prefill): the window carries one recurrent
+    state per linear layer instead of one per position, and committing it
+    leaves exactly the cache a verify-style window leaves."""
+    _, model = pair
+    ids = mx.array(token_ids((1, length), seed=5))
+    caches = []
+    for prefill in (False, True):
+        cache = model.make_cache(1)
+        out = model(ids, cache, [0], prefill=prefill)
+        assert out.delta is not None
+        windows = out.delta.windows
+        assert all(w.per_position is not prefill for w in windows)
+        kept = 1 if prefill else length
+        assert all(not w.stacked and len(w.recurrent) == kept for w in windows)
+        out.delta.commit([length])
+        mx.eval(cache.arrays())
+        caches.append(cache)
+    verify, prefilled = caches
+    for a, b in zip(verify.arrays(), prefilled.arrays(), strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_a_prefill_window_cannot_keep_a_part(pair: tuple[Any, Model]) -> None:
+    _, model = pair
+    cache = model.make_cache(1)
+    out = model(mx.array(token_ids((1, 5), seed=5)), cache, [0], prefill=True)
+    assert out.delta is not None
+    with pytest.raises(AssertionError):
+        out.delta.commit([3])
+
+
 @pytest.mark.parametrize("stress", ["random", "same-keys-no-decay", "strong-decay"])
 def test_chunked_rule_equals_the_step_recurrence(stress: str) -> None:
     """The prefill form (chunks of 64, blockwise triangular inverse) against

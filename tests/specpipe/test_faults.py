@@ -301,12 +301,12 @@ class FailingModel:
         self.calls = 0
 
     def __call__(
-        self, ids: mx.array, cache: KVCache, offsets: Sequence[int]
+        self, ids: mx.array, cache: KVCache, offsets: Sequence[int], **kw: Any
     ) -> ModelOutput:
         self.calls += 1
         if self.calls >= self.at:
             raise TargetFault("device lost")
-        return self.inner(ids, cache, offsets)
+        return self.inner(ids, cache, offsets, **kw)
 
     def __getattr__(self, name: str) -> Any:
         # everything but the forward (make_cache, padding_safe, ...) is the target's
