@@ -86,6 +86,12 @@ def case(shape: str, rows: int, length: int, repeats: int) -> dict[str, Any]:
                 )
             except Exception as exc:  # recorded: the run goes on
                 extra[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
+        try:  # the final-state form (prefill windows of < 64 tokens)
+            out, final = window_recurrence(q, k, v, decay, beta, state, False)
+            extra["kernel_final_out_diff"] = mx.abs(out - ref[0]).max().item()
+            extra["kernel_final_state_diff"] = mx.abs(final[0] - ref[-1]).max().item()
+        except Exception as exc:  # recorded: the run goes on
+            extra["kernel_final_error"] = f"{type(exc).__name__}: {exc}"
     prefix = replay().swapaxes(-1, -2)
     expected = mx.stack([ref[1 + int(n) - 1][b] for b, n in enumerate(kept.tolist())])
     return {
