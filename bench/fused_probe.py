@@ -56,8 +56,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--no-pair-rows", action="store_true",
+                        help="one row per warp at a time in every product (models.mtp_cuda.PAIR_ROWS)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    models.mtp_cuda.PAIR_ROWS = not args.no_pair_rows
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False
@@ -87,6 +90,7 @@ def main() -> None:
         "config": config,
         "vocab": args.vocab,
         "fr_size": args.fr_size,
+        "pair_rows": models.mtp_cuda.PAIR_ROWS,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

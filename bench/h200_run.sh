@@ -148,6 +148,8 @@ for step in "$@"; do
     for shape in ${SHAPES:-qwen3-next qwen3.5-27b}; do
       timeout 280 python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} --repeats ${REPEATS:-20} \
           --out $OUT/fused-probe-$shape-h200.json || echo "STEP FAILED: $?"
+      [ -n "${PAIR_AB:-}" ] && { timeout 280 python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} \
+          --repeats ${REPEATS:-20} --no-pair-rows --out $OUT/fused-probe-$shape-unpaired-h200.json || echo "STEP FAILED: $?"; }
     done
     ;;
   fused-mtp)  # MTP rounds and draft chains, compiled MLX step vs the fused kernel (Qwen3-Next layer)

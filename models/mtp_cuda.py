@@ -7,15 +7,16 @@ at one row against ~0.05 ms (Qwen3-Next's layer) of weight bytes, so a
 frequency-ranked draft vocabulary (FR-Spec) could cut only the projection's
 share of a step that fixed costs dominate (bench/step_probe.py,
 bench/RESULTS.md). Here the whole step is one persistent kernel: NBLK
-blocks (at most one per multiprocessor, all resident at once) run its phases
-in order and meet at a grid barrier between phases (an atomic counter; a
-barrier that waits longer than 0.2 s gives up and counts a failure in
-`sync[1]` instead of hanging the device, so a broken launch yields wrong
-drafts, which verification rejects, never wrong output):
+blocks (128, or the device's multiprocessor count where smaller: all
+resident at once) run its phases in order and meet at a grid barrier
+between phases (an atomic counter; a barrier that waits longer than 0.2 s
+gives up and counts a failure in `sync[1]` instead of hanging the device,
+so a broken launch yields wrong drafts, which verification rejects, never
+wrong output):
 
 1. fc over [norm(embed(token)), norm(hidden)] for every window position
    (the first step of a round: hidden through the target's final norm first);
-2. q(+gate) / k / v of every position (input norm applied on the fly);
+2. q(+gate) / k / v of every position;
 3. attention of each row's LAST position (q/k per-head norm, partial RoPE,
    the cached keys below the row's start and the window's own keys above),
    times sigmoid(gate); the window's keys and values are returned to be
@@ -32,9 +33,10 @@ drafts, which verification rejects, never wrong output):
    same (seed, step) uniform.
 
 Products read each weight row once with 16-byte loads (one warp per output
-row, float32 sums) and apply the preceding RMSNorm to their input as they
-read it. Only the rows' last positions go through attention, the MLP and the
-projection (a one-layer head needs no other). The step is a draft: it
+row, two at once where a warp has several short rows, float32 sums) from
+inputs staged, normed, in shared memory. Only the rows' last positions go
+through attention, the MLP and the projection (a one-layer head needs no
+other). The step is a draft: it
 rounds differently from the MLX step (float32 throughout instead of rounding
 to the weights' dtype after each operation), so a near-tie can draft another
 token; verification keeps the output exactly plain decoding's either way.
@@ -48,6 +50,7 @@ sampling. Anything else keeps the compiled MLX step (`specpipe.drafts.mtp`).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any, cast
@@ -69,10 +72,14 @@ MAX_ROWS = 8  # rows of one step (one warp per row in the per-row phases)
 MAX_VECTORS = 8  # window positions of one step, all rows together
 MAX_TOP_K = 32  # the sampled draw keeps its candidates one per lane
 # Blocks of the persistent kernel: at most one per multiprocessor, so that all
-# are resident at once (the grid barrier needs it). 128 fits an H100/H200 (132).
+# are resident at once (the grid barrier needs it): this many, or the
+# device's multiprocessor count where it has fewer (`multiprocessors`).
 BLOCKS = 128
 MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
 PHASE_STAMPS = 16  # floats at the scratch's end for `FusedStep.phase_times`
+# Whether a warp takes two rows of a one-input product at once (more loads in
+# flight; benchmarks turn it off to compare).
+PAIR_ROWS = True
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -186,30 +193,42 @@ __device__ __forceinline__ float inv_rms_w(const W* x, int n, float eps, float* 
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
 // elements k .. k + 7 (from shared memory); of(r, acc) gets the sums (every
-// lane holds them).
-template <typename W, int NV, int NDOT, typename RF, typename XF, typename OF>
+// lane holds them). PAIRS: a warp takes two of its rows at once (their loads
+// in flight together: half the DRAM round trips where a warp has several
+// short rows), for one weight row of at most two inputs.
+template <typename W, int NV, int NDOT, bool PAIRS, typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
   constexpr int U = NDOT * NV <= 4 ? 8 : 4;
+  constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
   const int lane = threadIdx.x & 31;
-  for (int r = first; r < rows; r += stride) {
-    const W* wr[NDOT];
+  for (int r0 = first; r0 < rows; r0 += stride * R) {
+    const W* wr[R][NDOT];
+    bool live[R];
 #pragma unroll
-    for (int j = 0; j < NDOT; ++j) wr[j] = rowf(r, j);
-    float acc[NV][NDOT];
+    for (int q = 0; q < R; ++q) {
+      live[q] = r0 + q * stride < rows;
 #pragma unroll
-    for (int v = 0; v < NV; ++v)
+      for (int j = 0; j < NDOT; ++j) wr[q][j] = rowf(live[q] ? r0 + q * stride : r0, j);
+    }
+    float acc[R][NV][NDOT];
 #pragma unroll
-      for (int j = 0; j < NDOT; ++j) acc[v][j] = 0.0f;
+    for (int q = 0; q < R; ++q)
+#pragma unroll
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int j = 0; j < NDOT; ++j) acc[q][v][j] = 0.0f;
     for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
-      uint4 raw[U][NDOT];
+      uint4 raw[R][U][NDOT];
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int q = 0; q < R; ++q)
 #pragma unroll
-        for (int j = 0; j < NDOT; ++j)
-          raw[u][j] = (k0 + u * 256 < K)
-              ? __ldg(reinterpret_cast<const uint4*>(wr[j] + k0 + u * 256))
-              : make_uint4(0u, 0u, 0u, 0u);
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int j = 0; j < NDOT; ++j)
+            raw[q][u][j] = (k0 + u * 256 < K)
+                ? __ldg(reinterpret_cast<const uint4*>(wr[q][j] + k0 + u * 256))
+                : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int k = k0 + u * 256;
@@ -217,23 +236,29 @@ __device__ __forceinline__ void product(
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           float x[8];
-          xf(v, r, k, x);
+          xf(v, r0, k, x);
 #pragma unroll
-          for (int j = 0; j < NDOT; ++j) {
-            const W* e = reinterpret_cast<const W*>(&raw[u][j]);
-            float s = 0.0f;
+          for (int q = 0; q < R; ++q)
 #pragma unroll
-            for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
-            acc[v][j] += s;
-          }
+            for (int j = 0; j < NDOT; ++j) {
+              const W* e = reinterpret_cast<const W*>(&raw[q][u][j]);
+              float s = 0.0f;
+#pragma unroll
+              for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
+              acc[q][v][j] += s;
+            }
         }
       }
     }
 #pragma unroll
-    for (int v = 0; v < NV; ++v)
+    for (int q = 0; q < R; ++q)
 #pragma unroll
-      for (int j = 0; j < NDOT; ++j) acc[v][j] = warp_sum(acc[v][j]);
-    of(r, acc);
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int j = 0; j < NDOT; ++j) acc[q][v][j] = warp_sum(acc[q][v][j]);
+#pragma unroll
+    for (int q = 0; q < R; ++q)
+      if (live[q]) of(r0 + q * stride, acc[q]);
   }
 }
 
@@ -387,7 +412,7 @@ _SOURCE = r"""
     }
   }
   __syncthreads();
-  product<W, M, 1>(
+  product<W, M, 1, PAIR_ROWS>(
       H, 2 * H, gwarp, NW,
       [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
@@ -405,7 +430,7 @@ _SOURCE = r"""
       xs[(size_t)m * H + k] = __ldcg(S + O_H0 + (size_t)m * H + k) * iv * static_cast<float>(w_in[k]);
   }
   __syncthreads();
-  product<W, M, 1>(
+  product<W, M, 1, PAIR_ROWS>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -471,8 +496,13 @@ _SOURCE = r"""
       if (p < st) {
         const W* kp = keys + (cache_row + p) * D + lane * DPL;
         const W* vp = values + (cache_row + p) * D + lane * DPL;
+        if constexpr (DPL == 8) {  // one 16-byte load each
+          load8(kp, k);
+          load8(vp, v);
+        } else {
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) { k[i] = static_cast<float>(kp[i]); v[i] = static_cast<float>(vp[i]); }
+          for (int i = 0; i < DPL; ++i) { k[i] = static_cast<float>(kp[i]); v[i] = static_cast<float>(vp[i]); }
+        }
       } else {
         const float* row = S + O_QKV + (size_t)(b * TT + (p - st)) * QKVN;
         normed_roped(row + 2 * HQ * D + g * D, w_kn, p, k);
@@ -518,7 +548,7 @@ _SOURCE = r"""
   // ---- 4. o_proj plus the residual ------------------------------------------
   for (int i = tid; i < B * HQ * D; i += blockDim.x) xs[i] = __ldcg(S + O_ATT + i);
   __syncthreads();
-  product<W, B, 1>(
+  product<W, B, 1, PAIR_ROWS>(
       H, HQ * D, gwarp, NW,
       [&](int r, int) { return w_o + (size_t)r * HQ * D; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
@@ -539,7 +569,7 @@ _SOURCE = r"""
   }
   __syncthreads();
   if constexpr (DENSE) {
-    product<W, B, 2>(
+    product<W, B, 2, false>(
         IM, H, gwarp, NW,
         [&](int r, int j) { return mlp0 + ((size_t)r + (size_t)j * IM) * H; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -552,7 +582,7 @@ _SOURCE = r"""
   stamp();
     for (int i = tid; i < B * IM; i += blockDim.x) xs[i] = __ldcg(S + O_ACT + i);
     __syncthreads();
-    product<W, B, 1>(
+    product<W, B, 1, PAIR_ROWS>(
         H, IM, gwarp, NW,
         [&](int r, int) { return mlp1 + (size_t)r * IM; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
@@ -565,7 +595,7 @@ _SOURCE = r"""
   stamp();
   } else {
     // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-    product<W, B, 2>(
+    product<W, B, 2, false>(
         E + 1 + IS, H, gwarp, NW,
         [&](int r, int j) {
           if (r < E) return mlp0 + (size_t)r * H;  // j == 1 reads the same row
@@ -617,7 +647,7 @@ _SOURCE = r"""
     }
     __syncthreads();
     // the chosen experts' gate/up: rows (b, c, j)
-    product<W, 1, 2>(
+    product<W, 1, 2, false>(
         B * KE * IE, H, gwarp, NW,
         [&](int r, int j) {
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
@@ -722,7 +752,7 @@ _SOURCE = r"""
   // two adjacent rows per warp (more loads in flight); an odd last row pairs
   // with itself and its second sum is dropped
   const int n_here = max(0, hi - lo);
-  product<W, B, 2>(
+  product<W, B, 2, false>(
       (n_here + 1) / 2, H, warp, NWARP,
       [&](int q, int j) { return w_head + (size_t)min(lo + 2 * q + j, hi - 1) * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -924,7 +954,7 @@ class LayerShape:
     shared_intermediate: int
     norm_top: bool
 
-    def scratch(self, vectors: int, rows: int, candidates: int) -> int:
+    def scratch(self, vectors: int, rows: int, candidates: int, blocks: int) -> int:
         """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
@@ -944,11 +974,11 @@ class LayerShape:
                 rows * self.top_experts,
                 rows * self.top_experts,
             ]
-        parts += [rows * h, rows * BLOCKS * candidates, rows * BLOCKS * candidates]
+        parts += [rows * h, rows * blocks * candidates, rows * blocks * candidates]
         return sum(_align8(n) for n in parts) + PHASE_STAMPS
 
     def shared_bytes(
-        self, vectors: int, rows: int, vocab: int, greedy: bool, top_k: int
+        self, vectors: int, rows: int, vocab: int, greedy: bool, top_k: int, blocks: int
     ) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
@@ -960,13 +990,13 @@ class LayerShape:
             else rows * (self.top_experts * self.expert_intermediate
                          + self.shared_intermediate)
         )  # fmt: skip
-        chunk = -(-vocab // BLOCKS)
+        chunk = -(-vocab // blocks)
         floats = max(
             vectors * 2 * h,
             rows * self.heads * self.head_dim,
             mlp,
             rows * h + (0 if greedy else rows * chunk),
-            0 if greedy else 2 * BLOCKS * top_k,
+            0 if greedy else 2 * blocks * top_k,
         )
         return 4 * floats
 
@@ -1175,6 +1205,7 @@ class FusedStep:
     head: mx.array  # [V, H] projection rows (the FR-Spec rows when listed)
     subset_ids: mx.array | None  # [V] int32, ascending
     sync: mx.array  # [2] uint64: barrier counter, failed barriers
+    blocks: int  # of the persistent kernel, all resident at once
     profiled: list[mx.array] = field(factory=list, init=False)  # the last scratch
     traced: dict[tuple[bool, float, float, float, int], StepFn] = field(
         factory=dict, init=False
@@ -1182,13 +1213,22 @@ class FusedStep:
 
     @classmethod
     def make(
-        cls, weights: FusedWeights, head: mx.array, subset_ids: mx.array | None
+        cls,
+        weights: FusedWeights,
+        head: mx.array,
+        subset_ids: mx.array | None,
+        blocks: int | None = None,  # None: BLOCKS, or fewer on a smaller device
     ) -> FusedStep | None:
         if head.dtype != weights.embed.dtype or head.shape[1] != weights.shape.hidden:
             return None
+        if blocks is None:
+            count = multiprocessors()
+            if count is None:
+                return None
+            blocks = min(BLOCKS, count)
         sync = mx.zeros((2,), dtype=mx.uint64)
         mx.eval(sync)
-        return cls(weights, head, subset_ids, sync)
+        return cls(weights, head, subset_ids, sync, blocks)
 
     @classmethod
     def for_head(
@@ -1230,7 +1270,9 @@ class FusedStep:
             and rows * length <= MAX_VECTORS
             and (greedy or 0 < top_k <= MAX_TOP_K)
             and top_k < self.vocab
-            and shape.shared_bytes(rows * length, rows, self.vocab, greedy, top_k)
+            and shape.shared_bytes(
+                rows * length, rows, self.vocab, greedy, top_k, self.blocks
+            )
             <= MAX_SHARED
         )
 
@@ -1296,11 +1338,11 @@ class FusedStep:
         # MLX lifts a kernel's shared-memory limit only for more than 48000
         # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
         # (one block per multiprocessor anyway), in steps of 16 KiB.
-        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, top_k)
+        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, top_k, self.blocks)
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         template: list[tuple[str, Any]] = [
             ("T", w.embed.dtype),
-            ("NBLK", BLOCKS),
+            ("NBLK", self.blocks),
             ("NBAR", _BARRIERS[s.dense]),
             ("H", s.hidden),
             ("M", vectors),
@@ -1323,6 +1365,7 @@ class FusedStep:
             ("TOPK", max(top_k, 1)),
             ("FIRST", first),
             ("PROFILE", profile),
+            ("PAIR_ROWS", PAIR_ROWS),
         ]
         sub_ids = self.subset_ids if self.subset_ids is not None else last
         outputs = _kernel(shared)(
@@ -1343,14 +1386,14 @@ class FusedStep:
                 self.sync,
             ],
             template=template,
-            grid=(BLOCKS * BLOCK, 1, 1),
+            grid=(self.blocks * BLOCK, 1, 1),
             threadgroup=(BLOCK, 1, 1),
             output_shapes=[
                 (rows,),
                 (rows, 1, s.hidden),
                 (rows, s.kv_heads, length, s.head_dim),
                 (rows, s.kv_heads, length, s.head_dim),
-                (s.scratch(vectors, rows, candidates),),
+                (s.scratch(vectors, rows, candidates, self.blocks),),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
                            mx.float32],
@@ -1369,6 +1412,27 @@ class FusedStep:
         phases = _BARRIERS[self.weights.shape.dense] + 1
         stamps: list[float] = scratch[-PHASE_STAMPS:][:phases].tolist()  # type: ignore[assignment]
         return [round(t / 1000.0, 2) for t in stamps]
+
+
+@cache
+def multiprocessors() -> int | None:
+    """The CUDA device's multiprocessor count, asked of the driver (device
+    0, MLX's), or None where there is no driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, count = ctypes.c_int(), ctypes.c_int()
+    multiprocessor_count = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    if (
+        driver.cuInit(0)
+        or driver.cuDeviceGet(ctypes.byref(device), 0)
+        or driver.cuDeviceGetAttribute(
+            ctypes.byref(count), multiprocessor_count, device
+        )
+    ):
+        return None
+    return int(count.value)
 
 
 def draw_params(eps: float, temperature: float, top_p: float, min_p: float) -> mx.array:

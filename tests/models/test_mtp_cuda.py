@@ -168,7 +168,7 @@ def test_step_sizes_and_draws_in_scope(moe: tuple[Any, MtpHead]) -> None:
     target, head = moe
     weights = fused_weights(target, head, 0)
     assert weights is not None
-    step = FusedStep.make(weights, target.head_weights().weight, None)
+    step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
     assert step is not None
     assert step.fits(1, 1, True, 0)
     assert step.fits(8, 1, False, 20)
@@ -185,6 +185,21 @@ def test_step_sizes_and_draws_in_scope(moe: tuple[Any, MtpHead]) -> None:
 def test_a_cpu_head_step_has_no_fused_step(moe: tuple[Any, MtpHead]) -> None:
     target, head = moe
     assert HeadStep(target, head, None).fused_step(0) is None
+
+
+def test_without_a_cuda_driver_no_step_is_made(
+    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block count comes from the device (all blocks must be resident at
+    once); no driver, no kernel."""
+    target, head = moe
+    weights = fused_weights(target, head, 0)
+    assert weights is not None
+    monkeypatch.setattr(mtp_cuda, "multiprocessors", lambda: None)
+    assert FusedStep.make(weights, target.head_weights().weight, None) is None
+    monkeypatch.setattr(mtp_cuda, "multiprocessors", lambda: 46)  # a smaller GPU
+    step = FusedStep.make(weights, target.head_weights().weight, None)
+    assert step is not None and step.blocks == 46
 
 
 class FakeFused:
@@ -267,9 +282,9 @@ def test_the_step_kernel_compiles_without_spills(
     if listed:
         ids = list(range(0, VOCAB, 3))
         subset = SubsetHead.of(target, DraftVocabulary.create(ids, VOCAB).unwrap())
-        step = FusedStep.make(weights, subset.weights.weight, subset.ids)
+        step = FusedStep.make(weights, subset.weights.weight, subset.ids, blocks=96)
     else:
-        step = FusedStep.make(weights, target.head_weights().weight, None)
+        step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
     assert step is not None
     seen = captured_kernel(monkeypatch, mtp_cuda)
     cache = head.make_cache(rows)
