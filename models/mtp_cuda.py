@@ -19,9 +19,10 @@ wrong output):
 2. q(+gate) / k / v of every position;
 3. attention of each row's LAST position (q/k per-head norm, partial RoPE,
    the cached keys below the row's start and the window's own keys above),
-   times sigmoid(gate); the window's keys and values are returned to be
-   stored in the head's cache;
-4. o_proj plus the residual;
+   its positions split over the blocks (each split's max, sum and weighted
+   values); the window's keys and values are returned to be stored in the
+   head's cache;
+4. the splits combined, times sigmoid(gate), then o_proj plus the residual;
 5-6. the MLP (dense SwiGLU), or the sparse MoE block (router softmax top-k,
    the chosen experts' SwiGLU, the sigmoid-gated shared expert), plus the
    residual;
@@ -337,7 +338,10 @@ _SOURCE = r"""
   constexpr size_t O_H0 = 0;
   constexpr size_t O_QKV = O_H0 + align8((size_t)M * H);
   constexpr size_t O_ATT = O_QKV + align8((size_t)M * QKVN);
-  constexpr size_t O_R1 = O_ATT + align8((size_t)B * HQ * D);
+  // attention partials per (row, head, split): max, sum, D weighted values
+  constexpr int SPLITS = NBLK / (B * HQ) > 0 ? NBLK / (B * HQ) : 1;
+  constexpr int PART = D + 2;
+  constexpr size_t O_R1 = O_ATT + align8((size_t)B * HQ * SPLITS * PART);
   constexpr size_t O_ACT = O_R1 + align8((size_t)B * H);
   // MoE: router logits and shared gate [B, E + 1] | shared act [B, IS] |
   // expert act [B, KE, IE] | expert weights [B, KE] | expert ids [B, KE]
@@ -466,15 +470,18 @@ _SOURCE = r"""
     }
   };
   const float scale = rsqrtf((float)D);
-  for (int item = blk; item < B * HQ; item += NBLK) {
-    const int b = item / HQ, hq = item % HQ, g = hq / GROUP;
+  // items (row, head, split): a split attends over one contiguous share of
+  // the row's positions; phase 4 combines the splits (flash-decoding)
+  for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
+    const int split = item % SPLITS, bh = item / SPLITS;
+    const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
     const int lb = TT == 1 ? 0 : last[b], st = starts[b];  // chained steps: no `last`
     const int mq = b * TT + lb;
     float q[DPL];
     normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st + lb, q);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) q[i] *= scale;
-    if (hq % GROUP == 0) {  // store the window's keys and values of head g
+    if (hq % GROUP == 0 && split == 0) {  // store the window's keys and values of head g
       for (int t = warp; t < TT; t += NWARP) {
         const float* row = S + O_QKV + (size_t)(b * TT + t) * QKVN;
         float k[DPL];
@@ -491,7 +498,10 @@ _SOURCE = r"""
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
     const size_t cache_row = ((size_t)b * HKV + g) * C;
-    for (int p = warp; p <= st + lb; p += NWARP) {
+    const int positions = st + lb + 1;
+    const int share = (positions + SPLITS - 1) / SPLITS;
+    const int p_end = min(positions, (split + 1) * share);
+    for (int p = split * share + warp; p < p_end; p += NWARP) {
       float k[DPL], v[DPL];
       if (p < st) {
         const W* kp = keys + (cache_row + p) * D + lane * DPL;
@@ -528,17 +538,22 @@ _SOURCE = r"""
 #pragma unroll
     for (int i = 0; i < DPL; ++i) s_acc[warp][lane * DPL + i] = acc[i];
     __syncthreads();
+    // this split's partial: its max, its sum, its weighted values (unscaled)
+    float top = -SP_INF;
+    for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_l[w] > 0.0f ? s_m[w] : -SP_INF);
+    float* part = S + O_ATT + (size_t)item * PART;
     for (int d = tid; d < D; d += blockDim.x) {
-      float top = -SP_INF;
-      for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_m[w]);
-      float den = 0.0f, num = 0.0f;
-      for (int w = 0; w < NWARP; ++w) {
-        const float f = s_l[w] > 0.0f ? expf(s_m[w] - top) : 0.0f;
-        den += s_l[w] * f;
-        num += s_acc[w][d] * f;
-      }
-      const float gate = __ldcg(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d);
-      S[O_ATT + (size_t)b * HQ * D + (size_t)hq * D + d] = num / den * sigmoid(gate);
+      float num = 0.0f;
+      for (int w = 0; w < NWARP; ++w)
+        if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
+      part[2 + d] = num;
+    }
+    if (tid == 0) {
+      float den = 0.0f;
+      for (int w = 0; w < NWARP; ++w)
+        if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
+      part[0] = top;
+      part[1] = den;  // 0 for an empty split
     }
     __syncthreads();
   }
@@ -546,7 +561,26 @@ _SOURCE = r"""
   stamp();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
-  for (int i = tid; i < B * HQ * D; i += blockDim.x) xs[i] = __ldcg(S + O_ATT + i);
+  // the splits combined, times sigmoid(gate): staged as the product's input
+  for (int i = tid; i < B * HQ * D; i += blockDim.x) {
+    const int bh = i / D, d = i % D, b = bh / HQ, hq = bh % HQ;
+    const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
+    float top = -SP_INF;
+    for (int sp = 0; sp < SPLITS; ++sp)
+      if (__ldcg(parts + sp * PART + 1) > 0.0f) top = fmaxf(top, __ldcg(parts + sp * PART));
+    float den = 0.0f, num = 0.0f;
+    for (int sp = 0; sp < SPLITS; ++sp) {
+      const float l = __ldcg(parts + sp * PART + 1);
+      if (l > 0.0f) {
+        const float f = expf(__ldcg(parts + sp * PART) - top);
+        den += l * f;
+        num += __ldcg(parts + sp * PART + 2 + d) * f;
+      }
+    }
+    const int mq = b * TT + (TT == 1 ? 0 : last[b]);
+    const float gate = __ldcg(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d);
+    xs[i] = num / den * sigmoid(gate);
+  }
   __syncthreads();
   product<W, B, 1, PAIR_ROWS>(
       H, HQ * D, gwarp, NW,
@@ -958,10 +992,11 @@ class LayerShape:
         """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
+        splits = max(1, blocks // (rows * self.heads))
         parts = [
             vectors * h,
             vectors * qkv,
-            rows * self.heads * self.head_dim,
+            rows * self.heads * splits * (self.head_dim + 2),
             rows * h,
         ]
         if self.dense:
