@@ -147,7 +147,7 @@ for step in "$@"; do
   fused)  # the one-kernel MTP draft step vs the compiled MLX step: agreement, time, FR cut
     for shape in ${SHAPES:-qwen3-next qwen3.5-27b}; do
       timeout 280 python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} --repeats ${REPEATS:-20} \
-          --out $OUT/fused-probe-$shape-h200.json || echo "STEP FAILED: $?"
+          --context ${CONTEXT:-64} --out $OUT/fused-probe-$shape-h200.json || echo "STEP FAILED: $?"
       [ -n "${PAIR_AB:-}" ] && { timeout 280 python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} \
           --repeats ${REPEATS:-20} --no-pair-rows --out $OUT/fused-probe-$shape-unpaired-h200.json || echo "STEP FAILED: $?"; }
     done
