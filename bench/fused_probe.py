@@ -36,13 +36,8 @@ import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import models.mtp_cuda
 from bench.common import machine_info, median_ms
 from bench.mtp import SAMPLINGS, SHAPES
-from bench.step_probe import split_ms
-from models.build import build_model
-from models.fuse import fuse_projections
-from models.mtp import MtpHead
+from bench.step_probe import probe_head, split_ms
 from models.mtp_cuda import FusedStep, draw_params, fused_weights
-from schemas.hf_hybrid import hybrid_args
-from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.drafts.mtp import HeadStep
 
 
@@ -64,18 +59,7 @@ def main() -> None:
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False
-    config = SHAPES[args.shape](1, args.experts, 2048, args.vocab)
-    hybrid = hybrid_args(config, "probe").unwrap()
-    mx.random.seed(0)
-    target = build_model(hybrid).unwrap()
-    target.set_dtype(getattr(mx, args.dtype))
-    head = MtpHead(hybrid)
-    head.set_dtype(getattr(mx, args.dtype))
-    fuse_projections(target)
-    fuse_projections(head)
-    mx.eval(target.parameters(), head.parameters())
-    ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
-    subset = SubsetHead.of(target, DraftVocabulary.create(ids, args.vocab).unwrap())
+    config, hybrid, target, head, subset = probe_head(args)
     weights = fused_weights(target, head, 0)
     assert weights is not None, "this head is outside the fused kernel's scope"
     heads: dict[str, tuple[HeadStep, FusedStep]] = {}

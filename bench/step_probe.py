@@ -64,6 +64,25 @@ def split_ms(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
+def probe_head(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any, MtpHead, SubsetHead]:
+    """(config, hybrid args, one-layer target, head, FR-Spec subset) of
+    `args.shape` / `experts` / `vocab` / `fr_size` / `dtype`, random weights,
+    projections fused as the loader fuses them."""
+    config = SHAPES[args.shape](1, args.experts, 2048, args.vocab)
+    hybrid = hybrid_args(config, "probe").unwrap()
+    mx.random.seed(0)
+    target = build_model(hybrid).unwrap()
+    target.set_dtype(getattr(mx, args.dtype))
+    head = MtpHead(hybrid)
+    head.set_dtype(getattr(mx, args.dtype))
+    fuse_projections(target)
+    fuse_projections(head)
+    mx.eval(target.parameters(), head.parameters())
+    ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
+    subset = SubsetHead.of(target, DraftVocabulary.create(ids, args.vocab).unwrap())
+    return config, hybrid, target, head, subset
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-27b")
@@ -77,18 +96,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    config = SHAPES[args.shape](1, args.experts, 2048, args.vocab)
-    hybrid = hybrid_args(config, "probe").unwrap()
-    mx.random.seed(0)
-    target = build_model(hybrid).unwrap()
-    target.set_dtype(getattr(mx, args.dtype))
-    head = MtpHead(hybrid)
-    head.set_dtype(getattr(mx, args.dtype))
-    fuse_projections(target)
-    fuse_projections(head)
-    mx.eval(target.parameters(), head.parameters())
-    ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
-    subset = SubsetHead.of(target, DraftVocabulary.create(ids, args.vocab).unwrap())
+    config, hybrid, target, head, subset = probe_head(args)
     steps_of = {"full": HeadStep(target, head, None), "fr": HeadStep(target, head, subset)}
     report: dict[str, Any] = {
         "machine": machine_info(),
