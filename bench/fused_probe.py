@@ -22,7 +22,6 @@ FR-Spec list):
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -35,25 +34,16 @@ import mlx.core as mx
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import models.mtp_cuda
 from bench.common import machine_info, median_ms
-from bench.mtp import SAMPLINGS, SHAPES
-from bench.step_probe import probe_head, split_ms
+from bench.mtp import SAMPLINGS
+from bench.step_probe import probe_arguments, probe_head, split_ms
 from models.mtp_cuda import FusedStep, draw_params, fused_weights
 from specpipe.drafts.mtp import HeadStep
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-next")
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--fr-size", type=int, default=32768)
-    parser.add_argument("--rows", default="1,4,8")
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = probe_arguments(__doc__, "qwen3-next", "1,4,8")
     parser.add_argument("--no-pair-rows", action="store_true",
                         help="one row per warp at a time in every product (models.mtp_cuda.PAIR_ROWS)")
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     models.mtp_cuda.PAIR_ROWS = not args.no_pair_rows
 

@@ -64,6 +64,21 @@ def split_ms(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
+def probe_arguments(doc: str | None, shape: str, rows: str) -> argparse.ArgumentParser:
+    """The MTP step probes' common options (this one's and bench/fused_probe.py's)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=shape)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--fr-size", type=int, default=32768)
+    parser.add_argument("--rows", default=rows)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
+
+
 def probe_head(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any, MtpHead, SubsetHead]:
     """(config, hybrid args, one-layer target, head, FR-Spec subset) of
     `args.shape` / `experts` / `vocab` / `fr_size` / `dtype`, random weights,
@@ -84,16 +99,7 @@ def probe_head(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any, MtpH
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-27b")
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--fr-size", type=int, default=32768)
-    parser.add_argument("--rows", default="1,32,128")
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path, required=True)
+    parser = probe_arguments(__doc__, "qwen3.5-27b", "1,32,128")
     args = parser.parse_args()
 
     config, hybrid, target, head, subset = probe_head(args)
