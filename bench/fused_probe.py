@@ -6,10 +6,12 @@ per row count, sampling (greedy, Qwen's) and head (full vocabulary, a 32k
 FR-Spec list):
 
 - agreement of one chained step and one first step (a 2-position window,
-  the target's final norm applied): drafted tokens equal, the largest
-  difference of the normed output and of the window's keys / values, and
-  for tokens that differ, the MLX step's logit gap between the two tokens
-  (a near-tie, if small);
+  the target's final norm applied) with the MLX step, and with the MLX step
+  on float32 copies of the weights (`*_vs_float32`: what the kernel should
+  match up to summation order and the bf16 rounding of its outputs): drafted
+  tokens equal, the largest difference of the normed output and of the
+  window's keys / values, and for tokens that differ, the reference's logit
+  gap between the two tokens (a near-tie, if small);
 - time: one chained step, and a depth-3 chain (a first step of one position
   and two chained steps, evaluated once), median of `--repeats`, for both;
 - the kernel's phases: microseconds from its start to the end of each
@@ -30,14 +32,27 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx
+from mlx.utils import tree_map
 
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import models.mtp_cuda
 from bench.common import machine_info, median_ms
 from bench.mtp import SAMPLINGS
 from bench.step_probe import probe_arguments, probe_head, split_ms
+from models.fuse import fuse_projections
 from models.mtp_cuda import FusedStep, draw_params, fused_weights
+from specpipe.draft_vocab import SubsetHead
 from specpipe.drafts.mtp import HeadStep
+
+
+def float32_copy(model: Any) -> Any:
+    """`model` with its (fused) weights in float32: a new module of the same
+    class and arguments, the parameters cast, the projections fused again."""
+    copy = type(model)(model.args)
+    copy.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    fuse_projections(copy)
+    mx.eval(copy.parameters())
+    return copy
 
 
 def main() -> None:
@@ -53,11 +68,18 @@ def main() -> None:
     weights = fused_weights(target, head, 0)
     assert weights is not None, "this head is outside the fused kernel's scope"
     heads: dict[str, tuple[HeadStep, FusedStep]] = {}
+    # the same weights in float32: the kernel computes in float32 from bf16
+    # weights, so against this reference only summation order and the bf16
+    # rounding of its outputs (and of the window's keys / values) remain
+    target32, head32 = (float32_copy(m) for m in (target, head))
+    subset32 = SubsetHead(subset.ids, target32.head_weights().take(subset.ids))
+    exact: dict[str, HeadStep] = {}
     for name, sub in (("full", None), ("fr", subset)):
         rows_w = target.head_weights().weight if sub is None else sub.weights.weight
         fused = FusedStep.make(weights, rows_w, None if sub is None else sub.ids)
         assert fused is not None
         heads[name] = (HeadStep(target, head, sub), fused)
+        exact[name] = HeadStep(target32, head32, None if sub is None else subset32)
     report: dict[str, Any] = {
         "machine": machine_info(),
         "shape": args.shape,
@@ -112,20 +134,33 @@ def main() -> None:
                     entry[f"agree_{key}"] = "outside the fused kernel's scope"
                     continue
 
+                def ref32(first: bool) -> Any:
+                    f32 = [a.astype(mx.float32) for a in (raw, normed, keys, values)]
+                    if first:
+                        return exact[name](True, 0, params)(
+                            window_ids, f32[0], ones, starts, f32[2], f32[3], seeds, steps
+                        )
+                    return exact[name](False, 0, params)(
+                        token, f32[1], zeros, starts, f32[2], f32[3], seeds, steps
+                    )
+
                 agree: dict[str, Any] = {}
-                for first in (False, True):
-                    r_tok, r_norm, r_k, r_v = ref(first)
+                for first, reference, label32 in (
+                    (False, ref, "chained"), (True, ref, "first"),
+                    (False, ref32, "chained_vs_float32"), (True, ref32, "first_vs_float32"),
+                ):
+                    r_tok, r_norm, r_k, r_v = reference(first)
                     f_tok, f_norm, f_k, f_v = fast(first)
                     mx.eval(r_tok, r_norm, r_k, r_v, f_tok, f_norm, f_k, f_v)
                     same = (r_tok == f_tok).tolist()
                     gaps = []
                     for b, ok in enumerate(same):
-                        if not ok:  # the MLX logits of the two tokens
-                            logits = step.target.project(r_norm[b, 0].astype(mx.float32)[None])[0] \
+                        if not ok:  # the reference's logits of the two tokens
+                            logits = target32.project(r_norm[b, 0].astype(mx.float32)[None])[0] \
                                 if step.subset is None else None
                             if logits is not None:
                                 gaps.append(float(logits[r_tok[b]] - logits[f_tok[b]]))
-                    agree["first" if first else "chained"] = {
+                    agree[label32] = {
                         "tokens_equal": f"{sum(same)}/{rows}",
                         "ref_tokens": r_tok.tolist(),
                         "fused_tokens": f_tok.tolist(),
