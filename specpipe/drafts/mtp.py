@@ -35,6 +35,7 @@ models/mtp_cuda.py).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -185,14 +186,33 @@ class HeadStep:
 def _through_kernel(
     fused: FusedStep, first: bool, filters: SamplingParams, compiled: StepFn
 ) -> StepFn:
-    """`compiled`, with the steps whose shape the kernel takes run by it."""
+    """`compiled`, with the steps whose shape the kernel takes run by it.
+    The first kernel step is evaluated and its grid barriers checked: if any
+    gave up (its blocks could not all be resident on this device), the
+    kernel is not used again and a warning says so (each such step would
+    wait 0.2 s per barrier and draft garbage)."""
     top_k = 0 if filters.greedy else filters.top_k
     kernel = fused.step(first, filters.temperature, filters.top_p, filters.min_p, top_k)
+    checked: list[bool] = []  # [sound] once the first kernel step was checked
 
     def run(*args: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         rows, length = args[0].shape
-        if fused.fits(rows, length, filters.greedy, top_k):
-            return kernel(*args)
+        if (not checked or checked[0]) and fused.fits(
+            rows, length, filters.greedy, top_k
+        ):
+            out = kernel(*args)
+            if not checked:
+                mx.eval(out)
+                checked.append(fused.failures() == 0)
+                if not checked[0]:
+                    warnings.warn(
+                        "the fused MTP step's grid barriers timed out on this device; "
+                        "drafting with the compiled MLX step instead",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    return compiled(*args)
+            return out
         return compiled(*args)
 
     return run

@@ -205,11 +205,15 @@ def test_without_a_cuda_driver_no_step_is_made(
 class FakeFused:
     """Stands in for a FusedStep: fits one-row, one-position steps only."""
 
-    def __init__(self) -> None:
+    def __init__(self, failures: int = 0) -> None:
         self.calls: list[str] = []
+        self.failed = failures
 
     def fits(self, rows: int, length: int, greedy: bool, top_k: int) -> bool:
         return rows == 1 and length == 1
+
+    def failures(self) -> int:
+        return self.failed
 
     def step(self, *args: Any) -> Any:
         def kernel(*arrays: mx.array) -> Any:
@@ -233,6 +237,21 @@ def test_steps_the_kernel_cannot_take_run_the_compiled_step() -> None:
     run(*two)
     run(*one)
     assert fake.calls == ["kernel", "compiled", "kernel"]
+
+
+def test_a_kernel_whose_barriers_gave_up_is_not_used_again() -> None:
+    fake = FakeFused(failures=1)
+
+    def compiled(*arrays: mx.array) -> Any:
+        fake.calls.append("compiled")
+        return arrays[:4]
+
+    run = _through_kernel(fake, False, SamplingParams(), compiled)  # type: ignore[arg-type]
+    one = (mx.zeros((1, 1), dtype=mx.int32), *[mx.zeros((1,))] * 7)
+    with pytest.warns(RuntimeWarning, match="grid barriers timed out"):
+        run(*one)
+    run(*one)
+    assert fake.calls == ["kernel", "compiled", "compiled"]
 
 
 def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, Any]:
