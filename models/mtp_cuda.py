@@ -62,6 +62,7 @@ from attrs import field, frozen
 
 from models.base import RoPE
 from models.cache import scatter_window
+from models.vocab_head import HeadWeights
 
 # (ids [B, L], hidden [B, L, H], last [B], starts [B], keys, values, seeds [B],
 #  steps [B]) -> (tokens [B], normed [B, 1, H], keys, values), as
@@ -178,6 +179,24 @@ __device__ __forceinline__ float inv_rms(const float* x, int n, float eps, float
     s += v * v;
   }
   return rsqrtf(block_sum(s, red) / n + eps);
+}
+
+// RMSNorm of `count` scratch vectors of n floats into `to` (float32, shared
+// memory): x * rsqrt(mean(x^2) + eps) * w; `copy`, when given, also gets them
+// in the weights' dtype.
+template <typename W>
+__device__ __forceinline__ void stage_normed(
+    float* to, const float* from, int count, int n, const W* w, float eps, float* red,
+    W* copy) {
+  for (int m = 0; m < count; ++m) {
+    const float iv = inv_rms(from + (size_t)m * n, n, eps, red);
+    for (int k = threadIdx.x; k < n; k += blockDim.x) {
+      const float v = __ldcg(from + (size_t)m * n + k) * iv * static_cast<float>(w[k]);
+      to[(size_t)m * n + k] = v;
+      if (copy != nullptr) copy[(size_t)m * n + k] = static_cast<W>(v);
+    }
+  }
+  __syncthreads();
 }
 
 template <typename W>
@@ -428,12 +447,7 @@ _SOURCE = r"""
   stamp();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
-  for (int m = 0; m < M; ++m) {
-    const float iv = inv_rms(S + O_H0 + (size_t)m * H, H, eps, red);
-    for (int k = tid; k < H; k += blockDim.x)
-      xs[(size_t)m * H + k] = __ldcg(S + O_H0 + (size_t)m * H + k) * iv * static_cast<float>(w_in[k]);
-  }
-  __syncthreads();
+  stage_normed<W>(xs, S + O_H0, M, H, w_in, eps, red, nullptr);
   product<W, M, 1, PAIR_ROWS>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
@@ -596,12 +610,7 @@ _SOURCE = r"""
   stamp();
 
   // ---- 5-6. the MLP plus the residual ----------------------------------------
-  for (int b = 0; b < B; ++b) {
-    const float iv = inv_rms(S + O_R1 + (size_t)b * H, H, eps, red);
-    for (int k = tid; k < H; k += blockDim.x)
-      xs[(size_t)b * H + k] = __ldcg(S + O_R1 + (size_t)b * H + k) * iv * static_cast<float>(w_post[k]);
-  }
-  __syncthreads();
+  stage_normed<W>(xs, S + O_R1, B, H, w_post, eps, red, nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false>(
         IM, H, gwarp, NW,
@@ -613,7 +622,7 @@ _SOURCE = r"""
               S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
         });
     grid_sync(bar, goal, gave_up);
-  stamp();
+    stamp();
     for (int i = tid; i < B * IM; i += blockDim.x) xs[i] = __ldcg(S + O_ACT + i);
     __syncthreads();
     product<W, B, 1, PAIR_ROWS>(
@@ -626,7 +635,7 @@ _SOURCE = r"""
               S[O_R2 + (size_t)b * H + r] = acc[b][0] + __ldcg(S + O_R1 + (size_t)b * H + r);
         });
     grid_sync(bar, goal, gave_up);
-  stamp();
+    stamp();
   } else {
     // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
     product<W, B, 2, false>(
@@ -645,7 +654,7 @@ _SOURCE = r"""
             }
         });
     grid_sync(bar, goal, gave_up);
-  stamp();
+    stamp();
     // every block: softmax top-KE of each row's router (warp b for row b)
     if (warp < B) {
       const int b = warp;
@@ -693,7 +702,7 @@ _SOURCE = r"""
           if (lane == 0) S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
         });
     grid_sync(bar, goal, gave_up);
-  stamp();
+    stamp();
     // down: per output (b, h) the weighted experts plus the gated shared one
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
@@ -762,21 +771,13 @@ _SOURCE = r"""
       if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
     }
     grid_sync(bar, goal, gave_up);
-  stamp();
+    stamp();
   }
 
   // ---- 7. the head's norm, the projection, each block's candidates -------
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
-  for (int b = 0; b < B; ++b) {
-    const float iv = inv_rms(S + O_R2 + (size_t)b * H, H, eps, red);
-    for (int k = tid; k < H; k += blockDim.x) {
-      const float v = __ldcg(S + O_R2 + (size_t)b * H + k) * iv * static_cast<float>(w_hnorm[k]);
-      xs[(size_t)b * H + k] = v;
-      if (blk == 0) normed[(size_t)b * H + k] = static_cast<W>(v);
-    }
-  }
-  __syncthreads();
+  stage_normed<W>(xs, S + O_R2, B, H, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
   const int lo = blk * CHUNK;
   const int hi = min(V, lo + CHUNK);
   float best_v[B];
@@ -1271,21 +1272,16 @@ class FusedStep:
         target: Any,
         head: Any,
         layer: int,
-        subset: tuple[mx.array, mx.array] | None,  # (ids [N], rows [N, H])
+        subset: tuple[mx.array, HeadWeights] | None,  # FR-Spec (ids [N], their rows)
     ) -> FusedStep | None:
         """The fused step of `head`'s layer `layer` over the target's full
         vocabulary projection or the FR-Spec `subset`, or None when out of
         the kernel's scope (float, unquantized, the shapes in the module doc)."""
         weights = fused_weights(target, head, layer)
-        if weights is None:
+        ids, projection = (None, target.head_weights()) if subset is None else subset
+        if weights is None or projection.bits:
             return None
-        if subset is None:
-            projection = target.head_weights()
-            if projection.bits:
-                return None
-            return cls.make(weights, projection.weight, None)
-        ids, rows = subset
-        return cls.make(weights, rows, ids)
+        return cls.make(weights, projection.weight, ids)
 
     def supports(self, temperature: float, top_k: int) -> bool:
         """Whether draws with these filters run in the kernel: greedy, or

@@ -73,27 +73,16 @@ class GatedAttention(nn.Module):
         self._qkv = fuse((self.q_proj, self.k_proj, self.v_proj))
         return self._qkv is not None
 
-    def __call__(
-        self,
-        x: mx.array,  # [B, L, H]
-        cache: KVCache,
-        offsets: Sequence[int],
-        mask: Mask,  # None, "causal" or [B, 1, L, S]
-        rope_at: int | mx.array,  # scalar or [B]
-    ) -> mx.array:  # [B, L, H]
-        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-            return cache.write(self.kv_index, keys, values, offsets)
-
-        return self.attend(x, write, mask, rope_at)
-
     def attend(
         self,
         x: mx.array,  # [B, L, H]
-        write: KVWrite,
-        mask: Mask,
-        rope_at: int | mx.array,
+        write: KVWrite,  # stores the window's keys/values (KVCache.write, scatter_window)
+        mask: Mask,  # None, "causal" or [B, 1, L, S]
+        rope_at: int | mx.array,  # scalar or [B]
     ) -> mx.array:  # [B, L, H]
-        """The layer with its window's keys/values stored by `write`."""
+        """The layer with its window's keys/values stored by `write` (its one
+        entry point: AttentionLayer passes the cache's write, the MTP head's
+        compiled step a scatter at device-valued positions)."""
         batch, length, _ = x.shape
         d = self.head_dim
         fused = fused_or_none(self._qkv, (self.q_proj, self.k_proj, self.v_proj))

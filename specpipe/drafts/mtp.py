@@ -123,15 +123,17 @@ class HeadStep:
         """The one-kernel step of a layer (models/mtp_cuda.py) on a CUDA GPU,
         or None (another device, `FUSED_ON_GPU` off, or out of its scope)."""
         if layer not in self.fused:
-            usable = mtp_cuda.FUSED_ON_GPU and on_gpu() and cuda_backend()
             subset = self.subset
-            if not usable or (subset is not None and subset.weights.bits):
-                self.fused[layer] = None
-            else:
-                rows = None if subset is None else (subset.ids, subset.weights.weight)
-                self.fused[layer] = FusedStep.for_head(
-                    self.target, self.head, layer, rows
+            self.fused[layer] = (
+                FusedStep.for_head(
+                    self.target,
+                    self.head,
+                    layer,
+                    None if subset is None else (subset.ids, subset.weights),
                 )
+                if mtp_cuda.FUSED_ON_GPU and on_gpu() and cuda_backend()
+                else None
+            )
         return self.fused[layer]
 
     def draw(
