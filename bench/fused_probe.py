@@ -12,11 +12,18 @@ FR-Spec list):
   tokens equal, the largest difference of the normed output and of the
   window's keys / values, and for tokens that differ, the reference's logit
   gap between the two tokens (a near-tie, if small);
-- time: one chained step, and a depth-3 chain (a first step of one position
-  and two chained steps, evaluated once), median of `--repeats`, for both;
-- the kernel's phases: microseconds from its start to the end of each
-  (fc, q/k/v, attention, o_proj, the MLP's two or three phases, the
-  projection, the draw), as block 0 saw them, median of 7 profiled launches;
+- the same for three chained steps in one launch of the kernel (`chain3`)
+  against three MLX steps;
+- time: one chained step, a depth-3 chain (a first step of one position
+  and two chained steps, evaluated once; the kernel's two chained steps in
+  one launch), and ten chained steps per step (`chain10`: MLX steps, kernel
+  steps, and `chain10_launch`: the ten in one launch), median of
+  `--repeats`;
+- the kernel's phases (fc, q/k/v, attention, o_proj, the MLP's two or
+  three phases, the projection, the draw): for each barrier closing one,
+  microseconds from the first block's start to the first block's arrival,
+  the last block's arrival and the last block's departure (the draw: its
+  end), median of 7 profiled launches;
 - the grid barriers that gave up (must be 0).
 
     python bench/fused_probe.py --shape qwen3-next --rows 1,4,8 --out bench/results/fused-probe.json
@@ -57,10 +64,14 @@ def float32_copy(model: Any) -> Any:
 
 def main() -> None:
     parser = probe_arguments(__doc__, "qwen3-next", "1,4,8")
-    parser.add_argument("--no-pair-rows", action="store_true",
-                        help="one row per warp at a time in every product (models.mtp_cuda.PAIR_ROWS)")
+    parser.add_argument("--pair-rows", action="store_true",
+                        help="two rows per warp at once in one-input products (models.mtp_cuda.PAIR_ROWS)")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="no L2 prefetch hints in the kernel (models.mtp_cuda.PREFETCH_L2)")
+    parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     args = parser.parse_args()
-    models.mtp_cuda.PAIR_ROWS = not args.no_pair_rows
+    models.mtp_cuda.PAIR_ROWS = args.pair_rows
+    models.mtp_cuda.PREFETCH_L2 = not args.no_prefetch
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False
@@ -87,6 +98,7 @@ def main() -> None:
         "vocab": args.vocab,
         "fr_size": args.fr_size,
         "pair_rows": models.mtp_cuda.PAIR_ROWS,
+        "prefetch": models.mtp_cuda.PREFETCH_L2,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size
@@ -108,7 +120,8 @@ def main() -> None:
         mx.eval(keys, values, token, normed, window_ids, raw, zeros, ones, starts, seeds, steps)
         entry: dict[str, Any] = {"rows": rows}
         for name, (step, fused) in heads.items():
-            for label, params in (("greedy", SAMPLINGS["greedy"]), ("qwen", SAMPLINGS["qwen"])):
+            for label in args.samplings.split(","):
+                params = SAMPLINGS[label]
                 top_k = 0 if params.greedy else params.top_k
                 key = f"{name}_{label}"
 
@@ -170,10 +183,41 @@ def main() -> None:
                         "keys_max_diff": float(mx.max(mx.abs(r_k.astype(mx.float32) - f_k.astype(mx.float32)))),
                         "values_max_diff": float(mx.max(mx.abs(r_v.astype(mx.float32) - f_v.astype(mx.float32)))),
                     }
+                # three chained steps: one launch of the kernel's chain vs three MLX steps
+                def ref_chain(head_step: HeadStep, cast: Any) -> Any:
+                    t, n, k, v = token[:, 0], cast(normed), cast(keys), cast(values)
+                    drafted = []
+                    for i in range(3):
+                        t, n, k, v = head_step(False, 0, params)(
+                            t[:, None], n, zeros, starts + i, k, v, seeds, steps + i)
+                        drafted.append(t)
+                    return mx.stack(drafted, axis=1), n, k, v
+
+                def fused_chain(count: int) -> Any:
+                    return fused.chain(count, params.temperature if not params.greedy else 0.0,
+                                       params.top_p, params.min_p, top_k)
+
+                f_out = fused_chain(3)(token, normed, zeros, starts, keys, values, seeds, steps)
+                for label3, r_out in (
+                    ("chain3", ref_chain(step, lambda a: a)),
+                    ("chain3_vs_float32", ref_chain(exact[name], lambda a: a.astype(mx.float32))),
+                ):
+                    mx.eval(r_out, f_out)
+                    agree[label3] = {
+                        "tokens_equal": f"{int(mx.sum(r_out[0] == f_out[0]).item())}/{rows * 3}",
+                        "ref_tokens": r_out[0].tolist(),
+                        "fused_tokens": f_out[0].tolist(),
+                        **{f"{what}_max_diff": float(mx.max(mx.abs(
+                            r.astype(mx.float32) - f.astype(mx.float32))))
+                           for what, r, f in zip(("normed", "keys", "values"), r_out[1:], f_out[1:],
+                                                 strict=True)},
+                    }
                 entry[f"agree_{key}"] = agree
 
                 def chain(fn: Any) -> Any:
                     t, n, k, v = fn(True)
+                    if fn is fast:  # the two chained steps in one launch
+                        return fused_chain(2)(t[:, None], n, zeros, starts + 2, k, v, seeds, steps)[0]
                     for _ in range(2):
                         if fn is fast:
                             t, n, k, v = fused_step(False)(
@@ -193,6 +237,9 @@ def main() -> None:
                     lambda: chain10(lambda first: step(first, 0, params)), args.repeats) / 10
                 entry[f"chain10_fused_{key}"] = median_ms(
                     lambda: chain10(fused_step), args.repeats) / 10
+                entry[f"chain10_launch_{key}"] = median_ms(
+                    lambda: fused_chain(10)(token, normed, zeros, starts, keys, values, seeds,
+                                            steps)[0], args.repeats) / 10
                 dist = draw_params(fused.weights.eps, params.temperature, params.top_p,
                                    params.min_p)
                 stamps = [
@@ -200,15 +247,19 @@ def main() -> None:
                                       starts, keys, values, seeds, steps)
                     for _ in range(7)
                 ]
-                entry[f"phases_{key}"] = [statistics.median(p) for p in zip(*stamps, strict=True)]
+                entry[f"phases_{key}"] = [
+                    [statistics.median(run[i][j] for run in stamps) for j in range(3)]
+                    for i in range(len(stamps[0]))
+                ]
                 entry[f"split_mlx_{key}"] = split_ms(lambda: ref(False)[0], args.repeats)
                 entry[f"split_fused_{key}"] = split_ms(lambda: fast(False)[0], args.repeats)
                 entry[f"step_mlx_{key}"] = median_ms(lambda: ref(False)[0], args.repeats)
                 entry[f"step_fused_{key}"] = median_ms(lambda: fast(False)[0], args.repeats)
                 entry[f"chain_mlx_{key}"] = median_ms(lambda: chain(ref), args.repeats)
                 entry[f"chain_fused_{key}"] = median_ms(lambda: chain(fast), args.repeats)
+                print(f"rows {rows} {key}: done", flush=True)
         for kind in ("step", "chain", "chain10"):
-            for impl in ("mlx", "fused"):
+            for impl in ("mlx", "fused", "launch"):
                 for label in ("greedy", "qwen"):
                     full = entry.get(f"{kind}_{impl}_full_{label}")
                     fr = entry.get(f"{kind}_{impl}_fr_{label}")

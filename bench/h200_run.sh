@@ -146,16 +146,22 @@ for step in "$@"; do
     ;;
   fused)  # the one-kernel MTP draft step vs the compiled MLX step: agreement, time, FR cut
     for shape in ${SHAPES:-qwen3-next qwen3.5-27b}; do
-      timeout 280 python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} --repeats ${REPEATS:-20} \
-          --context ${CONTEXT:-64} --out $OUT/fused-probe-$shape-h200.json || echo "STEP FAILED: $?"
-      [ -n "${PAIR_AB:-}" ] && { timeout 280 python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} \
-          --repeats ${REPEATS:-20} --no-pair-rows --out $OUT/fused-probe-$shape-unpaired-h200.json || echo "STEP FAILED: $?"; }
+      timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} --repeats ${REPEATS:-20} \
+          --context ${CONTEXT:-64} --out $OUT/fused-probe-$shape-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+      # two rows per warp (PAIR_ROWS, off by default): one row count, few repeats, a short limit
+      [ -n "${PAIR_AB:-}" ] && { timeout 100 python3 bench/fused_probe.py --shape $shape --rows 1 \
+          --repeats 5 --pair-rows --out $OUT/fused-probe-$shape-paired-h200.json > $OUT/paired-$shape.log 2>&1 \
+          || echo "STEP FAILED: $?"; tail -c 1500 $OUT/paired-$shape.log; }
     done
+    ;;
+  fused-ab)  # the kernel without its L2 prefetch hints (greedy, one row)
+    timeout ${LIMIT:-150} python3 bench/fused_probe.py --shape ${SHAPES:-qwen3-next} --rows 1 --repeats ${REPEATS:-10} \
+        --samplings greedy --no-prefetch --out $OUT/fused-probe-noprefetch-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   fused-mtp)  # MTP rounds and draft chains, compiled MLX step vs the fused kernel (Qwen3-Next layer)
     for sampling in ${SAMPLINGS:-greedy qwen}; do
       timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \
-          --tokens 32 --depths 1,3 --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
+          --tokens 32 --depths ${DEPTHS:-1,3} --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
           --steps compiled,fused --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
     done
     ;;

@@ -78,10 +78,14 @@ MAX_TOP_K = 32  # the sampled draw keeps its candidates one per lane
 # device's multiprocessor count where it has fewer (`multiprocessors`).
 BLOCKS = 128
 MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
-PHASE_STAMPS = 16  # floats at the scratch's end for `FusedStep.phase_times`
+PHASE_STAMPS = 24  # floats per block at the scratch's end for `FusedStep.phase_times`
 # Whether a warp takes two rows of a one-input product at once (more loads in
 # flight; benchmarks turn it off to compare).
-PAIR_ROWS = True
+PAIR_ROWS = False
+# Whether the kernel asks L2 ahead for the weights of its next phases (bulk
+# prefetch hints while a latency-bound phase leaves DRAM idle; benchmarks
+# turn it off to compare).
+PREFETCH_L2 = True
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -159,6 +163,30 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
   __syncthreads();
 }
 
+// A hint: ask L2 to fetch `bytes` bytes at p (16-byte aligned).
+__device__ __forceinline__ void prefetch_range(const void* p, size_t bytes) {
+  const unsigned int n = (unsigned int)(bytes / 16 * 16);
+  if (n == 0) return;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
+#else
+  for (unsigned int o = 0; o < n; o += 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
+#endif
+}
+
+// A hint: ask L2 to fetch this block's share (1 / gridDim.x) of the first
+// min(bytes, cap) bytes at p (16-byte aligned), one bulk prefetch (sm_90).
+// Weights a later phase reads arrive while the current one, latency-bound,
+// leaves DRAM idle. Called by one thread of the block.
+__device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, size_t cap) {
+  bytes = bytes < cap ? bytes : cap;
+  const size_t share = ((bytes + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
+  const size_t lo = (size_t)blockIdx.x * share;
+  if (lo >= bytes) return;
+  prefetch_range(static_cast<const char*>(p) + lo, min(share, bytes - lo));
+}
+
 // Sum over the block (all threads get it); `red` holds one float per warp.
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -171,42 +199,77 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return t;
 }
 
-// The mean-square inverse rsqrt(mean(x^2) + eps) of a scratch vector.
-__device__ __forceinline__ float inv_rms(const float* x, int n, float eps, float* red) {
-  float s = 0.0f;
-  for (int k = threadIdx.x; k < n; k += blockDim.x) {
-    const float v = __ldcg(x + k);
-    s += v * v;
+// N elements of W from p (16, 8 or 4 bytes at once where they make that
+// many; COHERENT: written by other blocks of this launch, read from L2).
+template <typename W, int N, bool COHERENT>
+__device__ __forceinline__ void load_n(const W* p, float* out) {
+  if constexpr (N * sizeof(W) == 16) {
+    const uint4 raw = COHERENT ? __ldcg(reinterpret_cast<const uint4*>(p))
+                               : __ldg(reinterpret_cast<const uint4*>(p));
+    const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+  } else if constexpr (N * sizeof(W) == 8) {
+    const uint2 raw = COHERENT ? __ldcg(reinterpret_cast<const uint2*>(p))
+                               : __ldg(reinterpret_cast<const uint2*>(p));
+    const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+  } else if constexpr (N * sizeof(W) == 4) {
+    const unsigned int raw = COHERENT ? __ldcg(reinterpret_cast<const unsigned int*>(p))
+                                      : __ldg(reinterpret_cast<const unsigned int*>(p));
+    const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
   }
-  return rsqrtf(block_sum(s, red) / n + eps);
 }
 
-// RMSNorm of `count` scratch vectors of n floats into `to` (float32, shared
-// memory): x * rsqrt(mean(x^2) + eps) * w; `copy`, when given, also gets them
-// in the weights' dtype.
-template <typename W>
+constexpr int SP_THREADS = 256;  // threads per block (BLOCK)
+constexpr int PHASE_STAMPS = @STAMPS@;  // floats of phase stamps
+
+// 8-element groups of an n-vector per thread (n a multiple of 256).
+__host__ __device__ constexpr int groups8(int n) { return (n / 8 + SP_THREADS - 1) / SP_THREADS; }
+
+// RMSNorm of `count` scratch vectors of N floats into `to` (float32, shared
+// memory): x * rsqrt(mean(x^2) + eps) * w, each thread's elements read once
+// (16-byte loads, all in flight together); `copy`, when given, also gets
+// them in the weights' dtype.
+template <typename W, int N>
 __device__ __forceinline__ void stage_normed(
-    float* to, const float* from, int count, int n, const W* w, float eps, float* red,
-    W* copy) {
+    float* to, const float* from, int count, const W* w, float eps, float* red, W* copy) {
+  constexpr int NG = groups8(N);
   for (int m = 0; m < count; ++m) {
-    const float iv = inv_rms(from + (size_t)m * n, n, eps, red);
-    for (int k = threadIdx.x; k < n; k += blockDim.x) {
-      const float v = __ldcg(from + (size_t)m * n + k) * iv * static_cast<float>(w[k]);
-      to[(size_t)m * n + k] = v;
-      if (copy != nullptr) copy[(size_t)m * n + k] = static_cast<W>(v);
+    float x[NG][8];
+    float s = 0.0f;
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      const int k = (threadIdx.x + g * SP_THREADS) * 8;
+      if (k < N) {
+        load8s(from + (size_t)m * N + k, x[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s += x[g][i] * x[g][i];
+      }
+    }
+    const float iv = rsqrtf(block_sum(s, red) / N + eps);
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      const int k = (threadIdx.x + g * SP_THREADS) * 8;
+      if (k < N) {
+        float wv[8];
+        load8(w + k, wv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float v = x[g][i] * iv * wv[i];
+          to[(size_t)m * N + k + i] = v;
+          if (copy != nullptr) copy[(size_t)m * N + k + i] = static_cast<W>(v);
+        }
+      }
     }
   }
   __syncthreads();
-}
-
-template <typename W>
-__device__ __forceinline__ float inv_rms_w(const W* x, int n, float eps, float* red) {
-  float s = 0.0f;
-  for (int k = threadIdx.x; k < n; k += blockDim.x) {
-    const float v = static_cast<float>(x[k]);
-    s += v * v;
-  }
-  return rsqrtf(block_sum(s, red) / n + eps);
 }
 
 // Rows r = first, first + stride, ... of a product: NV input vectors times
@@ -343,7 +406,7 @@ __device__ __forceinline__ float step_uniform(unsigned int seed, unsigned int st
 }
 
 }  // namespace specpipe_mtp
-"""
+""".replace("@STAMPS@", str(PHASE_STAMPS))
 
 _SOURCE = r"""
   using namespace specpipe_mtp;
@@ -354,6 +417,10 @@ _SOURCE = r"""
   constexpr int HALF = ROT / 2;
   constexpr int GROUP = HQ / HKV;
   constexpr int KC = GREEDY ? 1 : TOPK;
+  constexpr int KW = TT + STEPS - 1;  // window slots of knew / vnew
+  constexpr size_t PF_CAP = 24u << 20;  // bytes of one array prefetched ahead, at most
+  constexpr size_t PF_HEAD = 128u << 10;  // bytes of a block's projection rows prefetched ahead
+  constexpr size_t WB = sizeof(W);
   constexpr size_t O_H0 = 0;
   constexpr size_t O_QKV = O_H0 + align8((size_t)M * H);
   constexpr size_t O_ATT = O_QKV + align8((size_t)M * QKVN);
@@ -374,8 +441,6 @@ _SOURCE = r"""
   constexpr size_t O_CV = O_R2 + align8((size_t)B * H);
   constexpr size_t O_CI = O_CV + align8((size_t)B * NBLK * KC);
   constexpr int CHUNK = (V + NBLK - 1) / NBLK;
-  // PROFILE: block 0 stamps the time since its start after every barrier
-  // and at its end (ns, float) into the scratch's last PHASES floats
   constexpr size_t O_TS = O_CI + align8((size_t)B * NBLK * KC);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -397,41 +462,91 @@ _SOURCE = r"""
   __shared__ float s_topv[TOPN];
   __shared__ int s_topi[TOPN];
   __shared__ int s_eid[B][KE > 0 ? KE : 1];
+  __shared__ float s_split[B * HQ * SPLITS];
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
 
-  if (tid == 0) {
+  if (tid == 0) {  // launches run one after another: the counter is a
+    // multiple of NBLK at each start, and no block passes the first barrier
+    // before this one arrives
     const u64 c = *(volatile u64*)bar;
-    goal = c - c % ((u64)NBLK * NBAR);
+    goal = c - c % (u64)NBLK;
   }
-  const u64 t_start = PROFILE ? now_ns() : 0;
+  // PROFILE: every block stamps the time (the global timer's low 32 bits,
+  // ns) at its start, on arriving at and leaving each grid barrier, and at
+  // its end, PHASE_STAMPS per block at the scratch's end
   int stamps = 0;
   auto stamp = [&]() {
-    if (PROFILE && blk == 0 && tid == 0) S[O_TS + stamps] = (float)(now_ns() - t_start);
+    if (PROFILE && tid == 0 && stamps < PHASE_STAMPS)
+      S[O_TS + (size_t)blk * PHASE_STAMPS + stamps] = __uint_as_float((unsigned int)now_ns());
     ++stamps;
   };
+  auto barrier = [&]() {
+    stamp();
+    grid_sync(bar, goal, gave_up);
+    stamp();
+  };
+  stamp();
 
+  // this block's first projection rows (its chunk of phase 7)
+  auto prefetch_head = [&]() {
+    const int first = blk * CHUNK;
+    if (first < V)
+      prefetch_range(w_head + (size_t)first * H,
+                     min((size_t)min(CHUNK, V - first) * H * WB, PF_HEAD));
+  };
   float* xs = dyn;  // each phase's staged input vectors
+  constexpr int NGH = groups8(H);
+#pragma unroll 1
+  for (int s = 0; s < STEPS; ++s) {  // chained steps: each drafts from the last
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
+  if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
+  // (step s > 0: the previous step's token and normed output, this launch's)
   for (int m = 0; m < M; ++m) {
-    const W* e = embed + (size_t)ids[m] * H;
-    const W* h = hid + (size_t)m * H;
-    const float ie = inv_rms_w(e, H, eps, red);
-    float ih = inv_rms_w(h, H, eps, red);
-    float ifin = 1.0f;
-    if (FIRST) {  // the target's final norm first, then the head's
-      ifin = ih;
-      float s = 0.0f;
-      for (int k = tid; k < H; k += blockDim.x) {
-        const float v = static_cast<float>(h[k]) * ifin * static_cast<float>(w_final[k]);
-        s += v * v;
+    const int id = s == 0 ? ids[m] : __ldcg(tokens + (size_t)m * STEPS + s - 1);
+    const W* e = embed + (size_t)id * H;
+    const W* h = s == 0 ? hid + (size_t)m * H : normed + (size_t)m * H;
+    float ev[NGH][8], hv[NGH][8];
+    float se = 0.0f, sh = 0.0f;
+#pragma unroll
+    for (int g = 0; g < NGH; ++g) {
+      const int k = (tid + g * SP_THREADS) * 8;
+      if (k < H) {
+        load8(e + k, ev[g]);
+        if (s == 0) load_n<W, 8, false>(h + k, hv[g]);
+        else load_n<W, 8, true>(h + k, hv[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { se += ev[g][i] * ev[g][i]; sh += hv[g][i] * hv[g][i]; }
       }
-      ih = rsqrtf(block_sum(s, red) / H + eps);
     }
-    for (int k = tid; k < H; k += blockDim.x) {
-      xs[(size_t)m * 2 * H + k] = static_cast<float>(e[k]) * ie * static_cast<float>(w_norm_e[k]);
-      float v = static_cast<float>(h[k]);
-      if (FIRST) v *= ifin * static_cast<float>(w_final[k]);
-      xs[(size_t)m * 2 * H + H + k] = v * ih * static_cast<float>(w_norm_h[k]);
+    const float ie = rsqrtf(block_sum(se, red) / H + eps);
+    float ih = rsqrtf(block_sum(sh, red) / H + eps);
+    if (FIRST) {  // the target's final norm first, then the head's
+      float s2 = 0.0f;
+#pragma unroll
+      for (int g = 0; g < NGH; ++g) {
+        const int k = (tid + g * SP_THREADS) * 8;
+        if (k < H) {
+          float wf[8];
+          load8(w_final + k, wf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) { hv[g][i] *= ih * wf[i]; s2 += hv[g][i] * hv[g][i]; }
+        }
+      }
+      ih = rsqrtf(block_sum(s2, red) / H + eps);
+    }
+#pragma unroll
+    for (int g = 0; g < NGH; ++g) {
+      const int k = (tid + g * SP_THREADS) * 8;
+      if (k < H) {
+        float we[8], wh[8];
+        load8(w_norm_e + k, we);
+        load8(w_norm_h + k, wh);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          xs[(size_t)m * 2 * H + k + i] = ev[g][i] * ie * we[i];
+          xs[(size_t)m * 2 * H + H + k + i] = hv[g][i] * ih * wh[i];
+        }
+      }
     }
   }
   __syncthreads();
@@ -443,11 +558,10 @@ _SOURCE = r"""
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       });
-  grid_sync(bar, goal, gave_up);
-  stamp();
+  barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
-  stage_normed<W>(xs, S + O_H0, M, H, w_in, eps, red, nullptr);
+  stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   product<W, M, 1, PAIR_ROWS>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
@@ -456,10 +570,10 @@ _SOURCE = r"""
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
       });
-  grid_sync(bar, goal, gave_up);
-  stamp();
+  barrier();
 
   // ---- 3. attention of each row's last position ---------------------------
+  if (PREFETCH && tid == 0) prefetch_share(w_o, (size_t)H * HQ * D * WB, PF_CAP);
   // A warp holds DPL consecutive dims per lane; RoPE pairs dim d < HALF with
   // d + HALF, HALF / DPL lanes away.
   auto normed_roped = [&](const float* src, const W* wn, int pos, float* x) {
@@ -489,7 +603,9 @@ _SOURCE = r"""
   for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
     const int split = item % SPLITS, bh = item / SPLITS;
     const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
-    const int lb = TT == 1 ? 0 : last[b], st = starts[b];  // chained steps: no `last`
+    // step s of a chain sits s positions after the row's start; its window
+    // slots 0 .. s - 1 hold the earlier steps' keys / values (knew, vnew)
+    const int lb = TT == 1 ? 0 : last[b], st0 = starts[b], st = st0 + s;
     const int mq = b * TT + lb;
     float q[DPL];
     normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st + lb, q);
@@ -500,7 +616,7 @@ _SOURCE = r"""
         const float* row = S + O_QKV + (size_t)(b * TT + t) * QKVN;
         float k[DPL];
         normed_roped(row + 2 * HQ * D + g * D, w_kn, st + t, k);
-        const size_t at = (((size_t)b * HKV + g) * TT + t) * D + lane * DPL;
+        const size_t at = (((size_t)b * HKV + g) * KW + s + t) * D + lane * DPL;
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
           knew[at + i] = static_cast<W>(k[i]);
@@ -512,23 +628,21 @@ _SOURCE = r"""
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
     const size_t cache_row = ((size_t)b * HKV + g) * C;
+    const size_t window_row = ((size_t)b * HKV + g) * KW;
     const int positions = st + lb + 1;
     const int share = (positions + SPLITS - 1) / SPLITS;
     const int p_end = min(positions, (split + 1) * share);
     for (int p = split * share + warp; p < p_end; p += NWARP) {
       float k[DPL], v[DPL];
-      if (p < st) {
-        const W* kp = keys + (cache_row + p) * D + lane * DPL;
-        const W* vp = values + (cache_row + p) * D + lane * DPL;
-        if constexpr (DPL == 8) {  // one 16-byte load each
-          load8(kp, k);
-          load8(vp, v);
-        } else {
-#pragma unroll
-          for (int i = 0; i < DPL; ++i) { k[i] = static_cast<float>(kp[i]); v[i] = static_cast<float>(vp[i]); }
-        }
+      const int slot = p - st0;
+      if (slot < 0) {
+        load_n<W, DPL, false>(keys + (cache_row + p) * D + lane * DPL, k);
+        load_n<W, DPL, false>(values + (cache_row + p) * D + lane * DPL, v);
+      } else if (slot < s) {  // an earlier step of this launch
+        load_n<W, DPL, true>(knew + (window_row + slot) * D + lane * DPL, k);
+        load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
       } else {
-        const float* row = S + O_QKV + (size_t)(b * TT + (p - st)) * QKVN;
+        const float* row = S + O_QKV + (size_t)(b * TT + slot - s) * QKVN;
         normed_roped(row + 2 * HQ * D + g * D, w_kn, p, k);
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
@@ -571,29 +685,50 @@ _SOURCE = r"""
     }
     __syncthreads();
   }
-  grid_sync(bar, goal, gave_up);
-  stamp();
+  barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
-  // the splits combined, times sigmoid(gate): staged as the product's input
+  if (PREFETCH && tid == 0) {  // the MLP's first product
+    if (DENSE) {
+      prefetch_share(mlp0, (size_t)2 * IM * H * WB, PF_CAP);
+    } else {
+      prefetch_share(mlp0, (size_t)E * H * WB, PF_CAP);
+      prefetch_share(mlp5, (size_t)2 * IS * H * WB, PF_CAP);
+    }
+  }
+  // the splits combined, times sigmoid(gate): staged as the product's input.
+  // First each (row, head)'s split weights exp(max_s - max) / sum ...
+  for (int bh = tid; bh < B * HQ; bh += blockDim.x) {
+    const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
+    float m[SPLITS], l[SPLITS];
+#pragma unroll
+    for (int sp = 0; sp < SPLITS; ++sp) {
+      m[sp] = __ldcg(parts + sp * PART);
+      l[sp] = __ldcg(parts + sp * PART + 1);
+    }
+    float top = -SP_INF;
+#pragma unroll
+    for (int sp = 0; sp < SPLITS; ++sp) if (l[sp] > 0.0f) top = fmaxf(top, m[sp]);
+    float den = 0.0f;
+#pragma unroll
+    for (int sp = 0; sp < SPLITS; ++sp) {
+      m[sp] = l[sp] > 0.0f ? expf(m[sp] - top) : 0.0f;  // 0 for an empty split
+      den += l[sp] * m[sp];
+    }
+#pragma unroll
+    for (int sp = 0; sp < SPLITS; ++sp) s_split[bh * SPLITS + sp] = m[sp] / den;
+  }
+  __syncthreads();
+  // ... then every element's weighted sum over the splits
   for (int i = tid; i < B * HQ * D; i += blockDim.x) {
     const int bh = i / D, d = i % D, b = bh / HQ, hq = bh % HQ;
-    const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
-    float top = -SP_INF;
-    for (int sp = 0; sp < SPLITS; ++sp)
-      if (__ldcg(parts + sp * PART + 1) > 0.0f) top = fmaxf(top, __ldcg(parts + sp * PART));
-    float den = 0.0f, num = 0.0f;
-    for (int sp = 0; sp < SPLITS; ++sp) {
-      const float l = __ldcg(parts + sp * PART + 1);
-      if (l > 0.0f) {
-        const float f = expf(__ldcg(parts + sp * PART) - top);
-        den += l * f;
-        num += __ldcg(parts + sp * PART + 2 + d) * f;
-      }
-    }
+    const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART + 2 + d;
+    float num = 0.0f;
+#pragma unroll
+    for (int sp = 0; sp < SPLITS; ++sp) num += __ldcg(parts + sp * PART) * s_split[bh * SPLITS + sp];
     const int mq = b * TT + (TT == 1 ? 0 : last[b]);
     const float gate = __ldcg(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d);
-    xs[i] = num / den * sigmoid(gate);
+    xs[i] = num * sigmoid(gate);
   }
   __syncthreads();
   product<W, B, 1, PAIR_ROWS>(
@@ -606,11 +741,14 @@ _SOURCE = r"""
             S[O_R1 + (size_t)b * H + r] =
                 acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + (TT == 1 ? 0 : last[b])) * H + r);
       });
-  grid_sync(bar, goal, gave_up);
-  stamp();
+  barrier();
 
   // ---- 5-6. the MLP plus the residual ----------------------------------------
-  stage_normed<W>(xs, S + O_R1, B, H, w_post, eps, red, nullptr);
+  if (PREFETCH && tid == 0) {  // the MLP's last product (the MoE's shared down)
+    if (DENSE) prefetch_share(mlp1, (size_t)H * IM * WB, PF_CAP);
+    else prefetch_share(mlp6, (size_t)H * IS * WB, PF_CAP);
+  }
+  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false>(
         IM, H, gwarp, NW,
@@ -621,8 +759,8 @@ _SOURCE = r"""
             for (int b = 0; b < B; ++b)
               S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
         });
-    grid_sync(bar, goal, gave_up);
-    stamp();
+    barrier();
+    if (PREFETCH && tid == 0) prefetch_head();
     for (int i = tid; i < B * IM; i += blockDim.x) xs[i] = __ldcg(S + O_ACT + i);
     __syncthreads();
     product<W, B, 1, PAIR_ROWS>(
@@ -634,8 +772,7 @@ _SOURCE = r"""
             for (int b = 0; b < B; ++b)
               S[O_R2 + (size_t)b * H + r] = acc[b][0] + __ldcg(S + O_R1 + (size_t)b * H + r);
         });
-    grid_sync(bar, goal, gave_up);
-    stamp();
+    barrier();
   } else {
     // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
     product<W, B, 2, false>(
@@ -653,8 +790,7 @@ _SOURCE = r"""
               else S[O_SACT + (size_t)b * IS + (r - E - 1)] = silu(acc[b][0]) * acc[b][1];
             }
         });
-    grid_sync(bar, goal, gave_up);
-    stamp();
+    barrier();
     // every block: softmax top-KE of each row's router (warp b for row b)
     if (warp < B) {
       const int b = warp;
@@ -689,6 +825,8 @@ _SOURCE = r"""
       }
     }
     __syncthreads();
+    if (PREFETCH && tid < B * KE)  // the chosen experts' down rows
+      prefetch_share(mlp4 + (size_t)s_eid[tid / KE][tid % KE] * H * IE, (size_t)H * IE * WB, PF_CAP);
     // the chosen experts' gate/up: rows (b, c, j)
     product<W, 1, 2, false>(
         B * KE * IE, H, gwarp, NW,
@@ -701,9 +839,9 @@ _SOURCE = r"""
         [&](int r, float (&acc)[1][2]) {
           if (lane == 0) S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
         });
-    grid_sync(bar, goal, gave_up);
-    stamp();
+    barrier();
     // down: per output (b, h) the weighted experts plus the gated shared one
+    if (PREFETCH && tid == 0) prefetch_head();
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
     for (int i = tid; i < B * KE * IE; i += blockDim.x) xe[i] = __ldcg(S + O_EACT + i);
@@ -770,14 +908,13 @@ _SOURCE = r"""
       part = warp_sum(part);
       if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
     }
-    grid_sync(bar, goal, gave_up);
-    stamp();
+    barrier();
   }
 
   // ---- 7. the head's norm, the projection, each block's candidates -------
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
-  stage_normed<W>(xs, S + O_R2, B, H, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
+  stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
   const int lo = blk * CHUNK;
   const int hi = min(V, lo + CHUNK);
   float best_v[B];
@@ -850,10 +987,11 @@ _SOURCE = r"""
       }
     }
   }
-  grid_sync(bar, goal, gave_up);
-  stamp();
+  barrier();
 
   // ---- 8. the draw: block b draws row b --------------------------------------
+  if (PREFETCH && tid == 0 && s + 1 < STEPS)  // the next step's fc
+    prefetch_share(w_fc, (size_t)H * 2 * H * WB, PF_CAP);
   if (blk < B && warp == 0) {
     const int b = blk;
     if (GREEDY) {
@@ -865,7 +1003,7 @@ _SOURCE = r"""
         if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
       }
       warp_argmax(v, id);
-      if (lane == 0) tokens[b] = SUBSET ? sub_ids[id] : id;
+      if (lane == 0) tokens[(size_t)b * STEPS + s] = SUBSET ? sub_ids[id] : id;
     }
   }
   if (!GREEDY && blk < B) {
@@ -928,7 +1066,7 @@ _SOURCE = r"""
         if (ij <= id) below += pj;
       }
       const float total = warp_sum(p);
-      const float u = step_uniform(seeds[b], steps[b]);
+      const float u = step_uniform(seeds[b], steps[b] + (unsigned int)s);
       const float target = u * total;
       int pick = (p > 0.0f && below >= target) ? id : 0x7fffffff;
       int last_id = p > 0.0f ? id : -1;
@@ -938,11 +1076,13 @@ _SOURCE = r"""
         last_id = max(last_id, __shfl_xor_sync(0xffffffffu, last_id, o));
       }
       if (pick == 0x7fffffff) pick = last_id;
-      if (lane == 0) tokens[b] = SUBSET ? sub_ids[pick] : pick;
+      if (lane == 0) tokens[(size_t)b * STEPS + s] = SUBSET ? sub_ids[pick] : pick;
     }
   }
   if (blk == 0) __syncthreads();
   stamp();
+  if (s + 1 < STEPS) barrier();  // the next step reads this one's token
+  }  // steps
 """
 
 # Phases that end in a grid barrier: dense 1, 2, 3, 4, 5, 6, 7; MoE adds one.
@@ -1011,7 +1151,7 @@ class LayerShape:
                 rows * self.top_experts,
             ]
         parts += [rows * h, rows * blocks * candidates, rows * blocks * candidates]
-        return sum(_align8(n) for n in parts) + PHASE_STAMPS
+        return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
     def shared_bytes(
         self, vectors: int, rows: int, vocab: int, greedy: bool, top_k: int, blocks: int
@@ -1243,7 +1383,7 @@ class FusedStep:
     sync: mx.array  # [2] uint64: barrier counter, failed barriers
     blocks: int  # of the persistent kernel, all resident at once
     profiled: list[mx.array] = field(factory=list, init=False)  # the last scratch
-    traced: dict[tuple[bool, float, float, float, int], StepFn] = field(
+    traced: dict[tuple[bool, int, float, float, float, int], StepFn] = field(
         factory=dict, init=False
     )
 
@@ -1313,7 +1453,28 @@ class FusedStep:
         """The step for one draw setting (temperature 0: greedy) as a compiled
         function of HeadStep's step signature: the kernel, then the window's
         keys / values scattered into the buffers at `starts`."""
-        key = (first, temperature, top_p, min_p, top_k)
+        return self._traced(first, 1, temperature, top_p, min_p, top_k)
+
+    def chain(
+        self, count: int, temperature: float, top_p: float, min_p: float, top_k: int
+    ) -> StepFn:
+        """`count` chained steps in one launch, as a compiled function of
+        (token [B, 1], normed [B, 1, H], last (unread), starts [B], keys,
+        values, seeds, steps) -> (tokens [B, count], the last step's normed,
+        keys, values): step i drafts at `starts + i` with step key `steps + i`,
+        as `count` calls of the chained `step` would."""
+        return self._traced(False, count, temperature, top_p, min_p, top_k)
+
+    def _traced(
+        self,
+        first: bool,
+        count: int,
+        temperature: float,
+        top_p: float,
+        min_p: float,
+        top_k: int,
+    ) -> StepFn:
+        key = (first, count, temperature, top_p, min_p, top_k)
         traced = self.traced.get(key)
         if traced is None:
             greedy = temperature == 0.0
@@ -1324,10 +1485,10 @@ class FusedStep:
                 # arrays: ids, hidden, last, starts, keys, values, seeds, steps
                 starts, keys, values = arrays[3], arrays[4], arrays[5]
                 tokens, normed, knew, vnew = self(
-                    first, greedy, 0 if greedy else top_k, dist, *arrays
+                    first, greedy, 0 if greedy else top_k, dist, *arrays, count=count
                 )
                 return (
-                    tokens,
+                    tokens[:, 0] if count == 1 else tokens,
                     normed,
                     scatter_window(keys, knew, starts),
                     scatter_window(values, vnew, starts),
@@ -1357,13 +1518,19 @@ class FusedStep:
         seeds: mx.array,  # [B] uint32
         steps: mx.array,  # [B] uint32
         *,
+        count: int = 1,
         profile: bool = False,
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """(tokens [B], normed [B, 1, H], knew, vnew [B, Hkv, L, D]): the
-        window's keys and values for the caller to store at `starts`.
-        `profile`: stamp the phases (`phase_times`)."""
+        """(tokens [B, count], normed [B, 1, H], knew, vnew [B, Hkv, L + count
+        - 1, D]): `count` chained steps (a window of L = 1 position) in one
+        launch, each drafting from the previous step's token and normed
+        output at the next position, or one step (count 1); the window's keys
+        and values for the caller to store at `starts`. `profile`: stamp the
+        phases of the first step (`phase_times`)."""
         w, s = self.weights, self.weights.shape
         rows, length = ids.shape
+        if count > 1 and (first or length != 1):
+            raise ValueError("chained steps in one launch take one position, not a first step")
         vectors = rows * length
         candidates = 1 if greedy else top_k
         # MLX lifts a kernel's shared-memory limit only for more than 48000
@@ -1374,7 +1541,6 @@ class FusedStep:
         template: list[tuple[str, Any]] = [
             ("T", w.embed.dtype),
             ("NBLK", self.blocks),
-            ("NBAR", _BARRIERS[s.dense]),
             ("H", s.hidden),
             ("M", vectors),
             ("B", rows),
@@ -1397,6 +1563,8 @@ class FusedStep:
             ("FIRST", first),
             ("PROFILE", profile),
             ("PAIR_ROWS", PAIR_ROWS),
+            ("STEPS", count),
+            ("PREFETCH", PREFETCH_L2),
         ]
         sub_ids = self.subset_ids if self.subset_ids is not None else last
         outputs = _kernel(shared)(
@@ -1420,10 +1588,10 @@ class FusedStep:
             grid=(self.blocks * BLOCK, 1, 1),
             threadgroup=(BLOCK, 1, 1),
             output_shapes=[
-                (rows,),
+                (rows, count),
                 (rows, 1, s.hidden),
-                (rows, s.kv_heads, length, s.head_dim),
-                (rows, s.kv_heads, length, s.head_dim),
+                (rows, s.kv_heads, length + count - 1, s.head_dim),
+                (rows, s.kv_heads, length + count - 1, s.head_dim),
                 (s.scratch(vectors, rows, candidates, self.blocks),),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
@@ -1433,16 +1601,33 @@ class FusedStep:
             self.profiled[:] = [outputs[4]]
         return outputs[0], outputs[1], outputs[2], outputs[3]
 
-    def phase_times(self, *args: Any) -> list[float]:
-        """One profiled launch of `__call__(*args)`: microseconds from block
-        0's start to the end of each phase (the grid barrier closing it, then
-        the draw), as block 0 saw them."""
+    def phase_times(self, *args: Any) -> list[tuple[float, float, float]]:
+        """One profiled launch of `__call__(*args)`: per grid barrier of the
+        (first) step, then for the draw's end, microseconds from the first
+        block's start to (the first block's arrival, the last block's
+        arrival, the last block's departure); the draw's end has its last
+        block's end three times. The last arrival less the previous
+        barrier's last departure is the phase's work on its slowest block;
+        the departure less the last arrival, the barrier's own cost."""
         outputs = self(*args, profile=True)
         scratch = self.profiled[0]
         mx.eval(*outputs, scratch)
-        phases = _BARRIERS[self.weights.shape.dense] + 1
-        stamps: list[float] = scratch[-PHASE_STAMPS:][:phases].tolist()  # type: ignore[assignment]
-        return [round(t / 1000.0, 2) for t in stamps]
+        barriers = _BARRIERS[self.weights.shape.dense]
+        raw = scratch[-self.blocks * PHASE_STAMPS :].view(mx.uint32)
+        table: list[list[int]] = raw.reshape(self.blocks, PHASE_STAMPS).tolist()  # type: ignore[assignment]
+        origin = min(row[0] for row in table)
+
+        def since(ns: int) -> float:
+            return round(((ns - origin) & 0xFFFFFFFF) / 1000.0, 2)
+
+        phases = []
+        for i in range(barriers):
+            arrive = [since(row[1 + 2 * i]) for row in table]
+            leave = [since(row[2 + 2 * i]) for row in table]
+            phases.append((min(arrive), max(arrive), max(leave)))
+        end = max(since(row[1 + 2 * barriers]) for row in table)
+        phases.append((end, end, end))
+        return phases
 
 
 @cache

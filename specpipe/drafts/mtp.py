@@ -81,6 +81,7 @@ class HeadStep:
         factory=dict, init=False
     )
     fused: dict[int, FusedStep | None] = field(factory=dict, init=False)
+    chains: dict[tuple[int, SamplingParams], StepFn] = field(factory=dict, init=False)
 
     def __call__(self, first: bool, layer: int, filters: SamplingParams) -> StepFn:
         key = (first, layer % len(self.head.layers), filters)
@@ -136,6 +137,70 @@ class HeadStep:
             )
         return self.fused[layer]
 
+    def chain(
+        self,
+        cache: KVCache,
+        layer: int,
+        filters: SamplingParams,
+        token: mx.array,  # [B] int32, the previous step's draft
+        normed: mx.array,  # [B, 1, H], the previous step's normed output
+        starts: mx.array,  # [B] int32, the first step's position
+        seeds: mx.array,  # [B] uint32
+        steps: mx.array,  # [B] uint32, the first step's key
+        count: int,
+    ) -> tuple[mx.array, mx.array]:  # drafts [B, count], the last normed output
+        """`count` chained steps from `layer` on: step i is `chained` with
+        layer + i at `starts + i` with key `steps + i`. A one-layer head runs
+        them as one kernel launch where the fused kernel takes them."""
+        if len(self.head.layers) != 1 or count == 1:
+            drafted = []
+            for i in range(count):
+                token, normed = self.chained(
+                    cache, layer + i, filters, token, normed, starts + i, seeds, steps + i
+                )
+                drafted.append(token)
+            return mx.stack(drafted, axis=1), normed
+        key = (count, filters)
+        run = self.chains.get(key)
+        if run is None:
+            run = self._chain(count, filters)
+            self.chains[key] = run
+        tokens, normed, cache.keys[0], cache.values[0] = run(
+            token[:, None], normed, starts, starts, cache.keys[0], cache.values[0],
+            seeds, steps,
+        )  # fmt: skip
+        return tokens, normed
+
+    def _chain(self, count: int, filters: SamplingParams) -> StepFn:
+        """A one-layer head's `count` chained steps in HeadStep's step
+        signature (tokens [B, count]): the fused chain where it takes them,
+        else `count` compiled steps."""
+        single = self(False, 0, filters)
+
+        def steps_one_by_one(
+            ids: mx.array,
+            normed: mx.array,
+            last: mx.array,
+            starts: mx.array,
+            keys: mx.array,
+            values: mx.array,
+            seeds: mx.array,
+            steps: mx.array,
+        ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+            drafted = []
+            for i in range(count):
+                token, normed, keys, values = single(
+                    ids, normed, last, starts + i, keys, values, seeds, steps + i
+                )
+                drafted.append(token)
+                ids = token[:, None]
+            return mx.stack(drafted, axis=1), normed, keys, values
+
+        fused = self.fused_step(0)
+        if fused is None or not fused.supports(filters.temperature, filters.top_k):
+            return steps_one_by_one
+        return _through_kernel(fused, False, filters, steps_one_by_one, count)
+
     def draw(
         self,
         normed: mx.array,  # [B, H]
@@ -186,15 +251,21 @@ class HeadStep:
 
 
 def _through_kernel(
-    fused: FusedStep, first: bool, filters: SamplingParams, compiled: StepFn
+    fused: FusedStep,
+    first: bool,
+    filters: SamplingParams,
+    compiled: StepFn,
+    count: int = 1,
 ) -> StepFn:
-    """`compiled`, with the steps whose shape the kernel takes run by it.
-    The first kernel step is evaluated and its grid barriers checked: if any
-    gave up (its blocks could not all be resident on this device), the
-    kernel is not used again and a warning says so (each such step would
-    wait 0.2 s per barrier and draft garbage)."""
+    """`compiled`, with the steps whose shape the kernel takes run by it
+    (`count` > 1: that many chained steps in one launch). The first kernel
+    launch is evaluated and its grid barriers checked: if any gave up (its
+    blocks could not all be resident on this device), the kernel is not
+    used again and a warning says so (each such launch would wait 0.2 s per
+    barrier and draft garbage)."""
     top_k = 0 if filters.greedy else filters.top_k
-    kernel = fused.step(first, filters.temperature, filters.top_p, filters.min_p, top_k)
+    args = (filters.temperature, filters.top_p, filters.min_p, top_k)
+    kernel = fused.step(first, *args) if count == 1 else fused.chain(count, *args)
     checked: list[bool] = []  # [sound] once the first kernel step was checked
 
     def run(*args: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -311,14 +382,13 @@ class MtpRows:
             seeds,
             steps,
         )
-        drafted = [token]
+        if depth == 1:
+            return Proposal(depth, device=token[:, None])
         lengths = mx.array([row.length for row in rows], dtype=mx.int32)
-        for i in range(1, depth):
-            token, normed = self.step.chained(
-                cache, i, filters, token, normed, lengths + (i - 1), seeds, steps + i
-            )
-            drafted.append(token)
-        return Proposal(depth, device=mx.stack(drafted, axis=1))
+        chained, _ = self.step.chain(
+            cache, 1, filters, token, normed, lengths, seeds, steps + 1, depth - 1
+        )
+        return Proposal(depth, device=mx.concatenate([token[:, None], chained], axis=1))
 
     def prepare_commit(
         self,

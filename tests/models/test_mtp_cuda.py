@@ -222,6 +222,13 @@ class FakeFused:
 
         return kernel
 
+    def chain(self, count: int, *args: Any) -> Any:
+        def kernel(*arrays: mx.array) -> Any:
+            self.calls.append(f"chain of {count}")
+            return arrays[:4]
+
+        return kernel
+
 
 def test_steps_the_kernel_cannot_take_run_the_compiled_step() -> None:
     fake = FakeFused()
@@ -237,6 +244,54 @@ def test_steps_the_kernel_cannot_take_run_the_compiled_step() -> None:
     run(*two)
     run(*one)
     assert fake.calls == ["kernel", "compiled", "kernel"]
+
+
+def test_chained_steps_go_to_the_kernel_s_chain_in_one_launch() -> None:
+    fake = FakeFused()
+
+    def compiled(*arrays: mx.array) -> Any:
+        fake.calls.append("compiled")
+        return arrays[:4]
+
+    run = _through_kernel(fake, False, SamplingParams(), compiled, 3)  # type: ignore[arg-type]
+    run(mx.zeros((1, 1), dtype=mx.int32), *[mx.zeros((1,))] * 7)
+    run(mx.zeros((2, 1), dtype=mx.int32), *[mx.zeros((2,))] * 7)
+    assert fake.calls == ["chain of 3", "compiled"]
+
+
+@pytest.mark.parametrize("filters", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5)])
+def test_a_chain_of_steps_is_the_chained_steps_one_by_one(filters: SamplingParams) -> None:
+    """HeadStep.chain (one call for a round's chained steps) drafts, outputs
+    and caches what as many `chained` calls do (float32: compiled steps on
+    the CPU, where bf16 products run in an eager kernel)."""
+    target, head = built(MOE, mx.float32)
+    step = HeadStep(target, head, None)
+    rows, count = 2, 3
+    mx.random.seed(3)
+    token = mx.random.randint(0, VOCAB, (rows,)).astype(mx.int32)
+    normed = mx.random.normal((rows, 1, 256))
+    starts = mx.array([5, 9], dtype=mx.int32)
+    seeds = mx.array([1, 2], dtype=mx.uint32)
+    steps = mx.array([10, 20], dtype=mx.uint32)
+    caches = []
+    for _ in range(2):
+        cache = head.make_cache(rows)
+        cache.reserve(16)
+        cache.keys[0] = mx.random.normal(cache.keys[0].shape) * 0.5
+        cache.values[0] = mx.random.normal(cache.values[0].shape) * 0.5
+        caches.append(cache)
+    caches[1].keys[0], caches[1].values[0] = caches[0].keys[0], caches[0].values[0]
+    tokens, last = step.chain(caches[0], 1, filters, token, normed, starts, seeds, steps, count)
+    one_by_one = []
+    t, n = token, normed
+    for i in range(count):
+        t, n = step.chained(caches[1], 1 + i, filters, t, n, starts + i, seeds, steps + i)
+        one_by_one.append(t)
+    assert tokens.shape == (rows, count)
+    assert tokens.tolist() == mx.stack(one_by_one, axis=1).tolist()
+    assert mx.array_equal(last, n).item()
+    assert mx.array_equal(caches[0].keys[0], caches[1].keys[0]).item()
+    assert mx.array_equal(caches[0].values[0], caches[1].values[0]).item()
 
 
 def test_a_kernel_whose_barriers_gave_up_is_not_used_again() -> None:
@@ -276,12 +331,14 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
 
 @pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
 @pytest.mark.parametrize(
-    ("kind", "greedy", "first", "listed", "rows", "length"),
+    ("kind", "greedy", "first", "listed", "rows", "length", "count"),
     [
-        ("moe", False, True, True, 2, 2),
-        ("moe", True, False, False, 1, 1),
-        ("dense", False, False, False, 8, 1),
-        ("dense", True, True, True, 1, 4),
+        ("moe", False, True, True, 2, 2, 1),
+        ("moe", True, False, False, 1, 1, 1),
+        ("moe", False, False, True, 2, 1, 3),  # three chained steps, one launch
+        ("dense", False, False, False, 8, 1, 1),
+        ("dense", True, True, True, 1, 4, 1),
+        ("dense", True, False, False, 1, 1, 4),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
@@ -294,6 +351,7 @@ def test_the_step_kernel_compiles_without_spills(
     listed: bool,
     rows: int,
     length: int,
+    count: int,
 ) -> None:
     target, head = request.getfixturevalue(kind)
     weights = fused_weights(target, head, 0)
@@ -322,10 +380,11 @@ def test_the_step_kernel_compiles_without_spills(
         cache.values[0],
         mx.zeros((rows,), dtype=mx.uint32),
         mx.zeros((rows,), dtype=mx.uint32),
+        count=count,
         profile=rows == 2,  # the phase stamps compile too
     )
-    assert tokens.shape == (rows,) and normed.shape == (rows, 1, hidden)
-    assert knew.shape == vnew.shape == (rows, 2, length, 64)
+    assert tokens.shape == (rows, count) and normed.shape == (rows, 1, hidden)
+    assert knew.shape == vnew.shape == (rows, 2, length + count - 1, 64)
     text = source(
         "mtp_step",
         mtp_cuda._HEADER,
