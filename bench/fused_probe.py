@@ -66,12 +66,12 @@ def main() -> None:
     parser = probe_arguments(__doc__, "qwen3-next", "1,4,8")
     parser.add_argument("--pair-rows", action="store_true",
                         help="two rows per warp at once in one-input products (models.mtp_cuda.PAIR_ROWS)")
-    parser.add_argument("--no-prefetch", action="store_true",
-                        help="no L2 prefetch hints in the kernel (models.mtp_cuda.PREFETCH_L2)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="L2 prefetch hints in the kernel (models.mtp_cuda.PREFETCH_L2)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     args = parser.parse_args()
     models.mtp_cuda.PAIR_ROWS = args.pair_rows
-    models.mtp_cuda.PREFETCH_L2 = not args.no_prefetch
+    models.mtp_cuda.PREFETCH_L2 = args.prefetch
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False

@@ -154,9 +154,9 @@ for step in "$@"; do
           || echo "STEP FAILED: $?"; tail -c 1500 $OUT/paired-$shape.log; }
     done
     ;;
-  fused-ab)  # the kernel without its L2 prefetch hints (greedy, one row)
+  fused-ab)  # the kernel with its L2 prefetch hints (greedy, one row; `fused` runs it without)
     timeout ${LIMIT:-150} python3 bench/fused_probe.py --shape ${SHAPES:-qwen3-next} --rows 1 --repeats ${REPEATS:-10} \
-        --samplings greedy --no-prefetch --out $OUT/fused-probe-noprefetch-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+        --samplings greedy --prefetch --out $OUT/fused-probe-prefetch-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   fused-mtp)  # MTP rounds and draft chains, compiled MLX step vs the fused kernel (Qwen3-Next layer)
     for sampling in ${SAMPLINGS:-greedy qwen}; do

@@ -33,9 +33,13 @@ wrong output):
    filtering and the coupled inverse-CDF draw of `specpipe.sampling` with the
    same (seed, step) uniform.
 
+A round's chained steps (each drafting from the previous step's token and
+normed output, one position further) run as ONE launch: the phases above
+repeat per step after a grid barrier, the earlier steps' keys and values
+read back from the launch's own window output (`FusedStep.chain`).
+
 Products read each weight row once with 16-byte loads (one warp per output
-row, two at once where a warp has several short rows, float32 sums) from
-inputs staged, normed, in shared memory. Only the rows' last positions go
+row, float32 sums) from inputs staged, normed, in shared memory. Only the rows' last positions go
 through attention, the MLP and the projection (a one-layer head needs no
 other). The step is a draft: it
 rounds differently from the MLX step (float32 throughout instead of rounding
@@ -80,12 +84,15 @@ BLOCKS = 128
 MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
 PHASE_STAMPS = 24  # floats per block at the scratch's end for `FusedStep.phase_times`
 # Whether a warp takes two rows of a one-input product at once (more loads in
-# flight; benchmarks turn it off to compare).
+# flight). Off: both device runs of the paired form ran past their limits
+# (100 s, 280 s) where the unpaired form finished, cause not found yet
+# (`bench/fused_probe.py --pair-rows`).
 PAIR_ROWS = False
 # Whether the kernel asks L2 ahead for the weights of its next phases (bulk
-# prefetch hints while a latency-bound phase leaves DRAM idle; benchmarks
-# turn it off to compare).
-PREFETCH_L2 = True
+# prefetch hints while a latency-bound phase leaves DRAM idle). Off: the
+# device check of the kernel ran without it, and its A/B run did not finish
+# (`bench/fused_probe.py --no-prefetch` is the other arm).
+PREFETCH_L2 = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -1366,16 +1373,19 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
     return weights if _float2(weights.arrays()) is not None else None
 
 
-# Whether a CUDA GPU drafts MTP steps in scope through the fused kernel. Off
-# until the kernel as it stands is checked against the MLX step on a device
-# (bench/fused_probe.py; its dense form was, an earlier revision: bf16-level
-# differences, the same greedy tokens); `bench/mtp.py --steps fused` turns it on.
-FUSED_ON_GPU = False
+# Whether a CUDA GPU drafts MTP steps in scope through the fused kernel. Its
+# MoE form as it stands agrees with the MLX step on float32 copies of the
+# weights on an H200 (bf16 rounding, the same greedy drafts, single steps and
+# three chained steps in one launch; bench/fused_probe.py, bench/RESULTS.md
+# 2026-12-02 ninth session), as an earlier revision of its dense form did;
+# `bench/mtp.py --steps compiled` turns it off to compare.
+FUSED_ON_GPU = True
 
 
 @frozen(eq=False)
 class FusedStep:
-    """One MTP draft step as one kernel launch (then the two KV scatters)."""
+    """One MTP draft step, or a round's chained steps, as one kernel launch
+    (then the two KV scatters)."""
 
     weights: FusedWeights
     head: mx.array  # [V, H] projection rows (the FR-Spec rows when listed)

@@ -27,10 +27,11 @@ without rebuilding its graph op by op, and its element-wise passes fuse
 padded to a power of two (the padded pairs write scratch KV past the row's
 length, which later steps overwrite and no real query sees), so a handful
 of traces serve every round; longer tails (a prompt's first round), rows
-with different draw filters, and the CPU take the eager path. With
-`models.mtp_cuda.FUSED_ON_GPU` on (experimental, off by default), steps
-within its scope run as one CUDA kernel instead (`HeadStep.fused_step`,
-models/mtp_cuda.py).
+with different draw filters, and the CPU take the eager path. On a CUDA
+GPU, steps within its scope run as one CUDA kernel instead, a round's
+chained steps as one launch (`HeadStep.fused_step`, `HeadStep.chain`,
+models/mtp_cuda.py; `models.mtp_cuda.FUSED_ON_GPU` off keeps the compiled
+steps).
 """
 
 from __future__ import annotations
