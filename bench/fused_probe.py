@@ -13,12 +13,15 @@ FR-Spec list):
   window's keys / values, and for tokens that differ, the reference's logit
   gap between the two tokens (a near-tie, if small);
 - the same for three chained steps in one launch of the kernel (`chain3`)
-  against three MLX steps;
+  against three MLX steps, and for a whole round in one launch (`round3`: a
+  2-position first step and two chained steps) against `HeadStep.round`'s
+  MLX steps;
 - time: one chained step, a depth-3 chain (a first step of one position
   and two chained steps, evaluated once; the kernel's two chained steps in
   one launch), and ten chained steps per step (`chain10`: MLX steps, kernel
-  steps, and `chain10_launch`: the ten in one launch), median of
-  `--repeats`;
+  steps, and `chain10_launch`: the ten in one launch), and the round in one
+  launch (`round_fused`: the 2-position first step and two chained steps),
+  median of `--repeats`;
 - the kernel's phases (fc, q/k/v, attention, o_proj, the MLP's two or
   three phases, the projection, the draw): for each barrier closing one,
   microseconds from the first block's start to the first block's arrival,
@@ -212,6 +215,31 @@ def main() -> None:
                            for what, r, f in zip(("normed", "keys", "values"), r_out[1:], f_out[1:],
                                                  strict=True)},
                     }
+                # a whole round in one launch: the first step (2-position
+                # window, last = 1) and two chained steps, vs HeadStep.round's
+                # MLX steps (FUSED_ON_GPU is off here)
+                def fused_round() -> Any:
+                    return fused.launch(True, 3, params.temperature if not params.greedy else 0.0,
+                                        params.top_p, params.min_p, top_k)
+
+                f_out = fused_round()(window_ids, raw, ones, starts, keys, values, seeds, steps)
+                for label3, head_step, f32 in (("round3", step, False),
+                                                ("round3_vs_float32", exact[name], True)):
+                    whole = head_step.round(params, 3)
+                    assert whole is not None
+                    cast_in = (lambda a: a.astype(mx.float32)) if f32 else (lambda a: a)
+                    r_out = whole(window_ids, cast_in(raw), ones, starts, cast_in(keys),
+                                  cast_in(values), seeds, steps)
+                    mx.eval(r_out, f_out)
+                    agree[label3] = {
+                        "tokens_equal": f"{int(mx.sum(r_out[0] == f_out[0]).item())}/{rows * 3}",
+                        "ref_tokens": r_out[0].tolist(),
+                        "fused_tokens": f_out[0].tolist(),
+                        **{f"{what}_max_diff": float(mx.max(mx.abs(
+                            r.astype(mx.float32) - f.astype(mx.float32))))
+                           for what, r, f in zip(("normed", "keys", "values"), r_out[1:], f_out[1:],
+                                                 strict=True)},
+                    }
                 entry[f"agree_{key}"] = agree
 
                 def chain(fn: Any) -> Any:
@@ -257,8 +285,11 @@ def main() -> None:
                 entry[f"step_fused_{key}"] = median_ms(lambda: fast(False)[0], args.repeats)
                 entry[f"chain_mlx_{key}"] = median_ms(lambda: chain(ref), args.repeats)
                 entry[f"chain_fused_{key}"] = median_ms(lambda: chain(fast), args.repeats)
+                entry[f"round_fused_{key}"] = median_ms(
+                    lambda: fused_round()(window_ids, raw, ones, starts, keys, values, seeds,
+                                          steps)[0], args.repeats)
                 print(f"rows {rows} {key}: done", flush=True)
-        for kind in ("step", "chain", "chain10"):
+        for kind in ("step", "chain", "chain10", "round"):
             for impl in ("mlx", "fused", "launch"):
                 for label in ("greedy", "qwen"):
                     full = entry.get(f"{kind}_{impl}_full_{label}")

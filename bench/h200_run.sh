@@ -158,6 +158,10 @@ for step in "$@"; do
     timeout ${LIMIT:-150} python3 bench/fused_probe.py --shape ${SHAPES:-qwen3-next} --rows 1 --repeats ${REPEATS:-10} \
         --samplings greedy --prefetch --out $OUT/fused-probe-prefetch-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
+  round-check)  # a whole round in one kernel launch vs HeadStep.round's MLX steps (quick)
+    timeout ${LIMIT:-120} python3 bench/round_check.py --head ${HEAD:-fr} --rows ${ROWS:-1,2} --repeats ${REPEATS:-10} \
+        --out $OUT/round-check-h200.json || echo "STEP FAILED: $?"
+    ;;
   fused-mtp)  # MTP rounds and draft chains, compiled MLX step vs the fused kernel (Qwen3-Next layer)
     for sampling in ${SAMPLINGS:-greedy qwen}; do
       timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \

@@ -509,9 +509,11 @@ _SOURCE = r"""
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
   for (int m = 0; m < M; ++m) {
-    const int id = s == 0 ? ids[m] : __ldcg(tokens + (size_t)m * STEPS + s - 1);
+    // (a later step's window positions all take the row's one pair: their
+    // duplicate products cost no extra weight reads)
+    const int id = s == 0 ? ids[m] : __ldcg(tokens + (size_t)(m / TT) * STEPS + s - 1);
     const W* e = embed + (size_t)id * H;
-    const W* h = s == 0 ? hid + (size_t)m * H : normed + (size_t)m * H;
+    const W* h = s == 0 ? hid + (size_t)m * H : normed + (size_t)(m / TT) * H;
     float ev[NGH][8], hv[NGH][8];
     float se = 0.0f, sh = 0.0f;
 #pragma unroll
@@ -527,7 +529,7 @@ _SOURCE = r"""
     }
     const float ie = rsqrtf(block_sum(se, red) / H + eps);
     float ih = rsqrtf(block_sum(sh, red) / H + eps);
-    if (FIRST) {  // the target's final norm first, then the head's
+    if (FIRST && s == 0) {  // the target's final norm first, then the head's
       float s2 = 0.0f;
 #pragma unroll
       for (int g = 0; g < NGH; ++g) {
@@ -610,20 +612,23 @@ _SOURCE = r"""
   for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
     const int split = item % SPLITS, bh = item / SPLITS;
     const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
-    // step s of a chain sits s positions after the row's start; its window
-    // slots 0 .. s - 1 hold the earlier steps' keys / values (knew, vnew)
-    const int lb = TT == 1 ? 0 : last[b], st0 = starts[b], st = st0 + s;
-    const int mq = b * TT + lb;
+    // step s (s > 0: a chained step) sits s positions after the first
+    // step's query, at window slot lb + s: the window's slots below it hold
+    // the first step's keys / values (0 .. TT - 1) overwritten from lb + 1
+    // on by the later steps' (knew, vnew, this launch's)
+    const int lb = TT == 1 ? 0 : last[b], st0 = starts[b], qslot = lb + s;
+    const int mq = b * TT + lb;  // every step's query row (later steps: all rows alike)
     float q[DPL];
-    normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st + lb, q);
+    normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) q[i] *= scale;
-    if (hq % GROUP == 0 && split == 0) {  // store the window's keys and values of head g
-      for (int t = warp; t < TT; t += NWARP) {
-        const float* row = S + O_QKV + (size_t)(b * TT + t) * QKVN;
+    if (hq % GROUP == 0 && split == 0) {  // store the step's window keys and values of head g
+      for (int t = warp; t < (s == 0 ? TT : 1); t += NWARP) {
+        const int slot = s == 0 ? t : qslot;
+        const float* row = S + O_QKV + (size_t)(s == 0 ? b * TT + t : mq) * QKVN;
         float k[DPL];
-        normed_roped(row + 2 * HQ * D + g * D, w_kn, st + t, k);
-        const size_t at = (((size_t)b * HKV + g) * KW + s + t) * D + lane * DPL;
+        normed_roped(row + 2 * HQ * D + g * D, w_kn, st0 + slot, k);
+        const size_t at = (((size_t)b * HKV + g) * KW + slot) * D + lane * DPL;
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
           knew[at + i] = static_cast<W>(k[i]);
@@ -636,7 +641,7 @@ _SOURCE = r"""
     for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
     const size_t cache_row = ((size_t)b * HKV + g) * C;
     const size_t window_row = ((size_t)b * HKV + g) * KW;
-    const int positions = st + lb + 1;
+    const int positions = st0 + qslot + 1;
     const int share = (positions + SPLITS - 1) / SPLITS;
     const int p_end = min(positions, (split + 1) * share);
     for (int p = split * share + warp; p < p_end; p += NWARP) {
@@ -645,11 +650,11 @@ _SOURCE = r"""
       if (slot < 0) {
         load_n<W, DPL, false>(keys + (cache_row + p) * D + lane * DPL, k);
         load_n<W, DPL, false>(values + (cache_row + p) * D + lane * DPL, v);
-      } else if (slot < s) {  // an earlier step of this launch
+      } else if (s > 0 && slot < qslot) {  // an earlier step of this launch
         load_n<W, DPL, true>(knew + (window_row + slot) * D + lane * DPL, k);
         load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
       } else {
-        const float* row = S + O_QKV + (size_t)(b * TT + slot - s) * QKVN;
+        const float* row = S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN;
         normed_roped(row + 2 * HQ * D + g * D, w_kn, p, k);
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
@@ -657,13 +662,13 @@ _SOURCE = r"""
           v[i] = static_cast<float>(static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i)));
         }
       }
-      float s = 0.0f;
+      float dot = 0.0f;
 #pragma unroll
-      for (int i = 0; i < DPL; ++i) s += q[i] * k[i];
-      s = warp_sum(s);
-      const float mnew = fmaxf(mx_, s);
+      for (int i = 0; i < DPL; ++i) dot += q[i] * k[i];
+      dot = warp_sum(dot);
+      const float mnew = fmaxf(mx_, dot);
       const float corr = expf(mx_ - mnew);
-      const float e = expf(s - mnew);
+      const float e = expf(dot - mnew);
       l = l * corr + e;
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * corr + e * v[i];
@@ -1380,6 +1385,9 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
 # 2026-12-02 ninth session), as an earlier revision of its dense form did;
 # `bench/mtp.py --steps compiled` turns it off to compare.
 FUSED_ON_GPU = True
+# Whether a round's first step and its chained steps share one launch
+# (`HeadStep.round`), or the first step launches alone before the chain's.
+WHOLE_ROUND = False
 
 
 @frozen(eq=False)
@@ -1463,7 +1471,7 @@ class FusedStep:
         """The step for one draw setting (temperature 0: greedy) as a compiled
         function of HeadStep's step signature: the kernel, then the window's
         keys / values scattered into the buffers at `starts`."""
-        return self._traced(first, 1, temperature, top_p, min_p, top_k)
+        return self.launch(first, 1, temperature, top_p, min_p, top_k)
 
     def chain(
         self, count: int, temperature: float, top_p: float, min_p: float, top_k: int
@@ -1473,9 +1481,9 @@ class FusedStep:
         values, seeds, steps) -> (tokens [B, count], the last step's normed,
         keys, values): step i drafts at `starts + i` with step key `steps + i`,
         as `count` calls of the chained `step` would."""
-        return self._traced(False, count, temperature, top_p, min_p, top_k)
+        return self.launch(False, count, temperature, top_p, min_p, top_k)
 
-    def _traced(
+    def launch(
         self,
         first: bool,
         count: int,
@@ -1484,6 +1492,12 @@ class FusedStep:
         min_p: float,
         top_k: int,
     ) -> StepFn:
+        """`count` steps in one launch as a compiled function of HeadStep's
+        step signature, tokens [B, count] (count 1: [B]): a first step (its
+        window's last position `last`, drafting at starts + last) or a chained
+        one (at `starts`), then count - 1 chained steps, step i one position
+        further with step key `steps + i`; the window's keys / values of
+        every step scattered into the buffers from `starts` on."""
         key = (first, count, temperature, top_p, min_p, top_k)
         traced = self.traced.get(key)
         if traced is None:
@@ -1532,15 +1546,16 @@ class FusedStep:
         profile: bool = False,
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """(tokens [B, count], normed [B, 1, H], knew, vnew [B, Hkv, L + count
-        - 1, D]): `count` chained steps (a window of L = 1 position) in one
+        - 1, D]): one step over a window of L positions (a first step, or a
+        chained step of one), then `count` - 1 chained steps in the same
         launch, each drafting from the previous step's token and normed
-        output at the next position, or one step (count 1); the window's keys
-        and values for the caller to store at `starts`. `profile`: stamp the
-        phases of the first step (`phase_times`)."""
+        output one position further (window slot last + i); the window's
+        keys and values for the caller to store at `starts`. `profile`:
+        stamp the phases of the first step (`phase_times`)."""
         w, s = self.weights, self.weights.shape
         rows, length = ids.shape
-        if count > 1 and (first or length != 1):
-            raise ValueError("chained steps in one launch take one position, not a first step")
+        if count > 1 and not first and length != 1:
+            raise ValueError("chained steps take one position each")
         vectors = rows * length
         candidates = 1 if greedy else top_k
         # MLX lifts a kernel's shared-memory limit only for more than 48000

@@ -83,6 +83,7 @@ class HeadStep:
     )
     fused: dict[int, FusedStep | None] = field(factory=dict, init=False)
     chains: dict[tuple[int, SamplingParams], StepFn] = field(factory=dict, init=False)
+    rounds: dict[tuple[int, SamplingParams], StepFn] = field(factory=dict, init=False)
 
     def __call__(self, first: bool, layer: int, filters: SamplingParams) -> StepFn:
         key = (first, layer % len(self.head.layers), filters)
@@ -202,6 +203,45 @@ class HeadStep:
             return steps_one_by_one
         return _through_kernel(fused, False, filters, steps_one_by_one, count)
 
+    def round(self, filters: SamplingParams, depth: int) -> StepFn | None:
+        """A one-layer head's whole draft chain of `depth` steps (the first
+        step over the tail's window, then depth - 1 chained steps from the
+        row's length on) in HeadStep's step signature, tokens [B, depth]:
+        one kernel launch where the fused kernel takes it, else the first
+        step and `chain`'s steps; None for a multi-layer head or depth 1."""
+        if len(self.head.layers) != 1 or depth < 2:
+            return None
+        key = (depth, filters)
+        run = self.rounds.get(key)
+        if run is None:
+            first, rest = self(True, 0, filters), self._chain(depth - 1, filters)
+
+            def first_then_chain(
+                ids: mx.array,
+                hidden: mx.array,
+                last: mx.array,
+                starts: mx.array,
+                keys: mx.array,
+                values: mx.array,
+                seeds: mx.array,
+                steps: mx.array,
+            ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+                token, normed, keys, values = first(
+                    ids, hidden, last, starts, keys, values, seeds, steps
+                )
+                length = starts + last + 1  # the row's: its chained steps' start
+                tokens, normed, keys, values = rest(
+                    token[:, None], normed, length, length, keys, values, seeds, steps + 1
+                )
+                return mx.concatenate([token[:, None], tokens], axis=1), normed, keys, values
+
+            fused = self.fused_step(0) if mtp_cuda.WHOLE_ROUND else None
+            run = first_then_chain
+            if fused is not None and fused.supports(filters.temperature, filters.top_k):
+                run = _through_kernel(fused, True, filters, first_then_chain, depth)
+            self.rounds[key] = run
+        return run
+
     def draw(
         self,
         normed: mx.array,  # [B, H]
@@ -259,14 +299,16 @@ def _through_kernel(
     count: int = 1,
 ) -> StepFn:
     """`compiled`, with the steps whose shape the kernel takes run by it
-    (`count` > 1: that many chained steps in one launch). The first kernel
+    (`count` > 1: a first or chained step and count - 1 chained steps in one
+    launch, `FusedStep.launch`). The first kernel
     launch is evaluated and its grid barriers checked: if any gave up (its
     blocks could not all be resident on this device), the kernel is not
     used again and a warning says so (each such launch would wait 0.2 s per
     barrier and draft garbage)."""
     top_k = 0 if filters.greedy else filters.top_k
-    args = (filters.temperature, filters.top_p, filters.min_p, top_k)
-    kernel = fused.step(first, *args) if count == 1 else fused.chain(count, *args)
+    kernel = fused.launch(
+        first, count, filters.temperature, filters.top_p, filters.min_p, top_k
+    )
     checked: list[bool] = []  # [sound] once the first kernel step was checked
 
     def run(*args: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -365,23 +407,25 @@ class MtpRows:
         if tail.shape[1] < width:
             tail = mx.pad(tail, [(0, 0), (0, width - tail.shape[1]), (0, 0)])
         cache = self.cache
-        cache.reserve(
-            max(
-                max(self.lengths) + width,
-                max(row.length for row in rows) + depth - 1,
-            )
-        )
+        # the window's slots, then the chained steps' (one launch writes
+        # them all from the head's lengths on)
+        cache.reserve(max(self.lengths) + width + depth - 1)
         seeds = mx.array([p.seed for p in params], dtype=mx.uint32)
         steps = mx.array([row.step for row in rows], dtype=mx.uint32)
-        token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(
+        arrays = (
             mx.array(grid, dtype=mx.int32),
             tail,
             mx.array([n - 1 for n in self.tail_lengths], dtype=mx.int32),
             mx.array(self.lengths, dtype=mx.int32),
-            cache.keys[0],
-            cache.values[0],
-            seeds,
-            steps,
+        )
+        whole = self.step.round(filters, depth)
+        if whole is not None:
+            tokens, _, cache.keys[0], cache.values[0] = whole(
+                *arrays, cache.keys[0], cache.values[0], seeds, steps
+            )
+            return Proposal(depth, device=tokens)
+        token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(
+            *arrays, cache.keys[0], cache.values[0], seeds, steps
         )
         if depth == 1:
             return Proposal(depth, device=token[:, None])

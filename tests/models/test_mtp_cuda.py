@@ -215,16 +215,9 @@ class FakeFused:
     def failures(self) -> int:
         return self.failed
 
-    def step(self, *args: Any) -> Any:
+    def launch(self, first: bool, count: int, *args: Any) -> Any:
         def kernel(*arrays: mx.array) -> Any:
-            self.calls.append("kernel")
-            return arrays[:4]
-
-        return kernel
-
-    def chain(self, count: int, *args: Any) -> Any:
-        def kernel(*arrays: mx.array) -> Any:
-            self.calls.append(f"chain of {count}")
+            self.calls.append("kernel" if count == 1 else f"launch of {count}")
             return arrays[:4]
 
         return kernel
@@ -256,7 +249,7 @@ def test_chained_steps_go_to_the_kernel_s_chain_in_one_launch() -> None:
     run = _through_kernel(fake, False, SamplingParams(), compiled, 3)  # type: ignore[arg-type]
     run(mx.zeros((1, 1), dtype=mx.int32), *[mx.zeros((1,))] * 7)
     run(mx.zeros((2, 1), dtype=mx.int32), *[mx.zeros((2,))] * 7)
-    assert fake.calls == ["chain of 3", "compiled"]
+    assert fake.calls == ["launch of 3", "compiled"]
 
 
 @pytest.mark.parametrize("filters", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5)])
@@ -292,6 +285,41 @@ def test_a_chain_of_steps_is_the_chained_steps_one_by_one(filters: SamplingParam
     assert mx.array_equal(last, n).item()
     assert mx.array_equal(caches[0].keys[0], caches[1].keys[0]).item()
     assert mx.array_equal(caches[0].values[0], caches[1].values[0]).item()
+
+
+def test_a_round_is_its_first_step_then_its_chained_steps() -> None:
+    """HeadStep.round (a round's whole draft chain, one launch on a GPU)
+    drafts and caches what the first step over the tail's window and the
+    chained steps from each row's length on do (rows with different tails)."""
+    target, head = built(MOE, mx.float32)
+    step = HeadStep(target, head, None)
+    filters = SamplingParams(temperature=0.8, top_k=20, seed=5)
+    rows, width, depth = 2, 4, 3
+    mx.random.seed(4)
+    ids = mx.random.randint(0, VOCAB, (rows, width)).astype(mx.int32)
+    hidden = mx.random.normal((rows, width, 256))
+    last = mx.array([3, 1], dtype=mx.int32)  # tails of 4 and 2 pairs
+    starts = mx.array([6, 11], dtype=mx.int32)
+    seeds = mx.array([1, 2], dtype=mx.uint32)
+    steps = mx.array([10, 20], dtype=mx.uint32)
+    cache = head.make_cache(rows)
+    cache.reserve(24)
+    keys = mx.random.normal(cache.keys[0].shape) * 0.5
+    values = mx.random.normal(cache.values[0].shape) * 0.5
+    whole = step.round(filters, depth)
+    assert whole is not None and step.round(filters, 1) is None
+    tokens, normed, k1, v1 = whole(ids, hidden, last, starts, keys, values, seeds, steps)
+    token, n, k2, v2 = step(True, 0, filters)(ids, hidden, last, starts, keys, values, seeds, steps)
+    drafted = [token]
+    for i in range(1, depth):
+        at = starts + last + i
+        token, n, k2, v2 = step(False, i, filters)(
+            token[:, None], n, at, at, k2, v2, seeds, steps + i
+        )
+        drafted.append(token)
+    assert tokens.tolist() == mx.stack(drafted, axis=1).tolist()
+    assert mx.array_equal(normed, n).item()
+    assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
 
 
 def test_a_kernel_whose_barriers_gave_up_is_not_used_again() -> None:
@@ -339,6 +367,8 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         ("dense", False, False, False, 8, 1, 1),
         ("dense", True, True, True, 1, 4, 1),
         ("dense", True, False, False, 1, 1, 4),
+        ("moe", False, True, True, 2, 2, 3),  # a whole round: first step, two chained
+        ("dense", True, True, False, 1, 4, 3),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
