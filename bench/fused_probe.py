@@ -220,7 +220,7 @@ def main() -> None:
                 # MLX steps (FUSED_ON_GPU is off here)
                 def fused_round() -> Any:
                     return fused.launch(True, 3, params.temperature if not params.greedy else 0.0,
-                                        params.top_p, params.min_p, top_k)
+                                        params.top_p, params.min_p, top_k, kv_out=True)
 
                 f_out = fused_round()(window_ids, raw, ones, starts, keys, values, seeds, steps)
                 for label3, head_step, f32 in (("round3", step, False),

@@ -48,7 +48,8 @@ def main() -> None:
     assert reference is not None
     top_k = 0 if params.greedy else params.top_k
     temperature = 0.0 if params.greedy else params.temperature
-    whole = fused.launch(True, args.depth, temperature, params.top_p, params.min_p, top_k)
+    whole = fused.launch(True, args.depth, temperature, params.top_p, params.min_p, top_k,
+                         kv_out=True)  # as HeadStep.round launches it
     first = fused.launch(True, 1, temperature, params.top_p, params.min_p, top_k)
     rest = fused.launch(False, args.depth - 1, temperature, params.top_p, params.min_p, top_k)
     report: dict[str, Any] = {"machine": machine_info(), "shape": args.shape, "head": args.head,

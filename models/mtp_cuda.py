@@ -424,7 +424,7 @@ _SOURCE = r"""
   constexpr int HALF = ROT / 2;
   constexpr int GROUP = HQ / HKV;
   constexpr int KC = GREEDY ? 1 : TOPK;
-  constexpr int KW = TT + STEPS - 1;  // window slots of knew / vnew
+  constexpr int KW = TT + STEPS - 1;  // window slots of knew / vnew (without KV_OUT)
   constexpr size_t PF_CAP = 24u << 20;  // bytes of one array prefetched ahead, at most
   constexpr size_t PF_HEAD = 128u << 10;  // bytes of a block's projection rows prefetched ahead
   constexpr size_t WB = sizeof(W);
@@ -559,6 +559,21 @@ _SOURCE = r"""
     }
   }
   __syncthreads();
+  if (KV_OUT && s == 0) {
+    // KV_OUT: knew / vnew are the new whole buffers: the cache copied (the
+    // window's slots are written after this phase's barrier)
+    const size_t n = (size_t)B * HKV * C * D / 8;  // 16-byte vectors of 8 elements
+    const uint4* ks = reinterpret_cast<const uint4*>(keys);
+    const uint4* vs = reinterpret_cast<const uint4*>(values);
+    uint4* kd = reinterpret_cast<uint4*>(knew);
+    uint4* vd = reinterpret_cast<uint4*>(vnew);
+#pragma unroll 1
+    for (size_t i = (size_t)blk * SP_THREADS + tid; i < n; i += (size_t)NBLK * SP_THREADS) {
+      const uint4 a = __ldg(ks + i), c = __ldg(vs + i);
+      kd[i] = a;
+      vd[i] = c;
+    }
+  }
   product<W, M, 1, PAIR_ROWS>(
       H, 2 * H, gwarp, NW,
       [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
@@ -618,6 +633,8 @@ _SOURCE = r"""
     // on by the later steps' (knew, vnew, this launch's)
     const int lb = TT == 1 ? 0 : last[b], st0 = starts[b], qslot = lb + s;
     const int mq = b * TT + lb;  // every step's query row (later steps: all rows alike)
+    // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
+    const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
     float q[DPL];
     normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q);
 #pragma unroll
@@ -628,7 +645,7 @@ _SOURCE = r"""
         const float* row = S + O_QKV + (size_t)(s == 0 ? b * TT + t : mq) * QKVN;
         float k[DPL];
         normed_roped(row + 2 * HQ * D + g * D, w_kn, st0 + slot, k);
-        const size_t at = (((size_t)b * HKV + g) * KW + slot) * D + lane * DPL;
+        const size_t at = (window_row + slot) * D + lane * DPL;
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
           knew[at + i] = static_cast<W>(k[i]);
@@ -640,7 +657,6 @@ _SOURCE = r"""
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
     const size_t cache_row = ((size_t)b * HKV + g) * C;
-    const size_t window_row = ((size_t)b * HKV + g) * KW;
     const int positions = st0 + qslot + 1;
     const int share = (positions + SPLITS - 1) / SPLITS;
     const int p_end = min(positions, (split + 1) * share);
@@ -1401,7 +1417,7 @@ class FusedStep:
     sync: mx.array  # [2] uint64: barrier counter, failed barriers
     blocks: int  # of the persistent kernel, all resident at once
     profiled: list[mx.array] = field(factory=list, init=False)  # the last scratch
-    traced: dict[tuple[bool, int, float, float, float, int], StepFn] = field(
+    traced: dict[tuple[bool, int, float, float, float, int, bool], StepFn] = field(
         factory=dict, init=False
     )
 
@@ -1491,14 +1507,16 @@ class FusedStep:
         top_p: float,
         min_p: float,
         top_k: int,
+        kv_out: bool = False,
     ) -> StepFn:
         """`count` steps in one launch as a compiled function of HeadStep's
         step signature, tokens [B, count] (count 1: [B]): a first step (its
         window's last position `last`, drafting at starts + last) or a chained
         one (at `starts`), then count - 1 chained steps, step i one position
         further with step key `steps + i`; the window's keys / values of
-        every step scattered into the buffers from `starts` on."""
-        key = (first, count, temperature, top_p, min_p, top_k)
+        every step scattered into the buffers from `starts` on (`kv_out`:
+        written by the kernel into new whole buffers, no scatter)."""
+        key = (first, count, temperature, top_p, min_p, top_k, kv_out)
         traced = self.traced.get(key)
         if traced is None:
             greedy = temperature == 0.0
@@ -1509,10 +1527,15 @@ class FusedStep:
                 # arrays: ids, hidden, last, starts, keys, values, seeds, steps
                 starts, keys, values = arrays[3], arrays[4], arrays[5]
                 tokens, normed, knew, vnew = self(
-                    first, greedy, 0 if greedy else top_k, dist, *arrays, count=count
-                )
+                    first, greedy, 0 if greedy else top_k, dist, *arrays, count=count,
+                    kv_out=kv_out,
+                )  # fmt: skip
+                if count == 1:
+                    tokens = tokens[:, 0]
+                if kv_out:
+                    return tokens, normed, knew, vnew
                 return (
-                    tokens[:, 0] if count == 1 else tokens,
+                    tokens,
                     normed,
                     scatter_window(keys, knew, starts),
                     scatter_window(values, vnew, starts),
@@ -1543,6 +1566,7 @@ class FusedStep:
         steps: mx.array,  # [B] uint32
         *,
         count: int = 1,
+        kv_out: bool = False,
         profile: bool = False,
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """(tokens [B, count], normed [B, 1, H], knew, vnew [B, Hkv, L + count
@@ -1550,8 +1574,10 @@ class FusedStep:
         chained step of one), then `count` - 1 chained steps in the same
         launch, each drafting from the previous step's token and normed
         output one position further (window slot last + i); the window's
-        keys and values for the caller to store at `starts`. `profile`:
-        stamp the phases of the first step (`phase_times`)."""
+        keys and values for the caller to store at `starts` (`kv_out`: knew
+        / vnew are `keys` / `values` with the window written in, new arrays
+        of their shape). `profile`: stamp the phases of the first step
+        (`phase_times`)."""
         w, s = self.weights, self.weights.shape
         rows, length = ids.shape
         if count > 1 and not first and length != 1:
@@ -1590,7 +1616,13 @@ class FusedStep:
             ("PAIR_ROWS", PAIR_ROWS),
             ("STEPS", count),
             ("PREFETCH", PREFETCH_L2),
+            ("KV_OUT", kv_out),
         ]
+        window = (
+            keys.shape
+            if kv_out
+            else (rows, s.kv_heads, length + count - 1, s.head_dim)
+        )
         sub_ids = self.subset_ids if self.subset_ids is not None else last
         outputs = _kernel(shared)(
             inputs=[
@@ -1615,8 +1647,8 @@ class FusedStep:
             output_shapes=[
                 (rows, count),
                 (rows, 1, s.hidden),
-                (rows, s.kv_heads, length + count - 1, s.head_dim),
-                (rows, s.kv_heads, length + count - 1, s.head_dim),
+                window,
+                window,
                 (s.scratch(vectors, rows, candidates, self.blocks),),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,

@@ -238,7 +238,9 @@ class HeadStep:
             fused = self.fused_step(0) if mtp_cuda.WHOLE_ROUND else None
             run = first_then_chain
             if fused is not None and fused.supports(filters.temperature, filters.top_k):
-                run = _through_kernel(fused, True, filters, first_then_chain, depth)
+                run = _through_kernel(
+                    fused, True, filters, first_then_chain, depth, kv_out=True
+                )
             self.rounds[key] = run
         return run
 
@@ -297,17 +299,19 @@ def _through_kernel(
     filters: SamplingParams,
     compiled: StepFn,
     count: int = 1,
+    kv_out: bool = False,
 ) -> StepFn:
     """`compiled`, with the steps whose shape the kernel takes run by it
     (`count` > 1: a first or chained step and count - 1 chained steps in one
-    launch, `FusedStep.launch`). The first kernel
+    launch, `FusedStep.launch`; `kv_out`: the kernel writes new whole KV
+    buffers itself instead of the two scatters). The first kernel
     launch is evaluated and its grid barriers checked: if any gave up (its
     blocks could not all be resident on this device), the kernel is not
     used again and a warning says so (each such launch would wait 0.2 s per
     barrier and draft garbage)."""
     top_k = 0 if filters.greedy else filters.top_k
     kernel = fused.launch(
-        first, count, filters.temperature, filters.top_p, filters.min_p, top_k
+        first, count, filters.temperature, filters.top_p, filters.min_p, top_k, kv_out
     )
     checked: list[bool] = []  # [sound] once the first kernel step was checked
 
