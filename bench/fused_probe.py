@@ -26,7 +26,8 @@ FR-Spec list):
   three phases, the projection, the draw): for each barrier closing one,
   microseconds from the first block's start to the first block's arrival,
   the last block's arrival and the last block's departure (the draw: its
-  end), median of 7 profiled launches;
+  end), median of 7 profiled launches, and each launch's last-arriving
+  block per phase;
 - the grid barriers that gave up (must be 0).
 
     python bench/fused_probe.py --shape qwen3-next --rows 1,4,8 --out bench/results/fused-probe.json
@@ -279,6 +280,9 @@ def main() -> None:
                     [statistics.median(run[i][j] for run in stamps) for j in range(3)]
                     for i in range(len(stamps[0]))
                 ]
+                # per phase, the last-arriving block of each profiled launch
+                entry[f"slowest_blocks_{key}"] = [[run[i][3] for run in stamps]
+                                                  for i in range(len(stamps[0]))]
                 entry[f"split_mlx_{key}"] = split_ms(lambda: ref(False)[0], args.repeats)
                 entry[f"split_fused_{key}"] = split_ms(lambda: fast(False)[0], args.repeats)
                 entry[f"step_mlx_{key}"] = median_ms(lambda: ref(False)[0], args.repeats)

@@ -1658,12 +1658,12 @@ class FusedStep:
             self.profiled[:] = [outputs[4]]
         return outputs[0], outputs[1], outputs[2], outputs[3]
 
-    def phase_times(self, *args: Any) -> list[tuple[float, float, float]]:
+    def phase_times(self, *args: Any) -> list[tuple[float, float, float, int]]:
         """One profiled launch of `__call__(*args)`: per grid barrier of the
         (first) step, then for the draw's end, microseconds from the first
         block's start to (the first block's arrival, the last block's
-        arrival, the last block's departure); the draw's end has its last
-        block's end three times. The last arrival less the previous
+        arrival, the last block's departure), and the last-arriving block;
+        the draw's end has its last block's end three times. The last arrival less the previous
         barrier's last departure is the phase's work on its slowest block;
         the departure less the last arrival, the barrier's own cost."""
         outputs = self(*args, profile=True)
@@ -1681,9 +1681,11 @@ class FusedStep:
         for i in range(barriers):
             arrive = [since(row[1 + 2 * i]) for row in table]
             leave = [since(row[2 + 2 * i]) for row in table]
-            phases.append((min(arrive), max(arrive), max(leave)))
-        end = max(since(row[1 + 2 * barriers]) for row in table)
-        phases.append((end, end, end))
+            last = max(range(self.blocks), key=arrive.__getitem__)
+            phases.append((min(arrive), arrive[last], max(leave), last))
+        ends = [since(row[1 + 2 * barriers]) for row in table]
+        last = max(range(self.blocks), key=ends.__getitem__)
+        phases.append((ends[last], ends[last], ends[last], last))
         return phases
 
 
