@@ -66,6 +66,20 @@ def float32_copy(model: Any) -> Any:
     return copy
 
 
+def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
+    """Drafts [B, n] equal of `count`, and the largest differences of the
+    normed output and the written keys / values, of two (tokens, normed,
+    keys, values) results."""
+    mx.eval(reference, fused)
+    return {
+        "tokens_equal": f"{int(mx.sum(reference[0] == fused[0]).item())}/{count}",
+        "ref_tokens": reference[0].tolist(),
+        "fused_tokens": fused[0].tolist(),
+        **{f"{what}_max_diff": float(mx.max(mx.abs(r.astype(mx.float32) - f.astype(mx.float32))))
+           for what, r, f in zip(("normed", "keys", "values"), reference[1:], fused[1:], strict=True)},
+    }
+
+
 def main() -> None:
     parser = probe_arguments(__doc__, "qwen3-next", "1,4,8")
     parser.add_argument("--pair-rows", action="store_true",
@@ -206,16 +220,7 @@ def main() -> None:
                     ("chain3", ref_chain(step, lambda a: a)),
                     ("chain3_vs_float32", ref_chain(exact[name], lambda a: a.astype(mx.float32))),
                 ):
-                    mx.eval(r_out, f_out)
-                    agree[label3] = {
-                        "tokens_equal": f"{int(mx.sum(r_out[0] == f_out[0]).item())}/{rows * 3}",
-                        "ref_tokens": r_out[0].tolist(),
-                        "fused_tokens": f_out[0].tolist(),
-                        **{f"{what}_max_diff": float(mx.max(mx.abs(
-                            r.astype(mx.float32) - f.astype(mx.float32))))
-                           for what, r, f in zip(("normed", "keys", "values"), r_out[1:], f_out[1:],
-                                                 strict=True)},
-                    }
+                    agree[label3] = launch_agreement(r_out, f_out, rows * 3)
                 # a whole round in one launch: the first step (2-position
                 # window, last = 1) and two chained steps, vs HeadStep.round's
                 # MLX steps (FUSED_ON_GPU is off here)
@@ -231,16 +236,7 @@ def main() -> None:
                     cast_in = (lambda a: a.astype(mx.float32)) if f32 else (lambda a: a)
                     r_out = whole(window_ids, cast_in(raw), ones, starts, cast_in(keys),
                                   cast_in(values), seeds, steps)
-                    mx.eval(r_out, f_out)
-                    agree[label3] = {
-                        "tokens_equal": f"{int(mx.sum(r_out[0] == f_out[0]).item())}/{rows * 3}",
-                        "ref_tokens": r_out[0].tolist(),
-                        "fused_tokens": f_out[0].tolist(),
-                        **{f"{what}_max_diff": float(mx.max(mx.abs(
-                            r.astype(mx.float32) - f.astype(mx.float32))))
-                           for what, r, f in zip(("normed", "keys", "values"), r_out[1:], f_out[1:],
-                                                 strict=True)},
-                    }
+                    agree[label3] = launch_agreement(r_out, f_out, rows * 3)
                 entry[f"agree_{key}"] = agree
 
                 def chain(fn: Any) -> Any:

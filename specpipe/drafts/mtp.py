@@ -180,15 +180,9 @@ class HeadStep:
         single = self(False, 0, filters)
 
         def steps_one_by_one(
-            ids: mx.array,
-            normed: mx.array,
-            last: mx.array,
-            starts: mx.array,
-            keys: mx.array,
-            values: mx.array,
-            seeds: mx.array,
-            steps: mx.array,
+            *arrays: mx.array,
         ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+            ids, normed, last, starts, keys, values, seeds, steps = arrays
             drafted = []
             for i in range(count):
                 token, normed, keys, values = single(
@@ -217,18 +211,10 @@ class HeadStep:
             first, rest = self(True, 0, filters), self._chain(depth - 1, filters)
 
             def first_then_chain(
-                ids: mx.array,
-                hidden: mx.array,
-                last: mx.array,
-                starts: mx.array,
-                keys: mx.array,
-                values: mx.array,
-                seeds: mx.array,
-                steps: mx.array,
+                *arrays: mx.array,
             ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-                token, normed, keys, values = first(
-                    ids, hidden, last, starts, keys, values, seeds, steps
-                )
+                last, starts, seeds, steps = (arrays[i] for i in (2, 3, 6, 7))
+                token, normed, keys, values = first(*arrays)
                 length = starts + last + 1  # the row's: its chained steps' start
                 tokens, normed, keys, values = rest(
                     token[:, None], normed, length, length, keys, values, seeds, steps + 1
