@@ -13,6 +13,11 @@
 #  `setup-min gdn`, then the `gdn-mtp` step's probe and one mtp.py run per kernel setting by hand)
 # (eighth session: `ROWS=1,8 setup-min fused`, `ROWS=1,2,8 setup-min fused`, then fused_probe.py and
 #  the `fused-mtp` step's mtp.py commands with --depths 3 / 1,3 by hand, PYTHONPATH=$HOME/site)
+# (ninth session: `SHAPES=qwen3-next ROWS=1,2,8 PAIR_AB=1 setup-min fused gdn`, then on two more leases
+#  `SHAPES=qwen3-next ROWS=1,2 PAIR_AB=1 REPEATS=15 setup-min fused` + `SAMPLINGS=greedy ROWS=1 fused-mtp`,
+#  `ROWS=1 REPEATS=15 LIMIT=230 setup-min fused` + `fused-ab` + `SAMPLINGS=greedy ROWS=1 DEPTHS=1,3,5 fused-mtp`;
+#  the next: `ROWS=1,2 setup-min round-check` (HEAD=full too), then `WHOLE=1 SAMPLINGS=greedy ROWS=1
+#  DEPTHS=1,3,5 fused-mtp`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -166,7 +171,7 @@ for step in "$@"; do
     for sampling in ${SAMPLINGS:-greedy qwen}; do
       timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \
           --tokens 32 --depths ${DEPTHS:-1,3} --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
-          --steps compiled,fused --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
+          --steps compiled,fused ${WHOLE:+--whole-round} --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
     done
     ;;
   step-probe)  # where a draft step's time goes, under different CUDA graph sizes

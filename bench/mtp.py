@@ -195,6 +195,9 @@ def main() -> None:
                         help="draft step modes to compare: eager (op by op), compiled "
                              "(specpipe.drafts.mtp.HeadStep's MLX step) and/or fused (the "
                              "one-kernel step of models/mtp_cuda.py where in scope, the CUDA default)")
+    parser.add_argument("--whole-round", action="store_true",
+                        help="fused steps: a round's first and chained steps in one launch "
+                             "(models.mtp_cuda.WHOLE_ROUND)")
     parser.add_argument("--no-generate", action="store_true",
                         help="time the draft chains only (skip the MTP generations)")
     parser.add_argument("--no-window-kernel", action="store_true",
@@ -266,6 +269,7 @@ def main() -> None:
         import models.mtp_cuda
 
         models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
+        models.mtp_cuda.WHOLE_ROUND = args.whole_round
         drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
         if not args.no_generate:
             tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth, sampling)
