@@ -424,7 +424,10 @@ _SOURCE = r"""
   constexpr int HALF = ROT / 2;
   constexpr int GROUP = HQ / HKV;
   constexpr int KC = GREEDY ? 1 : TOPK;
-  constexpr int KW = TT + STEPS - 1;  // window slots of knew / vnew (without KV_OUT)
+  // steps of this launch (a value, not a template constant: one compiled
+  // kernel serves every chain length)
+  const int STEPS = nsteps[0];
+  const int KW = TT + STEPS - 1;  // window slots of knew / vnew (without KV_OUT)
   constexpr size_t PF_CAP = 24u << 20;  // bytes of one array prefetched ahead, at most
   constexpr size_t PF_HEAD = 128u << 10;  // bytes of a block's projection rows prefetched ahead
   constexpr size_t WB = sizeof(W);
@@ -1121,6 +1124,7 @@ _INPUTS = [
     "fparams", "inv_freq", "embed", "w_norm_e", "w_norm_h", "w_final", "w_fc",
     "w_in", "w_qkv", "w_qn", "w_kn", "w_o", "w_post", "mlp0", "mlp1", "mlp2",
     "mlp3", "mlp4", "mlp5", "mlp6", "w_hnorm", "w_head", "sub_ids", "sync",
+    "nsteps",
 ]  # fmt: skip
 _OUTPUTS = ["tokens", "normed", "knew", "vnew", "scratch"]
 
@@ -1614,7 +1618,6 @@ class FusedStep:
             ("FIRST", first),
             ("PROFILE", profile),
             ("PAIR_ROWS", PAIR_ROWS),
-            ("STEPS", count),
             ("PREFETCH", PREFETCH_L2),
             ("KV_OUT", kv_out),
         ]
@@ -1640,6 +1643,7 @@ class FusedStep:
                 self.head,
                 sub_ids,
                 self.sync,
+                mx.array([count], dtype=mx.int32),
             ],
             template=template,
             grid=(self.blocks * BLOCK, 1, 1),

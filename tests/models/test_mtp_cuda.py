@@ -472,3 +472,40 @@ def test_the_window_kernel_compiles(
     compiled = compile_source(text, tmp_path)
     assert compiled.ok, compiled.log[:4000]
     assert compiled.spill_bytes == 0, compiled.log
+
+
+def test_chains_of_any_length_share_one_compiled_kernel(
+    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step count is an input, not a template constant: adaptive depths
+    compile no new kernel (each form takes seconds to compile on a GPU)."""
+    target, head = moe
+    weights = fused_weights(target, head, 0)
+    assert weights is not None
+    step = FusedStep.make(weights, target.head_weights().weight, None, blocks=64)
+    assert step is not None
+    templates, counts = [], []
+    cache = head.make_cache(1)
+    cache.reserve(32)
+    for count in (2, 5):
+        seen = captured_kernel(monkeypatch, mtp_cuda)
+        tokens, _, knew, _ = step(
+            False,
+            True,
+            0,
+            mtp_cuda.draw_params(1e-6, 0.0, 1.0, 0.0),
+            mx.zeros((1, 1), dtype=mx.int32),
+            mx.zeros((1, 1, 256), dtype=mx.bfloat16),
+            mx.zeros((1,), dtype=mx.int32),
+            mx.zeros((1,), dtype=mx.int32),
+            cache.keys[0],
+            cache.values[0],
+            mx.zeros((1,), dtype=mx.uint32),
+            mx.zeros((1,), dtype=mx.uint32),
+            count=count,
+        )
+        assert tokens.shape == (1, count) and knew.shape[2] == count
+        templates.append(seen["template"])
+        counts.append(seen["inputs"][-1].tolist())
+    assert templates[0] == templates[1]
+    assert counts == [[2], [5]]
