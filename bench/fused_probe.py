@@ -22,8 +22,9 @@ FR-Spec list):
   steps, and `chain10_launch`: the ten in one launch), and the round in one
   launch (`round_fused`: the 2-position first step and two chained steps),
   median of `--repeats`;
-- the kernel's phases (fc, q/k/v, attention, o_proj, the MLP's two or
-  three phases, the projection, the draw): for each barrier closing one,
+- the blocks' start spread, then the kernel's phases (fc, q/k/v,
+  attention, o_proj, the MLP's two or three phases, the projection, the
+  draw): for each barrier closing one,
   microseconds from the first block's start to the first block's arrival,
   the last block's arrival and the last block's departure (the draw: its
   end), median of 7 profiled launches, and each launch's last-arriving

@@ -1663,11 +1663,13 @@ class FusedStep:
         return outputs[0], outputs[1], outputs[2], outputs[3]
 
     def phase_times(self, *args: Any) -> list[tuple[float, float, float, int]]:
-        """One profiled launch of `__call__(*args)`: per grid barrier of the
-        (first) step, then for the draw's end, microseconds from the first
-        block's start to (the first block's arrival, the last block's
-        arrival, the last block's departure), and the last-arriving block;
-        the draw's end has its last block's end three times. The last arrival less the previous
+        """One profiled launch of `__call__(*args)`: first the blocks'
+        starts (0, the last start twice, the last-starting block), then per
+        grid barrier of the (first) step and for the draw's end,
+        microseconds from the first block's start to (the first block's
+        arrival, the last block's arrival, the last block's departure), and
+        the last-arriving block; the draw's end has its last block's end
+        three times. The last arrival less the previous
         barrier's last departure is the phase's work on its slowest block;
         the departure less the last arrival, the barrier's own cost."""
         outputs = self(*args, profile=True)
@@ -1681,7 +1683,9 @@ class FusedStep:
         def since(ns: int) -> float:
             return round(((ns - origin) & 0xFFFFFFFF) / 1000.0, 2)
 
-        phases = []
+        starts = [since(row[0]) for row in table]
+        late = max(range(self.blocks), key=starts.__getitem__)
+        phases = [(0.0, starts[late], starts[late], late)]
         for i in range(barriers):
             arrive = [since(row[1 + 2 * i]) for row in table]
             leave = [since(row[2 + 2 * i]) for row in table]
