@@ -87,10 +87,13 @@ def main() -> None:
                         help="two rows per warp at once in one-input products (models.mtp_cuda.PAIR_ROWS)")
     parser.add_argument("--prefetch", action="store_true",
                         help="L2 prefetch hints in the kernel (models.mtp_cuda.PREFETCH_L2)")
+    parser.add_argument("--narrow-loads", action="store_true",
+                        help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     args = parser.parse_args()
     models.mtp_cuda.PAIR_ROWS = args.pair_rows
     models.mtp_cuda.PREFETCH_L2 = args.prefetch
+    models.mtp_cuda.WIDE_LOADS = not args.narrow_loads
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False
@@ -118,6 +121,7 @@ def main() -> None:
         "fr_size": args.fr_size,
         "pair_rows": models.mtp_cuda.PAIR_ROWS,
         "prefetch": models.mtp_cuda.PREFETCH_L2,
+        "wide_loads": models.mtp_cuda.WIDE_LOADS,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

@@ -84,10 +84,16 @@ BLOCKS = 128
 MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
 PHASE_STAMPS = 24  # floats per block at the scratch's end for `FusedStep.phase_times`
 # Whether a warp takes two rows of a one-input product at once (more loads in
-# flight). Off: both device runs of the paired form ran past their limits
-# (100 s, 280 s) where the unpaired form finished, cause not found yet
+# flight). Off until measured: its two device runs ran past their limits, the
+# first likely for being the first process on a fresh machine (MLX's own
+# kernels for the probe's references compile then), the second under 100 s
 # (`bench/fused_probe.py --pair-rows`).
 PAIR_ROWS = False
+# Whether a one-input product of one or two vectors keeps 16 loads per lane
+# in flight instead of 8 (the same sums in the same order; fc's and o_proj's
+# 4096-long rows in one DRAM round trip). Not yet measured on a device
+# (`bench/fused_probe.py --narrow-loads` is the other arm).
+WIDE_LOADS = True
 # Whether the kernel asks L2 ahead for the weights of its next phases (bulk
 # prefetch hints while a latency-bound phase leaves DRAM idle). Off: the
 # device check of the kernel ran without it, and its A/B run did not finish
@@ -286,11 +292,13 @@ __device__ __forceinline__ void stage_normed(
 // lane holds them). PAIRS: a warp takes two of its rows at once (their loads
 // in flight together: half the DRAM round trips where a warp has several
 // short rows), for one weight row of at most two inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, typename RF, typename XF, typename OF>
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
-  constexpr int U = NDOT * NV <= 4 ? 8 : 4;
   constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
+  // WIDE: a one-input product of one or two vectors keeps 16 loads per lane
+  // in flight (a 4096-long row in one DRAM round trip instead of two)
+  constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
   const int lane = threadIdx.x & 31;
   for (int r0 = first; r0 < rows; r0 += stride * R) {
     const W* wr[R][NDOT];
@@ -577,7 +585,7 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS>(
       H, 2 * H, gwarp, NW,
       [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
@@ -589,7 +597,7 @@ _SOURCE = r"""
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
-  product<W, M, 1, PAIR_ROWS>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -762,7 +770,7 @@ _SOURCE = r"""
     xs[i] = num * sigmoid(gate);
   }
   __syncthreads();
-  product<W, B, 1, PAIR_ROWS>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS>(
       H, HQ * D, gwarp, NW,
       [&](int r, int) { return w_o + (size_t)r * HQ * D; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
@@ -781,7 +789,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false>(
+    product<W, B, 2, false, WIDE_LOADS>(
         IM, H, gwarp, NW,
         [&](int r, int j) { return mlp0 + ((size_t)r + (size_t)j * IM) * H; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -794,7 +802,7 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     for (int i = tid; i < B * IM; i += blockDim.x) xs[i] = __ldcg(S + O_ACT + i);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS>(
         H, IM, gwarp, NW,
         [&](int r, int) { return mlp1 + (size_t)r * IM; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
@@ -806,7 +814,7 @@ _SOURCE = r"""
     barrier();
   } else {
     // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-    product<W, B, 2, false>(
+    product<W, B, 2, false, WIDE_LOADS>(
         E + 1 + IS, H, gwarp, NW,
         [&](int r, int j) {
           if (r < E) return mlp0 + (size_t)r * H;  // j == 1 reads the same row
@@ -859,7 +867,7 @@ _SOURCE = r"""
     if (PREFETCH && tid < B * KE)  // the chosen experts' down rows
       prefetch_share(mlp4 + (size_t)s_eid[tid / KE][tid % KE] * H * IE, (size_t)H * IE * WB, PF_CAP);
     // the chosen experts' gate/up: rows (b, c, j)
-    product<W, 1, 2, false>(
+    product<W, 1, 2, false, WIDE_LOADS>(
         B * KE * IE, H, gwarp, NW,
         [&](int r, int j) {
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
@@ -955,7 +963,7 @@ _SOURCE = r"""
   // two adjacent rows per warp (more loads in flight); an odd last row pairs
   // with itself and its second sum is dropped
   const int n_here = max(0, hi - lo);
-  product<W, B, 2, false>(
+  product<W, B, 2, false, WIDE_LOADS>(
       (n_here + 1) / 2, H, warp, NWARP,
       [&](int q, int j) { return w_head + (size_t)min(lo + 2 * q + j, hi - 1) * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -1620,6 +1628,7 @@ class FusedStep:
             ("PAIR_ROWS", PAIR_ROWS),
             ("PREFETCH", PREFETCH_L2),
             ("KV_OUT", kv_out),
+            ("WIDE_LOADS", WIDE_LOADS),
         ]
         window = (
             keys.shape
