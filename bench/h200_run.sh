@@ -17,7 +17,8 @@
 #  `SHAPES=qwen3-next ROWS=1,2 PAIR_AB=1 REPEATS=15 setup-min fused` + `SAMPLINGS=greedy ROWS=1 fused-mtp`,
 #  `ROWS=1 REPEATS=15 LIMIT=230 setup-min fused` + `fused-ab` + `SAMPLINGS=greedy ROWS=1 DEPTHS=1,3,5 fused-mtp`;
 #  the next: `ROWS=1,2 setup-min round-check` (HEAD=full too), then `WHOLE=1 SAMPLINGS=greedy ROWS=1
-#  DEPTHS=1,3,5 fused-mtp`)
+#  DEPTHS=1,3,5 fused-mtp`, then `ROWS=1 PROBE_SAMPLINGS=greedy fused` with PROBE_FLAGS=--pair-rows,
+#  --narrow-loads, --prefetch and PROBE_TAG=-paired / -narrow / -prefetch for the A/Bs)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -151,8 +152,11 @@ for step in "$@"; do
     ;;
   fused)  # the one-kernel MTP draft step vs the compiled MLX step: agreement, time, FR cut
     for shape in ${SHAPES:-qwen3-next qwen3.5-27b}; do
+      # (a fresh machine compiles every kernel form, MLX's references' too: greedy
+      # alone at one row fits ~120 s; both samplings at two row counts do not fit 280 s)
       timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape $shape --rows ${ROWS:-1,4,8} --repeats ${REPEATS:-20} \
-          --context ${CONTEXT:-64} --out $OUT/fused-probe-$shape-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+          --context ${CONTEXT:-64} --samplings ${PROBE_SAMPLINGS:-greedy,qwen} ${PROBE_FLAGS:-} \
+          --out $OUT/fused-probe-$shape${PROBE_TAG:-}-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
       # two rows per warp (PAIR_ROWS, off by default): one row count, few repeats, a short limit
       [ -n "${PAIR_AB:-}" ] && { timeout 100 python3 bench/fused_probe.py --shape $shape --rows 1 \
           --repeats 5 --pair-rows --out $OUT/fused-probe-$shape-paired-h200.json > $OUT/paired-$shape.log 2>&1 \
