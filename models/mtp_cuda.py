@@ -1522,7 +1522,8 @@ class FusedStep:
         kv_out: bool = False,
     ) -> StepFn:
         """`count` steps in one launch as a compiled function of HeadStep's
-        step signature, tokens [B, count] (count 1: [B]): a first step (its
+        step signature, tokens [B, count] (one step without `kv_out`: [B],
+        as HeadStep's steps): a first step (its
         window's last position `last`, drafting at starts + last) or a chained
         one (at `starts`), then count - 1 chained steps, step i one position
         further with step key `steps + i`; the window's keys / values of
@@ -1542,12 +1543,10 @@ class FusedStep:
                     first, greedy, 0 if greedy else top_k, dist, *arrays, count=count,
                     kv_out=kv_out,
                 )  # fmt: skip
-                if count == 1:
-                    tokens = tokens[:, 0]
                 if kv_out:
                     return tokens, normed, knew, vnew
                 return (
-                    tokens,
+                    tokens[:, 0] if count == 1 else tokens,
                     normed,
                     scatter_window(keys, knew, starts),
                     scatter_window(values, vnew, starts),

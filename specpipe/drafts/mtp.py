@@ -202,19 +202,22 @@ class HeadStep:
         step over the tail's window, then depth - 1 chained steps from the
         row's length on) in HeadStep's step signature, tokens [B, depth]:
         one kernel launch where the fused kernel takes it, else the first
-        step and `chain`'s steps; None for a multi-layer head or depth 1."""
-        if len(self.head.layers) != 1 or depth < 2:
+        step and `chain`'s steps; None for a multi-layer head."""
+        if len(self.head.layers) != 1:
             return None
         key = (depth, filters)
         run = self.rounds.get(key)
         if run is None:
-            first, rest = self(True, 0, filters), self._chain(depth - 1, filters)
+            first = self(True, 0, filters)
+            rest = self._chain(depth - 1, filters) if depth > 1 else None
 
             def first_then_chain(
                 *arrays: mx.array,
             ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
                 last, starts, seeds, steps = (arrays[i] for i in (2, 3, 6, 7))
                 token, normed, keys, values = first(*arrays)
+                if rest is None:
+                    return token[:, None], normed, keys, values
                 length = starts + last + 1  # the row's: its chained steps' start
                 tokens, normed, keys, values = rest(
                     token[:, None], normed, length, length, keys, values, seeds, steps + 1

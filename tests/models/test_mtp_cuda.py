@@ -307,7 +307,13 @@ def test_a_round_is_its_first_step_then_its_chained_steps() -> None:
     keys = mx.random.normal(cache.keys[0].shape) * 0.5
     values = mx.random.normal(cache.values[0].shape) * 0.5
     whole = step.round(filters, depth)
-    assert whole is not None and step.round(filters, 1) is None
+    assert whole is not None
+    single = step.round(filters, 1)  # a one-step round: the first step alone
+    assert single is not None
+    alone = step(True, 0, filters)(ids, hidden, last, starts, keys, values, seeds, steps)
+    assert single(ids, hidden, last, starts, keys, values, seeds, steps)[0].tolist() == [
+        [t] for t in alone[0].tolist()
+    ]
     tokens, normed, k1, v1 = whole(ids, hidden, last, starts, keys, values, seeds, steps)
     token, n, k2, v2 = step(True, 0, filters)(ids, hidden, last, starts, keys, values, seeds, steps)
     drafted = [token]
