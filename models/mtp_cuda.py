@@ -36,7 +36,11 @@ wrong output):
 A round's chained steps (each drafting from the previous step's token and
 normed output, one position further) run as ONE launch: the phases above
 repeat per step after a grid barrier, the earlier steps' keys and values
-read back from the launch's own window output (`FusedStep.chain`).
+read back from the launch's own window output (`FusedStep.chain`; the
+step count is an input, so one compiled kernel serves every depth). With
+`WHOLE_ROUND` the round's first step joins them, and the kernel writes the
+new KV buffers itself instead of returning the window for two scatters
+(`FusedStep.launch(..., kv_out=True)`, `HeadStep.round`).
 
 Products read each weight row once with 16-byte loads (one warp per output
 row, float32 sums) from inputs staged, normed, in shared memory. Only the rows' last positions go
