@@ -101,7 +101,7 @@ WIDE_LOADS = True
 # Whether the kernel asks L2 ahead for the weights of its next phases (bulk
 # prefetch hints while a latency-bound phase leaves DRAM idle). Off: the
 # device check of the kernel ran without it, and its A/B run did not finish
-# (`bench/fused_probe.py --no-prefetch` is the other arm).
+# (`bench/fused_probe.py --prefetch` is the other arm).
 PREFETCH_L2 = False
 
 _HEADER = r"""
@@ -132,12 +132,38 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
+// N elements of W from p (16, 8 or 4 bytes at once where they make that
+// many; COHERENT: written by other blocks of this launch, read from L2).
+template <typename W, int N, bool COHERENT>
+__device__ __forceinline__ void load_n(const W* p, float* out) {
+  if constexpr (N * sizeof(W) == 16) {
+    const uint4 raw = COHERENT ? __ldcg(reinterpret_cast<const uint4*>(p))
+                               : __ldg(reinterpret_cast<const uint4*>(p));
+    const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+  } else if constexpr (N * sizeof(W) == 8) {
+    const uint2 raw = COHERENT ? __ldcg(reinterpret_cast<const uint2*>(p))
+                               : __ldg(reinterpret_cast<const uint2*>(p));
+    const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+  } else if constexpr (N * sizeof(W) == 4) {
+    const unsigned int raw = COHERENT ? __ldcg(reinterpret_cast<const unsigned int*>(p))
+                                      : __ldg(reinterpret_cast<const unsigned int*>(p));
+    const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
+  }
+}
+
+// Eight weights (read-only for the launch) in one 16-byte load.
 template <typename W>
 __device__ __forceinline__ void load8(const W* p, float* out) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const W* e = reinterpret_cast<const W*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(e[i]);
+  load_n<W, 8, false>(p, out);
 }
 
 // Eight floats written by other blocks of this launch (bypassing L1).
@@ -214,34 +240,6 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   float t = 0.0f;
   for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
   return t;
-}
-
-// N elements of W from p (16, 8 or 4 bytes at once where they make that
-// many; COHERENT: written by other blocks of this launch, read from L2).
-template <typename W, int N, bool COHERENT>
-__device__ __forceinline__ void load_n(const W* p, float* out) {
-  if constexpr (N * sizeof(W) == 16) {
-    const uint4 raw = COHERENT ? __ldcg(reinterpret_cast<const uint4*>(p))
-                               : __ldg(reinterpret_cast<const uint4*>(p));
-    const W* e = reinterpret_cast<const W*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
-  } else if constexpr (N * sizeof(W) == 8) {
-    const uint2 raw = COHERENT ? __ldcg(reinterpret_cast<const uint2*>(p))
-                               : __ldg(reinterpret_cast<const uint2*>(p));
-    const W* e = reinterpret_cast<const W*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
-  } else if constexpr (N * sizeof(W) == 4) {
-    const unsigned int raw = COHERENT ? __ldcg(reinterpret_cast<const unsigned int*>(p))
-                                      : __ldg(reinterpret_cast<const unsigned int*>(p));
-    const W* e = reinterpret_cast<const W*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
-  }
 }
 
 constexpr int SP_THREADS = 256;  // threads per block (BLOCK)
@@ -536,7 +534,7 @@ _SOURCE = r"""
       const int k = (tid + g * SP_THREADS) * 8;
       if (k < H) {
         load8(e + k, ev[g]);
-        if (s == 0) load_n<W, 8, false>(h + k, hv[g]);
+        if (s == 0) load8(h + k, hv[g]);
         else load_n<W, 8, true>(h + k, hv[g]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) { se += ev[g][i] * ev[g][i]; sh += hv[g][i] * hv[g][i]; }
@@ -637,6 +635,16 @@ _SOURCE = r"""
     }
   };
   const float scale = rsqrtf((float)D);
+  // a window position's key (normed, roped at `pos`) and value of kv head g
+  // from its q/k/v row, rounded to the weights' dtype as the cache holds them
+  auto window_kv = [&](const float* row, int g, int pos, float* k, float* v) {
+    normed_roped(row + 2 * HQ * D + g * D, w_kn, pos, k);
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      k[i] = static_cast<float>(static_cast<W>(k[i]));
+      v[i] = static_cast<float>(static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i)));
+    }
+  };
   // items (row, head, split): a split attends over one contiguous share of
   // the row's positions; phase 4 combines the splits (flash-decoding)
   for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
@@ -657,14 +665,13 @@ _SOURCE = r"""
     if (hq % GROUP == 0 && split == 0) {  // store the step's window keys and values of head g
       for (int t = warp; t < (s == 0 ? TT : 1); t += NWARP) {
         const int slot = s == 0 ? t : qslot;
-        const float* row = S + O_QKV + (size_t)(s == 0 ? b * TT + t : mq) * QKVN;
-        float k[DPL];
-        normed_roped(row + 2 * HQ * D + g * D, w_kn, st0 + slot, k);
+        float k[DPL], v[DPL];
+        window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + t : mq) * QKVN, g, st0 + slot, k, v);
         const size_t at = (window_row + slot) * D + lane * DPL;
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
           knew[at + i] = static_cast<W>(k[i]);
-          vnew[at + i] = static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i));
+          vnew[at + i] = static_cast<W>(v[i]);
         }
       }
     }
@@ -685,13 +692,7 @@ _SOURCE = r"""
         load_n<W, DPL, true>(knew + (window_row + slot) * D + lane * DPL, k);
         load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
       } else {
-        const float* row = S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN;
-        normed_roped(row + 2 * HQ * D + g * D, w_kn, p, k);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          k[i] = static_cast<float>(static_cast<W>(k[i]));
-          v[i] = static_cast<float>(static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i)));
-        }
+        window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, p, k, v);
       }
       float dot = 0.0f;
 #pragma unroll
@@ -1425,7 +1426,8 @@ WHOLE_ROUND = False
 @frozen(eq=False)
 class FusedStep:
     """One MTP draft step, or a round's chained steps, as one kernel launch
-    (then the two KV scatters)."""
+    (then the two KV scatters, or none where the kernel writes the new KV
+    buffers itself)."""
 
     weights: FusedWeights
     head: mx.array  # [V, H] projection rows (the FR-Spec rows when listed)
