@@ -29,7 +29,7 @@ length, which later steps overwrite and no real query sees), so a handful
 of traces serve every round; longer tails (a prompt's first round), rows
 with different draw filters, and the CPU take the eager path. On a CUDA
 GPU, steps within its scope run as one CUDA kernel instead, a round's
-chained steps as one launch (`HeadStep.fused_step`, `HeadStep.chain`,
+chained steps as one launch (`HeadStep.fused_step`, `HeadStep.round`,
 models/mtp_cuda.py; `models.mtp_cuda.FUSED_ON_GPU` off keeps the compiled
 steps).
 """
@@ -82,7 +82,6 @@ class HeadStep:
         factory=dict, init=False
     )
     fused: dict[int, FusedStep | None] = field(factory=dict, init=False)
-    chains: dict[tuple[int, SamplingParams], StepFn] = field(factory=dict, init=False)
     rounds: dict[tuple[int, SamplingParams], StepFn] = field(factory=dict, init=False)
 
     def __call__(self, first: bool, layer: int, filters: SamplingParams) -> StepFn:
@@ -152,26 +151,16 @@ class HeadStep:
         count: int,
     ) -> tuple[mx.array, mx.array]:  # drafts [B, count], the last normed output
         """`count` chained steps from `layer` on: step i is `chained` with
-        layer + i at `starts + i` with key `steps + i`. A one-layer head runs
-        them as one kernel launch where the fused kernel takes them."""
-        if len(self.head.layers) != 1 or count == 1:
-            drafted = []
-            for i in range(count):
-                token, normed = self.chained(
-                    cache, layer + i, filters, token, normed, starts + i, seeds, steps + i
-                )
-                drafted.append(token)
-            return mx.stack(drafted, axis=1), normed
-        key = (count, filters)
-        run = self.chains.get(key)
-        if run is None:
-            run = self._chain(count, filters)
-            self.chains[key] = run
-        tokens, normed, cache.keys[0], cache.values[0] = run(
-            token[:, None], normed, starts, starts, cache.keys[0], cache.values[0],
-            seeds, steps,
-        )  # fmt: skip
-        return tokens, normed
+        layer + i at `starts + i` with key `steps + i` (a multi-layer head's
+        round; a one-layer head's rounds run `round`, its chained steps in
+        one launch where the fused kernel takes them)."""
+        drafted = []
+        for i in range(count):
+            token, normed = self.chained(
+                cache, layer + i, filters, token, normed, starts + i, seeds, steps + i
+            )
+            drafted.append(token)
+        return mx.stack(drafted, axis=1), normed
 
     def _chain(self, count: int, filters: SamplingParams) -> StepFn:
         """A one-layer head's `count` chained steps in HeadStep's step

@@ -254,9 +254,10 @@ def test_chained_steps_go_to_the_kernel_s_chain_in_one_launch() -> None:
 
 @pytest.mark.parametrize("filters", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5)])
 def test_a_chain_of_steps_is_the_chained_steps_one_by_one(filters: SamplingParams) -> None:
-    """HeadStep.chain (one call for a round's chained steps) drafts, outputs
-    and caches what as many `chained` calls do (float32: compiled steps on
-    the CPU, where bf16 products run in an eager kernel)."""
+    """A one-layer head's chained steps as one call in the step signature
+    (`HeadStep._chain`, what `round` runs after its first step: one launch on
+    a GPU) draft, output and cache what as many `chained` calls do (float32:
+    compiled steps on the CPU, where bf16 products run in an eager kernel)."""
     target, head = built(MOE, mx.float32)
     step = HeadStep(target, head, None)
     rows, count = 2, 3
@@ -274,7 +275,10 @@ def test_a_chain_of_steps_is_the_chained_steps_one_by_one(filters: SamplingParam
         cache.values[0] = mx.random.normal(cache.values[0].shape) * 0.5
         caches.append(cache)
     caches[1].keys[0], caches[1].values[0] = caches[0].keys[0], caches[0].values[0]
-    tokens, last = step.chain(caches[0], 1, filters, token, normed, starts, seeds, steps, count)
+    tokens, last, caches[0].keys[0], caches[0].values[0] = step._chain(count, filters)(
+        token[:, None], normed, starts, starts, caches[0].keys[0], caches[0].values[0],
+        seeds, steps,
+    )  # fmt: skip
     one_by_one = []
     t, n = token, normed
     for i in range(count):
