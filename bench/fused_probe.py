@@ -52,7 +52,7 @@ from bench.common import machine_info, median_ms
 from bench.mtp import SAMPLINGS
 from bench.step_probe import probe_arguments, probe_head, split_ms
 from models.fuse import fuse_projections
-from models.mtp_cuda import FusedStep, draw_params, fused_weights
+from models.mtp_cuda import FusedStep, draw_params, fused_weights, phases_of
 from specpipe.draft_vocab import SubsetHead
 from specpipe.drafts.mtp import HeadStep
 
@@ -81,6 +81,36 @@ def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
     }
 
 
+# A MoE step's stretches per block, between its stamps (FusedStep.stamp_table:
+# 0 start, 1 + 2k / 2 + 2k arrival at / departure from barrier k, 17 the
+# draw's end, 24 + m the inner points)
+_SEGMENTS = [
+    ("fc_stage", 0, 24), ("fc_product", 24, 1),
+    ("qkv_stage", 2, 25), ("qkv_product", 25, 3),
+    ("attn_query", 4, 26), ("attn_positions", 26, 27), ("attn_partial", 27, 5),
+    ("o_combine", 6, 28), ("o_product", 28, 7),
+    ("router", 8, 9),
+    ("experts_topk", 10, 29), ("experts_product", 29, 11),
+    ("down_stage", 12, 30), ("down_product", 30, 13),
+    ("head_stage", 14, 31), ("head_product", 31, 15),
+    ("draw", 16, 17),
+]
+
+
+def segments(tables: list[list[list[float]]]) -> dict[str, list[float]]:
+    """Per stretch of a MoE step, over the blocks, its [min, median, max]
+    microseconds, each the median over the profiled launches, and (last)
+    the block most often slowest."""
+    out: dict[str, list[float]] = {}
+    for name, a, b in _SEGMENTS:
+        runs = [[row[b] - row[a] for row in table] for table in tables]
+        stats = [[min(r), statistics.median(r), max(r)] for r in runs]
+        slowest = statistics.mode(max(range(len(r)), key=r.__getitem__) for r in runs)
+        out[name] = [round(statistics.median(x[i] for x in stats), 2) for i in range(3)]
+        out[name].append(float(slowest))
+    return out
+
+
 def main() -> None:
     parser = probe_arguments(__doc__, "qwen3-next", "1,4,8")
     parser.add_argument("--pair-rows", action="store_true",
@@ -89,11 +119,17 @@ def main() -> None:
                         help="L2 prefetch hints in the kernel (models.mtp_cuda.PREFETCH_L2)")
     parser.add_argument("--narrow-loads", action="store_true",
                         help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS)")
+    parser.add_argument("--stream-hints", action="store_true",
+                        help="L2 evict-first loads of the rows a step reads once (models.mtp_cuda.STREAM_HINTS)")
+    parser.add_argument("--row-prefetch", action="store_true",
+                        help="each warp's next rows asked of L2 before a barrier (models.mtp_cuda.ROW_PREFETCH)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     args = parser.parse_args()
     models.mtp_cuda.PAIR_ROWS = args.pair_rows
     models.mtp_cuda.PREFETCH_L2 = args.prefetch
     models.mtp_cuda.WIDE_LOADS = not args.narrow_loads
+    models.mtp_cuda.STREAM_HINTS = args.stream_hints
+    models.mtp_cuda.ROW_PREFETCH = args.row_prefetch
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False
@@ -122,6 +158,8 @@ def main() -> None:
         "pair_rows": models.mtp_cuda.PAIR_ROWS,
         "prefetch": models.mtp_cuda.PREFETCH_L2,
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
+        "stream_hints": models.mtp_cuda.STREAM_HINTS,
+        "row_prefetch": models.mtp_cuda.ROW_PREFETCH,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size
@@ -272,11 +310,21 @@ def main() -> None:
                                             steps)[0], args.repeats) / 10
                 dist = draw_params(fused.weights.eps, params.temperature, params.top_p,
                                    params.min_p)
-                stamps = [
-                    fused.phase_times(False, params.greedy, top_k, dist, token, normed, zeros,
+                tables = [
+                    fused.stamp_table(False, params.greedy, top_k, dist, token, normed, zeros,
                                       starts, keys, values, seeds, steps)
                     for _ in range(7)
                 ]
+                stamps = [phases_of(t, fused.barriers) for t in tables]
+                if not fused.weights.shape.dense:
+                    entry[f"segments_{key}"] = segments(tables)
+                    # the second step of a two-step launch (its code run once
+                    # already on every multiprocessor, as a round's chained steps)
+                    entry[f"segments_second_{key}"] = segments([
+                        fused.stamp_table(False, params.greedy, top_k, dist, token, normed, zeros,
+                                          starts, keys, values, seeds, steps, count=2)
+                        for _ in range(7)
+                    ])
                 entry[f"phases_{key}"] = [
                     [statistics.median(run[i][j] for run in stamps) for j in range(3)]
                     for i in range(len(stamps[0]))

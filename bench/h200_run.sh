@@ -175,7 +175,7 @@ for step in "$@"; do
     for sampling in ${SAMPLINGS:-greedy qwen}; do
       timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \
           --tokens 32 --depths ${DEPTHS:-1,3} --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
-          --steps compiled,fused ${WHOLE:+--whole-round} --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
+          --steps compiled,fused ${WHOLE:+--whole-round} ${SWITCHES:+--kernel-switches $SWITCHES} --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
     done
     ;;
   step-probe)  # where a draft step's time goes, under different CUDA graph sizes

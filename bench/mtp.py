@@ -198,6 +198,9 @@ def main() -> None:
     parser.add_argument("--whole-round", action="store_true",
                         help="fused steps: a round's first and chained steps in one launch "
                              "(models.mtp_cuda.WHOLE_ROUND)")
+    parser.add_argument("--kernel-switches", default="",
+                        help="comma-separated models.mtp_cuda switches to turn on (NAME) or "
+                             "off (-NAME), e.g. PAIR_ROWS,ROW_PREFETCH")
     parser.add_argument("--no-generate", action="store_true",
                         help="time the draft chains only (skip the MTP generations)")
     parser.add_argument("--no-window-kernel", action="store_true",
@@ -270,6 +273,10 @@ def main() -> None:
 
         models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
         models.mtp_cuda.WHOLE_ROUND = args.whole_round
+        for switch in filter(None, args.kernel_switches.split(",")):
+            name = switch.lstrip("-")
+            assert isinstance(getattr(models.mtp_cuda, name, None), bool), f"no switch {name}"
+            setattr(models.mtp_cuda, name, not switch.startswith("-"))
         drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
         if not args.no_generate:
             tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth, sampling)

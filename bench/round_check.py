@@ -23,9 +23,11 @@ import mlx.core as mx
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import models.mtp_cuda
 from bench.common import machine_info, median_ms
+from bench.fused_probe import float32_copy, launch_agreement
 from bench.mtp import SAMPLINGS
 from bench.step_probe import probe_arguments, probe_head
 from models.mtp_cuda import FusedStep, fused_weights
+from specpipe.draft_vocab import SubsetHead
 from specpipe.drafts.mtp import HeadStep
 
 
@@ -46,6 +48,14 @@ def main() -> None:
     params = SAMPLINGS[args.sampling]
     reference = HeadStep(target, head, sub).round(params, args.depth)
     assert reference is not None
+    # the same weights in float32 (the kernel sums in float32 from bf16
+    # weights): a draft that differs from the bf16 steps' but not from these
+    # is a near-tie the bf16 rounding moved
+    target32, head32 = float32_copy(target), float32_copy(head)
+    sub32 = None if sub is None else SubsetHead(sub.ids, target32.head_weights().take(sub.ids))
+    step32 = HeadStep(target32, head32, sub32)
+    exact = step32.round(params, args.depth)
+    assert exact is not None
     top_k = 0 if params.greedy else params.top_k
     temperature = 0.0 if params.greedy else params.temperature
     whole = fused.launch(True, args.depth, temperature, params.top_p, params.min_p, top_k,
@@ -70,6 +80,11 @@ def main() -> None:
         mx.eval(*inputs)
         r_out, f_out = reference(*inputs), whole(*inputs)
         mx.eval(r_out, f_out)
+        wide = [a.astype(mx.float32) for a in (raw, keys, values)]
+        inputs32 = (ids, wide[0], last, starts, wide[1], wide[2], seeds, steps)
+        # the first draft's two best logits (float32 steps): its margin
+        _, normed32, _, _ = step32(True, 0, params)(*inputs32)
+        best2 = mx.sort(step32.logits(normed32[:, 0]), axis=-1)[:, -2:]
 
         def two_launches() -> Any:
             token, normed, k, v = first(*inputs)
@@ -86,6 +101,8 @@ def main() -> None:
             "mlx_ms": median_ms(lambda: reference(*inputs)[0], args.repeats),
             "one_launch_ms": median_ms(lambda: whole(*inputs)[0], args.repeats),
             "two_launches_ms": median_ms(two_launches, args.repeats),
+            "vs_float32": launch_agreement(exact(*inputs32), f_out, rows * args.depth),
+            "first_logit_gap": (best2[:, 1] - best2[:, 0]).tolist(),
             "barrier_failures": fused.failures(),
         }
         report["rows"].append(entry)

@@ -81,28 +81,42 @@ BLOCK = 256  # threads per block: 8 warps
 MAX_ROWS = 8  # rows of one step (one warp per row in the per-row phases)
 MAX_VECTORS = 8  # window positions of one step, all rows together
 MAX_TOP_K = 32  # the sampled draw keeps its candidates one per lane
+MAX_EXPERTS = 1024  # the router's top-k: 32 logits per lane in registers at most
 # Blocks of the persistent kernel: at most one per multiprocessor, so that all
 # are resident at once (the grid barrier needs it): this many, or the
 # device's multiprocessor count where it has fewer (`multiprocessors`).
 BLOCKS = 128
 MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
-PHASE_STAMPS = 24  # floats per block at the scratch's end for `FusedStep.phase_times`
+PHASE_STAMPS = 32  # floats per block at the scratch's end for `FusedStep.phase_times`
+INNER_STAMPS = 8  # of them, points within phases (`FusedStep.stamp_table`)
 # Whether a warp takes two rows of a one-input product at once (more loads in
-# flight). Off until measured: its two device runs ran past their limits, the
-# first likely for being the first process on a fresh machine (MLX's own
-# kernels for the probe's references compile then), the second under 100 s
-# (`bench/fused_probe.py --pair-rows`).
-PAIR_ROWS = False
+# flight: q/k/v's 2048-long rows are one 16-byte load per lane each). On: an
+# FR-Spec step 146 us against 155 without, the full head's 265 against
+# 264-275 (H200, ten chained steps per launch, 2026-12-02 tenth session,
+# `bench/fused_probe.py --pair-rows`).
+PAIR_ROWS = True
 # Whether a one-input product of one or two vectors keeps 16 loads per lane
 # in flight instead of 8 (the same sums in the same order; fc's and o_proj's
-# 4096-long rows in one DRAM round trip). Not yet measured on a device
-# (`bench/fused_probe.py --narrow-loads` is the other arm).
+# 4096-long rows in one DRAM round trip). Not yet measured against the other
+# arm on a device (`bench/fused_probe.py --narrow-loads`).
 WIDE_LOADS = True
+# The switches below are off: measured on the H200 (tenth session, ten
+# chained steps per launch, FR-Spec / full head) they did not help.
 # Whether the kernel asks L2 ahead for the weights of its next phases (bulk
-# prefetch hints while a latency-bound phase leaves DRAM idle). Off: the
-# device check of the kernel ran without it, and its A/B run did not finish
-# (`bench/fused_probe.py --prefetch` is the other arm).
+# prefetch hints while a latency-bound phase leaves DRAM idle): 181 / 274 us
+# against 155 / 275 without (`bench/fused_probe.py --prefetch`).
 PREFETCH_L2 = False
+# Whether the rows a step reads once (the projection's, the chosen experts')
+# load under an L2 evict-first policy, so that the layer's other weights,
+# which the next chained step reads again, stay in L2 longer: 157 / 274 us
+# (`--stream-hints`).
+STREAM_HINTS = False
+# Whether each warp asks L2, before a grid barrier, for the first weight rows
+# of the product it runs after it (a DRAM round trip hidden behind the
+# barrier and the input staging per phase), the o_proj rows during
+# attention: 155 / 264 us, and with PAIR_ROWS 164 / 280 against 146 / 265
+# (`--row-prefetch`).
+ROW_PREFETCH = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -230,6 +244,14 @@ __device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, size
   prefetch_range(static_cast<const char*>(p) + lo, min(share, bytes - lo));
 }
 
+// A hint: this warp asks L2 for the `bytes` bytes at p (each lane one
+// 128-byte line in every 4 KB): the rows its next product starts with,
+// asked for before the grid barrier that product waits behind.
+__device__ __forceinline__ void warm_row(const void* p, size_t bytes) {
+  for (size_t o = (size_t)(threadIdx.x & 31) * 128; o < bytes; o += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
+}
+
 // Sum over the block (all threads get it); `red` holds one float per warp.
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -244,9 +266,19 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 constexpr int SP_THREADS = 256;  // threads per block (BLOCK)
 constexpr int PHASE_STAMPS = @STAMPS@;  // floats of phase stamps
+constexpr int INNER_STAMPS = @INNER@;  // of them, points within phases (the last ones)
 
 // 8-element groups of an n-vector per thread (n a multiple of 256).
 __host__ __device__ constexpr int groups8(int n) { return (n / 8 + SP_THREADS - 1) / SP_THREADS; }
+
+// n floats (n a multiple of 4, both ends 16-byte aligned) from scratch (L2)
+// into shared memory, 16-byte loads, several iterations' in flight at once
+__device__ __forceinline__ void stage_l2(float* to, const float* from, int n) {
+  const float4* src = reinterpret_cast<const float4*>(from);
+  float4* dst = reinterpret_cast<float4*>(to);
+#pragma unroll 8
+  for (int i = threadIdx.x; i < n / 4; i += SP_THREADS) dst[i] = __ldcg(src + i);
+}
 
 // RMSNorm of `count` scratch vectors of N floats into `to` (float32, shared
 // memory): x * rsqrt(mean(x^2) + eps) * w, each thread's elements read once
@@ -287,6 +319,26 @@ __device__ __forceinline__ void stage_normed(
   __syncthreads();
 }
 
+// A 16-byte read-only weight load. STREAM: under an L2 evict-first policy
+// (rows read once per step: the projection's, the chosen experts'), so that
+// those lines leave L2 before the layer's other weights, which a chained
+// step reads again.
+template <bool STREAM>
+__device__ __forceinline__ uint4 load_w(const void* p) {
+#if __CUDA_ARCH__ >= 800
+  if constexpr (STREAM) {
+    uint4 r;
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "l"(policy));
+    return r;
+  }
+#endif
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
 // Rows r = first, first + stride, ... of a product: NV input vectors times
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
@@ -294,7 +346,7 @@ __device__ __forceinline__ void stage_normed(
 // lane holds them). PAIRS: a warp takes two of its rows at once (their loads
 // in flight together: half the DRAM round trips where a warp has several
 // short rows), for one weight row of at most two inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, typename RF, typename XF, typename OF>
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
   constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
@@ -327,7 +379,7 @@ __device__ __forceinline__ void product(
 #pragma unroll
           for (int j = 0; j < NDOT; ++j)
             raw[q][u][j] = (k0 + u * 256 < K)
-                ? __ldg(reinterpret_cast<const uint4*>(wr[q][j] + k0 + u * 256))
+                ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
                 : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -423,7 +475,7 @@ __device__ __forceinline__ float step_uniform(unsigned int seed, unsigned int st
 }
 
 }  // namespace specpipe_mtp
-""".replace("@STAMPS@", str(PHASE_STAMPS))
+""".replace("@STAMPS@", str(PHASE_STAMPS)).replace("@INNER@", str(INNER_STAMPS))
 
 _SOURCE = r"""
   using namespace specpipe_mtp;
@@ -481,6 +533,7 @@ _SOURCE = r"""
   constexpr int TOPN = NWARP * (B > KC ? B : KC) + KC;
   __shared__ float s_topv[TOPN];
   __shared__ int s_topi[TOPN];
+  __shared__ int s_tok[B];  // a greedy step's tokens, drawn by every block
   __shared__ int s_eid[B][KE > 0 ? KE : 1];
   __shared__ float s_split[B * HQ * SPLITS];
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
@@ -494,9 +547,12 @@ _SOURCE = r"""
   // PROFILE: every block stamps the time (the global timer's low 32 bits,
   // ns) at its start, on arriving at and leaving each grid barrier, and at
   // its end, PHASE_STAMPS per block at the scratch's end
+  // (the launch's LAST step: after the first, its code has run once on
+  // every multiprocessor, as in a round's chained steps)
   int stamps = 0;
+  bool profiling = PROFILE && STEPS == 1;
   auto stamp = [&]() {
-    if (PROFILE && tid == 0 && stamps < PHASE_STAMPS)
+    if (profiling && tid == 0 && stamps < PHASE_STAMPS - INNER_STAMPS)
       S[O_TS + (size_t)blk * PHASE_STAMPS + stamps] = __uint_as_float((unsigned int)now_ns());
     ++stamps;
   };
@@ -504,6 +560,13 @@ _SOURCE = r"""
     stamp();
     grid_sync(bar, goal, gave_up);
     stamp();
+  };
+  // PROFILE, the last step: stamp k (< INNER_STAMPS) of points within the
+  // phases (after a phase's inputs are staged, where its product starts)
+  auto mark = [&](int k, int s) {
+    if (PROFILE && s == STEPS - 1 && tid == 0)
+      S[O_TS + (size_t)blk * PHASE_STAMPS + (PHASE_STAMPS - INNER_STAMPS) + k] =
+          __uint_as_float((unsigned int)now_ns());
   };
   stamp();
 
@@ -514,17 +577,39 @@ _SOURCE = r"""
       prefetch_range(w_head + (size_t)first * H,
                      min((size_t)min(CHUNK, V - first) * H * WB, PF_HEAD));
   };
+  // ROW_PREFETCH: rows r and r + NW (this warp's first two) of a product
+  // over `rows` weight rows of `k` elements each, asked of L2 ahead
+  auto warm = [&](const W* base, int rows, int k) {
+    if (!ROW_PREFETCH) return;
+    for (int r = gwarp; r < rows && r < gwarp + 2 * NW; r += NW)
+      warm_row(base + (size_t)r * k, (size_t)k * WB);
+  };
+  // ROW_PREFETCH: this warp's first two pairs of projection rows (phase 7)
+  auto warm_head = [&]() {
+    if (!ROW_PREFETCH) return;
+    for (int q = warp; q < warp + 2 * NWARP; q += NWARP)
+      for (int j = 0; j < 2; ++j) {
+        const int r = blk * CHUNK + 2 * q + j;
+        if (2 * q + j < CHUNK && r < V) warm_row(w_head + (size_t)r * H, (size_t)H * WB);
+      }
+  };
   float* xs = dyn;  // each phase's staged input vectors
   constexpr int NGH = groups8(H);
 #pragma unroll 1
   for (int s = 0; s < STEPS; ++s) {  // chained steps: each drafts from the last
+  if (PROFILE && s > 0 && s == STEPS - 1) {  // the profiled step starts
+    profiling = true;
+    stamps = 0;
+    stamp();
+  }
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
   for (int m = 0; m < M; ++m) {
     // (a later step's window positions all take the row's one pair: their
     // duplicate products cost no extra weight reads)
-    const int id = s == 0 ? ids[m] : __ldcg(tokens + (size_t)(m / TT) * STEPS + s - 1);
+    const int id = s == 0 ? ids[m]
+                          : GREEDY ? s_tok[m / TT] : __ldcg(tokens + (size_t)(m / TT) * STEPS + s - 1);
     const W* e = embed + (size_t)id * H;
     const W* h = s == 0 ? hid + (size_t)m * H : normed + (size_t)(m / TT) * H;
     float ev[NGH][8], hv[NGH][8];
@@ -572,6 +657,7 @@ _SOURCE = r"""
     }
   }
   __syncthreads();
+  mark(0, s);
   if (KV_OUT && s == 0) {
     // KV_OUT: knew / vnew are the new whole buffers: the cache copied (the
     // window's slots are written after this phase's barrier)
@@ -587,7 +673,7 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, false>(
       H, 2 * H, gwarp, NW,
       [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
@@ -595,11 +681,13 @@ _SOURCE = r"""
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       });
+  warm(w_qkv, QKVN, H);
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS>(
+  mark(1, s);
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, false>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -607,12 +695,17 @@ _SOURCE = r"""
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
       });
+  warm(w_o, H, HQ * D);  // (attention between: its phase leaves DRAM idle)
   barrier();
 
   // ---- 3. attention of each row's last position ---------------------------
   if (PREFETCH && tid == 0) prefetch_share(w_o, (size_t)H * HQ * D * WB, PF_CAP);
   // A warp holds DPL consecutive dims per lane; RoPE pairs dim d < HALF with
-  // d + HALF, HALF / DPL lanes away.
+  // d + HALF, HALF / DPL lanes away. Lane j computes the angles of the
+  // frequencies j, j + 32, ... once and the lanes that rotate read them by
+  // shuffle (one sincosf per lane: unrolled per dim, as inlined code at
+  // every call site, the rotation was a quarter of the kernel's code).
+  constexpr int NF = (HALF + 31) / 32;
   auto normed_roped = [&](const float* src, const W* wn, int pos, float* x) {
     float ss = 0.0f;
 #pragma unroll
@@ -620,18 +713,29 @@ _SOURCE = r"""
     const float inv = rsqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) x[i] *= inv * static_cast<float>(wn[lane * DPL + i]);
+    float sn_f[NF], cs_f[NF];
+#pragma unroll
+    for (int c = 0; c < NF; ++c) {
+      const int f = lane + 32 * c;
+      sn_f[c] = 0.0f;
+      cs_f[c] = 1.0f;
+      if (f < HALF) sincosf((float)pos * inv_freq[f], &sn_f[c], &cs_f[c]);
+    }
     constexpr int OFF = HALF / DPL;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
       const int d = lane * DPL + i;
       const int src_lane = d < HALF ? lane + OFF : (d < ROT ? lane - OFF : lane);
       const float other = __shfl_sync(0xffffffffu, x[i], src_lane & 31);
-      if (d < ROT) {
-        const int f = d < HALF ? d : d - HALF;
-        float sn, cs;
-        sincosf((float)pos * inv_freq[f], &sn, &cs);
-        x[i] = d < HALF ? x[i] * cs - other * sn : x[i] * cs + other * sn;
+      const int f = d < HALF ? d : (d < ROT ? d - HALF : 0);
+      float sn = 0.0f, cs = 1.0f;
+#pragma unroll
+      for (int c = 0; c < NF; ++c) {
+        const float sc = __shfl_sync(0xffffffffu, sn_f[c], f & 31);
+        const float cc = __shfl_sync(0xffffffffu, cs_f[c], f & 31);
+        if ((f >> 5) == c) { sn = sc; cs = cc; }
       }
+      if (d < ROT) x[i] = d < HALF ? x[i] * cs - other * sn : x[i] * cs + other * sn;
     }
   };
   const float scale = rsqrtf((float)D);
@@ -662,27 +766,21 @@ _SOURCE = r"""
     normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) q[i] *= scale;
-    if (hq % GROUP == 0 && split == 0) {  // store the step's window keys and values of head g
-      for (int t = warp; t < (s == 0 ? TT : 1); t += NWARP) {
-        const int slot = s == 0 ? t : qslot;
-        float k[DPL], v[DPL];
-        window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + t : mq) * QKVN, g, st0 + slot, k, v);
-        const size_t at = (window_row + slot) * D + lane * DPL;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          knew[at + i] = static_cast<W>(k[i]);
-          vnew[at + i] = static_cast<W>(v[i]);
-        }
-      }
-    }
+    if (item == blk) mark(2, s);
     float mx_ = -SP_INF, l = 0.0f, acc[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
     const size_t cache_row = ((size_t)b * HKV + g) * C;
     const int positions = st0 + qslot + 1;
     const int share = (positions + SPLITS - 1) / SPLITS;
-    const int p_end = min(positions, (split + 1) * share);
-    for (int p = split * share + warp; p < p_end; p += NWARP) {
+    const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
+    // one loop, one copy of the window keys' code: first the window slots
+    // this item stores for head g (split 0 of its group's first head: the
+    // step's own slots), then the positions it attends over
+    const int n_store = (hq % GROUP == 0 && split == 0) ? (s == 0 ? TT : 1) : 0;
+    for (int j = warp; j < n_store + n_att; j += NWARP) {
+      const bool store = j < n_store;
+      const int p = store ? st0 + (s == 0 ? j : qslot) : a0 + j - n_store;
       float k[DPL], v[DPL];
       const int slot = p - st0;
       if (slot < 0) {
@@ -693,6 +791,15 @@ _SOURCE = r"""
         load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
       } else {
         window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, p, k, v);
+      }
+      if (store) {
+        const size_t at = (window_row + slot) * D + lane * DPL;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          knew[at + i] = static_cast<W>(k[i]);
+          vnew[at + i] = static_cast<W>(v[i]);
+        }
+        continue;
       }
       float dot = 0.0f;
 #pragma unroll
@@ -710,6 +817,7 @@ _SOURCE = r"""
 #pragma unroll
     for (int i = 0; i < DPL; ++i) s_acc[warp][lane * DPL + i] = acc[i];
     __syncthreads();
+    if (item == blk) mark(3, s);
     // this split's partial: its max, its sum, its weighted values (unscaled)
     float top = -SP_INF;
     for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_l[w] > 0.0f ? s_m[w] : -SP_INF);
@@ -729,6 +837,14 @@ _SOURCE = r"""
     }
     __syncthreads();
   }
+  if (ROW_PREFETCH)  // the MLP's first product: its rows r of this warp
+    for (int r = gwarp; r < (DENSE ? IM : E + 1 + IS) && r < gwarp + 2 * NW; r += NW) {
+      const W* a = DENSE ? mlp0 + (size_t)r * H
+                 : r < E ? mlp0 + (size_t)r * H
+                 : r == E ? mlp1 : mlp5 + (size_t)(r - E - 1) * H;
+      warm_row(a, (size_t)H * WB);
+      if (DENSE || r > E) warm_row(a + (size_t)(DENSE ? IM : IS) * H, (size_t)H * WB);  // its up row
+    }
   barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
@@ -764,18 +880,30 @@ _SOURCE = r"""
   }
   __syncthreads();
   // ... then every element's weighted sum over the splits
-  for (int i = tid; i < B * HQ * D; i += blockDim.x) {
+  // (elements in pairs, 8-byte loads; several pairs' loads in flight at
+  // once: one L2 round trip per pair and split was most of this phase)
+#pragma unroll 4
+  for (int i2 = tid; i2 < B * HQ * D / 2; i2 += SP_THREADS) {
+    const int i = 2 * i2;
     const int bh = i / D, d = i % D, b = bh / HQ, hq = bh % HQ;
     const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART + 2 + d;
-    float num = 0.0f;
+    float n0 = 0.0f, n1 = 0.0f;
 #pragma unroll
-    for (int sp = 0; sp < SPLITS; ++sp) num += __ldcg(parts + sp * PART) * s_split[bh * SPLITS + sp];
+    for (int sp = 0; sp < SPLITS; ++sp) {
+      const float2 pv = __ldcg(reinterpret_cast<const float2*>(parts + sp * PART));
+      const float w = s_split[bh * SPLITS + sp];
+      n0 += pv.x * w;
+      n1 += pv.y * w;
+    }
     const int mq = b * TT + (TT == 1 ? 0 : last[b]);
-    const float gate = __ldcg(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d);
-    xs[i] = num * sigmoid(gate);
+    const float2 gate = __ldcg(
+        reinterpret_cast<const float2*>(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d));
+    xs[i] = n0 * sigmoid(gate.x);
+    xs[i + 1] = n1 * sigmoid(gate.y);
   }
   __syncthreads();
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS>(
+  mark(4, s);
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, false>(
       H, HQ * D, gwarp, NW,
       [&](int r, int) { return w_o + (size_t)r * HQ * D; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
@@ -794,7 +922,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS>(
+    product<W, B, 2, false, WIDE_LOADS, false>(
         IM, H, gwarp, NW,
         [&](int r, int j) { return mlp0 + ((size_t)r + (size_t)j * IM) * H; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -803,11 +931,12 @@ _SOURCE = r"""
             for (int b = 0; b < B; ++b)
               S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
         });
+    warm(mlp1, H, IM);
     barrier();
     if (PREFETCH && tid == 0) prefetch_head();
-    for (int i = tid; i < B * IM; i += blockDim.x) xs[i] = __ldcg(S + O_ACT + i);
+    stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, false>(
         H, IM, gwarp, NW,
         [&](int r, int) { return mlp1 + (size_t)r * IM; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
@@ -816,10 +945,11 @@ _SOURCE = r"""
             for (int b = 0; b < B; ++b)
               S[O_R2 + (size_t)b * H + r] = acc[b][0] + __ldcg(S + O_R1 + (size_t)b * H + r);
         });
+    warm_head();
     barrier();
   } else {
     // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-    product<W, B, 2, false, WIDE_LOADS>(
+    product<W, B, 2, false, WIDE_LOADS, false>(
         E + 1 + IS, H, gwarp, NW,
         [&](int r, int j) {
           if (r < E) return mlp0 + (size_t)r * H;  // j == 1 reads the same row
@@ -839,23 +969,38 @@ _SOURCE = r"""
     if (warp < B) {
       const int b = warp;
       const float* lg = S + O_ROUT + (size_t)b * (E + 1);
+      // the row's logits read once, lane j holding experts j, j + 32, ...;
+      // a chosen expert's bit set in its lane's mask
+      constexpr int EPL = (E + 31) / 32;
+      float lv[EPL];
+      unsigned int taken = 0u;
       float top = -SP_INF;
-      for (int e = lane; e < E; e += 32) top = fmaxf(top, __ldcg(lg + e));
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        const int e = lane + 32 * j;
+        lv[j] = e < E ? __ldcg(lg + e) : -SP_INF;
+        if (e < E) top = fmaxf(top, lv[j]);
+      }
       top = warp_max(top);
       float z = 0.0f;
-      for (int e = lane; e < E; e += 32) z += expf(__ldcg(lg + e) - top);
+#pragma unroll
+      for (int j = 0; j < EPL; ++j)
+        if (lane + 32 * j < E) z += expf(lv[j] - top);
       z = warp_sum(z);
       float total = 0.0f;
       for (int c = 0; c < KE; ++c) {
         float bv = -SP_INF;
         int bi = 0x7fffffff;
-        for (int e = lane; e < E; e += 32) {
-          bool taken = false;
-          for (int t = 0; t < c; ++t) taken |= (s_eid[b][t] == e);
-          const float v = __ldcg(lg + e);
-          if (!taken && (v > bv || (v == bv && e < bi))) { bv = v; bi = e; }
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+          const int e = lane + 32 * j;
+          if (e < E && !((taken >> j) & 1u) && (lv[j] > bv || (lv[j] == bv && e < bi))) {
+            bv = lv[j];
+            bi = e;
+          }
         }
         warp_argmax(bv, bi);
+        if ((bi & 31) == lane && bi < E) taken |= 1u << (bi >> 5);
         const float p = expf(bv - top) / z;
         if (lane == 0) { s_eid[b][c] = bi; s_ew[b][c] = p; }
         total += p;
@@ -869,10 +1014,17 @@ _SOURCE = r"""
       }
     }
     __syncthreads();
+    mark(5, s);
+    if (ROW_PREFETCH)  // this warp's down rows (its first output): the chosen experts' and the shared one's
+      for (int r = gwarp; r < B * H && r < gwarp + 2 * NW; r += NW) {
+        const int b = r / H, hr = r % H;
+        for (int c = 0; c < KE; ++c) warm_row(mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE, (size_t)IE * WB);
+        warm_row(mlp6 + (size_t)hr * IS, (size_t)IS * WB);
+      }
     if (PREFETCH && tid < B * KE)  // the chosen experts' down rows
       prefetch_share(mlp4 + (size_t)s_eid[tid / KE][tid % KE] * H * IE, (size_t)H * IE * WB, PF_CAP);
     // the chosen experts' gate/up: rows (b, c, j)
-    product<W, 1, 2, false, WIDE_LOADS>(
+    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS>(
         B * KE * IE, H, gwarp, NW,
         [&](int r, int j) {
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
@@ -888,9 +1040,10 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
-    for (int i = tid; i < B * KE * IE; i += blockDim.x) xe[i] = __ldcg(S + O_EACT + i);
-    for (int i = tid; i < B * IS; i += blockDim.x) xsh[i] = __ldcg(S + O_SACT + i);
+    stage_l2(xe, S + O_EACT, B * KE * IE);
+    stage_l2(xsh, S + O_SACT, B * IS);
     __syncthreads();
+    mark(6, s);
     constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
     constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
     for (int r = gwarp; r < B * H; r += NW) {
@@ -903,8 +1056,8 @@ _SOURCE = r"""
         for (int c = 0; c < KE; ++c)
 #pragma unroll
           for (int q = 0; q < CH; ++q)
-            raw[c * CH + q] = __ldg(reinterpret_cast<const uint4*>(
-                mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE + q * 256 + lane * 8));
+            raw[c * CH + q] = load_w<STREAM_HINTS>(
+                mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE + q * 256 + lane * 8);
 #pragma unroll
         for (int q = 0; q < SCH; ++q)
           raw[KE * CH + q] = __ldg(reinterpret_cast<const uint4*>(
@@ -952,6 +1105,7 @@ _SOURCE = r"""
       part = warp_sum(part);
       if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
     }
+    warm_head();
     barrier();
   }
 
@@ -959,6 +1113,7 @@ _SOURCE = r"""
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
   stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
+  mark(7, s);
   const int lo = blk * CHUNK;
   const int hi = min(V, lo + CHUNK);
   float best_v[B];
@@ -968,7 +1123,7 @@ _SOURCE = r"""
   // two adjacent rows per warp (more loads in flight); an odd last row pairs
   // with itself and its second sum is dropped
   const int n_here = max(0, hi - lo);
-  product<W, B, 2, false, WIDE_LOADS>(
+  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS>(
       (n_here + 1) / 2, H, warp, NWARP,
       [&](int q, int j) { return w_head + (size_t)min(lo + 2 * q + j, hi - 1) * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -1033,21 +1188,26 @@ _SOURCE = r"""
   }
   barrier();
 
-  // ---- 8. the draw: block b draws row b --------------------------------------
+  // ---- 8. the draw: greedy, every block draws every row (warp b row b:
+  // the next step reads its token from shared memory, no grid barrier
+  // between); sampled, block b draws row b ----------------------------------
   if (PREFETCH && tid == 0 && s + 1 < STEPS)  // the next step's fc
     prefetch_share(w_fc, (size_t)H * 2 * H * WB, PF_CAP);
-  if (blk < B && warp == 0) {
-    const int b = blk;
-    if (GREEDY) {
-      float v = -SP_INF;
-      int id = 0x7fffffff;
-      for (int c = lane; c < NBLK; c += 32) {
-        const float ov = __ldcg(S + O_CV + (size_t)b * NBLK + c);
-        const int oi = (int)__ldcg(S + O_CI + (size_t)b * NBLK + c);
-        if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
-      }
-      warp_argmax(v, id);
-      if (lane == 0) tokens[(size_t)b * STEPS + s] = SUBSET ? sub_ids[id] : id;
+  if (s + 1 < STEPS) warm(w_fc, H, 2 * H);
+  if (GREEDY && warp < B) {
+    const int b = warp;
+    float v = -SP_INF;
+    int id = 0x7fffffff;
+    for (int c = lane; c < NBLK; c += 32) {
+      const float ov = __ldcg(S + O_CV + (size_t)b * NBLK + c);
+      const int oi = (int)__ldcg(S + O_CI + (size_t)b * NBLK + c);
+      if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+    }
+    warp_argmax(v, id);
+    if (lane == 0) {
+      const int token = SUBSET ? sub_ids[id] : id;
+      s_tok[b] = token;
+      if (blk == 0) tokens[(size_t)b * STEPS + s] = token;
     }
   }
   if (!GREEDY && blk < B) {
@@ -1123,9 +1283,10 @@ _SOURCE = r"""
       if (lane == 0) tokens[(size_t)b * STEPS + s] = SUBSET ? sub_ids[pick] : pick;
     }
   }
-  if (blk == 0) __syncthreads();
+  __syncthreads();  // (greedy: s_tok)
   stamp();
-  if (s + 1 < STEPS) barrier();  // the next step reads this one's token
+  // a sampled draw's next step reads its token from the drawing block
+  if (!GREEDY && s + 1 < STEPS) barrier();
   }  // steps
 """
 
@@ -1385,7 +1546,7 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
         or rotary > head_dim
         or attn.heads % attn.kv_heads
         or head_dim > BLOCK
-        or (not shape.dense and shape.top_experts > 32)
+        or (not shape.dense and (shape.top_experts > 32 or shape.experts > MAX_EXPERTS))
     ):
         return None
     while len(mlp_arrays) < 7:  # unused slots of the dense form
@@ -1418,9 +1579,14 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
 # 2026-12-02 ninth session), as an earlier revision of its dense form did;
 # `bench/mtp.py --steps compiled` turns it off to compare.
 FUSED_ON_GPU = True
-# Whether a round's first step and its chained steps share one launch
-# (`HeadStep.round`), or the first step launches alone before the chain's.
-WHOLE_ROUND = False
+# Whether a round's first step and its chained steps share one launch that
+# writes the head's new KV buffers itself (`HeadStep.round`), or the first
+# step launches alone before the chain's, each followed by two scatters. On:
+# checked on the H200 against HeadStep.round's MLX steps (bf16 and float32
+# weights, greedy, FR-Spec and full head, 1 and 2 rows: every draft equal;
+# bench/round_check.py, bench/fused_probe.py's round3) and its draft phase
+# 1.7x faster at depth 3 (bench/RESULTS.md, tenth session).
+WHOLE_ROUND = True
 
 
 @frozen(eq=False)
@@ -1593,8 +1759,8 @@ class FusedStep:
         output one position further (window slot last + i); the window's
         keys and values for the caller to store at `starts` (`kv_out`: knew
         / vnew are `keys` / `values` with the window written in, new arrays
-        of their shape). `profile`: stamp the phases of the first step
-        (`phase_times`)."""
+        of their shape). `profile`: stamp the phases of the launch's last
+        step (`stamp_table`)."""
         w, s = self.weights, self.weights.shape
         rows, length = ids.shape
         if count > 1 and not first and length != 1:
@@ -1634,6 +1800,8 @@ class FusedStep:
             ("PREFETCH", PREFETCH_L2),
             ("KV_OUT", kv_out),
             ("WIDE_LOADS", WIDE_LOADS),
+            ("STREAM_HINTS", STREAM_HINTS),
+            ("ROW_PREFETCH", ROW_PREFETCH),
         ]
         window = (
             keys.shape
@@ -1676,39 +1844,61 @@ class FusedStep:
             self.profiled[:] = [outputs[4]]
         return outputs[0], outputs[1], outputs[2], outputs[3]
 
+    def stamp_table(self, *args: Any, count: int = 1) -> list[list[float]]:
+        """One profiled launch of `__call__(*args, count=count)`: per block,
+        its PHASE_STAMPS stamps in microseconds from the first block's
+        start of the launch's last step: that start, its arrival at and
+        departure from each grid barrier of the step, the draw's end, then
+        (the last INNER_STAMPS) the points within phases where their
+        products start: fc, q/k/v, attention's query roped and its
+        positions done, o_proj, the experts' gate/up, their down, the
+        projection. A point a block does not pass (no attention item)
+        holds whatever the scratch held."""
+        outputs = self(*args, count=count, profile=True)
+        scratch = self.profiled[0]
+        mx.eval(*outputs, scratch)
+        raw = scratch[-self.blocks * PHASE_STAMPS :].view(mx.uint32)
+        table: list[list[int]] = raw.reshape(self.blocks, PHASE_STAMPS).tolist()  # type: ignore[assignment]
+        origin = min(row[0] for row in table)
+        return [
+            [round(((ns - origin) & 0xFFFFFFFF) / 1000.0, 2) for ns in row]
+            for row in table
+        ]
+
     def phase_times(self, *args: Any) -> list[tuple[float, float, float, int]]:
         """One profiled launch of `__call__(*args)`: first the blocks'
         starts (0, the last start twice, the last-starting block), then per
-        grid barrier of the (first) step and for the draw's end,
+        grid barrier of the (last) step and for the draw's end,
         microseconds from the first block's start to (the first block's
         arrival, the last block's arrival, the last block's departure), and
         the last-arriving block; the draw's end has its last block's end
         three times. The last arrival less the previous
         barrier's last departure is the phase's work on its slowest block;
         the departure less the last arrival, the barrier's own cost."""
-        outputs = self(*args, profile=True)
-        scratch = self.profiled[0]
-        mx.eval(*outputs, scratch)
-        barriers = _BARRIERS[self.weights.shape.dense]
-        raw = scratch[-self.blocks * PHASE_STAMPS :].view(mx.uint32)
-        table: list[list[int]] = raw.reshape(self.blocks, PHASE_STAMPS).tolist()  # type: ignore[assignment]
-        origin = min(row[0] for row in table)
+        return phases_of(self.stamp_table(*args), self.barriers)
 
-        def since(ns: int) -> float:
-            return round(((ns - origin) & 0xFFFFFFFF) / 1000.0, 2)
+    @property
+    def barriers(self) -> int:
+        """Grid barriers of one step."""
+        return _BARRIERS[self.weights.shape.dense]
 
-        starts = [since(row[0]) for row in table]
-        late = max(range(self.blocks), key=starts.__getitem__)
-        phases = [(0.0, starts[late], starts[late], late)]
-        for i in range(barriers):
-            arrive = [since(row[1 + 2 * i]) for row in table]
-            leave = [since(row[2 + 2 * i]) for row in table]
-            last = max(range(self.blocks), key=arrive.__getitem__)
-            phases.append((min(arrive), arrive[last], max(leave), last))
-        ends = [since(row[1 + 2 * barriers]) for row in table]
-        last = max(range(self.blocks), key=ends.__getitem__)
-        phases.append((ends[last], ends[last], ends[last], last))
-        return phases
+
+def phases_of(table: list[list[float]], barriers: int) -> list[tuple[float, float, float, int]]:
+    """`FusedStep.phase_times` of a `stamp_table` whose step has `barriers`
+    grid barriers."""
+    blocks = range(len(table))
+    starts = [row[0] for row in table]
+    late = max(blocks, key=starts.__getitem__)
+    phases = [(0.0, starts[late], starts[late], late)]
+    for i in range(barriers):
+        arrive = [row[1 + 2 * i] for row in table]
+        leave = [row[2 + 2 * i] for row in table]
+        last = max(blocks, key=arrive.__getitem__)
+        phases.append((min(arrive), arrive[last], max(leave), last))
+    ends = [row[1 + 2 * barriers] for row in table]
+    last = max(blocks, key=ends.__getitem__)
+    phases.append((ends[last], ends[last], ends[last], last))
+    return phases
 
 
 @cache

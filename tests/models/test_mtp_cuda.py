@@ -369,16 +369,19 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
 
 @pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
 @pytest.mark.parametrize(
-    ("kind", "greedy", "first", "listed", "rows", "length", "count"),
+    ("kind", "greedy", "first", "listed", "rows", "length", "count", "switches"),
     [
-        ("moe", False, True, True, 2, 2, 1),
-        ("moe", True, False, False, 1, 1, 1),
-        ("moe", False, False, True, 2, 1, 3),  # three chained steps, one launch
-        ("dense", False, False, False, 8, 1, 1),
-        ("dense", True, True, True, 1, 4, 1),
-        ("dense", True, False, False, 1, 1, 4),
-        ("moe", False, True, True, 2, 2, 3),  # a whole round: first step, two chained
-        ("dense", True, True, False, 1, 4, 3),
+        ("moe", False, True, True, 2, 2, 1, ()),
+        ("moe", True, False, False, 1, 1, 1, ()),
+        ("moe", False, False, True, 2, 1, 3, ()),  # three chained steps, one launch
+        ("dense", False, False, False, 8, 1, 1, ()),
+        ("dense", True, True, True, 1, 4, 1, ()),
+        ("dense", True, False, False, 1, 1, 4, ()),
+        ("moe", False, True, True, 2, 2, 3, ()),  # a whole round: first step, two chained
+        ("dense", True, True, False, 1, 4, 3, ()),
+        # the tuning switches' other arms (bench/fused_probe.py's flags)
+        ("moe", True, True, True, 1, 2, 3, ("PREFETCH_L2", "STREAM_HINTS", "PAIR_ROWS", "ROW_PREFETCH")),
+        ("dense", False, False, True, 2, 1, 2, ("PREFETCH_L2", "STREAM_HINTS", "ROW_PREFETCH", "-WIDE_LOADS")),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
@@ -392,7 +395,10 @@ def test_the_step_kernel_compiles_without_spills(
     rows: int,
     length: int,
     count: int,
+    switches: tuple[str, ...],
 ) -> None:
+    for switch in switches:  # "-NAME" turns a switch off, "NAME" on
+        monkeypatch.setattr(mtp_cuda, switch.lstrip("-"), not switch.startswith("-"))
     target, head = request.getfixturevalue(kind)
     whole_round = first and count > 1  # as HeadStep.round launches it
     weights = fused_weights(target, head, 0)
