@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -130,14 +131,14 @@ def generate(
     return sink.tokens, result, time.perf_counter() - start
 
 
-def draft_chain_ms(
-    drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int, repeats: int,
-    sampling: SamplingParams = SAMPLINGS["greedy"], batch: int = 1,
-) -> float:
-    """The draft chain alone for `batch` rows: open rows after a real prefill,
-    then time `propose` + evaluation of its tokens (the head's KV writes are
-    scratch). Row b's prompt is `prompt` rotated by b tokens (distinct rows of
-    one length)."""
+def opened_rows(
+    drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int,
+    sampling: SamplingParams, batch: int,
+) -> tuple[Any, list[RowState]]:
+    """`batch` rows opened on `drafter` after a real prefill and one real
+    round (the head has paired the prompt: later chains start from a
+    one-token tail, as in steady-state decoding). Row b's prompt is `prompt`
+    rotated by b tokens (distinct rows of one length)."""
     rows = [RowState.start(prompt[b:] + prompt[:b], 64, sampling) for b in range(batch)]
     cache, hidden = prefill_rows(model, rows, keep_hidden=True)
     opened = drafter.open(rows, hidden)
@@ -148,15 +149,68 @@ def draft_chain_ms(
     tokens = mx.argmax(verified.logits[:, -1], axis=-1).tolist()
     opened = opened.prepare_commit(rows, proposal, [()] * batch, [0] * batch, verified).commit()
     rows = [row.advanced((int(t),)) for row, t in zip(rows, tokens, strict=True)]
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        proposal = opened.propose(rows, depth)
-        assert proposal.device is not None
-        mx.eval(proposal.device)
-        if i:
-            times.append((time.perf_counter() - start) * 1000.0)
-    return statistics.median(times)
+    return opened, rows
+
+
+def propose_ms(opened: Any, rows: list[RowState], depth: int) -> float:
+    """ms of one `propose` plus the evaluation of its tokens (the head's KV
+    writes are scratch: the rows' state does not move)."""
+    start = time.perf_counter()
+    proposal = opened.propose(rows, depth)
+    assert proposal.device is not None
+    mx.eval(proposal.device)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def draft_chain_ms(
+    drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int, repeats: int,
+    sampling: SamplingParams = SAMPLINGS["greedy"], batch: int = 1,
+) -> float:
+    """The draft chain alone for `batch` rows (`opened_rows`), median ms of
+    `propose` + evaluation over `repeats` after one untimed."""
+    opened, rows = opened_rows(drafter, model, prompt, depth, sampling, batch)
+    propose_ms(opened, rows, depth)
+    return statistics.median(propose_ms(opened, rows, depth) for _ in range(repeats))
+
+
+def interleaved_cuts(
+    drafters: dict[str, MtpDrafter], model: Any, prompt: tuple[int, ...], depths: list[int],
+    repeats: int, sampling: SamplingParams, batch: int,
+) -> list[dict[str, Any]]:
+    """The draft chains of `drafters` ("full" and an FR-Spec one) timed in
+    alternation, each repeat every depth and both drafters in a shuffled
+    order, so that drifts of the machine (clocks, other load) fall on both
+    alike: per depth the median ms of each, the cut (ratio of the medians)
+    and the median of the per-repeat ratios."""
+    opened = {n: opened_rows(d, model, prompt, max(depths), sampling, batch) for n, d in drafters.items()}
+    for (o, rows), depth in ((o, d) for o in opened.values() for d in depths):
+        propose_ms(o, rows, depth)  # compiles and first launches
+        propose_ms(o, rows, depth)
+    order = random.Random(0)
+    times: dict[tuple[str, int], list[float]] = {(n, d): [] for n in drafters for d in depths}
+    for _ in range(repeats):
+        for depth in depths:
+            names = list(drafters)
+            order.shuffle(names)
+            for name in names:
+                times[(name, depth)].append(propose_ms(*opened[name], depth))
+    fr = next(n for n in drafters if n != "full")
+    return [
+        {
+            "depth": depth,
+            "rows": batch,
+            "repeats": repeats,
+            "full_ms": statistics.median(times[("full", depth)]),
+            "fr_ms": statistics.median(times[(fr, depth)]),
+            "cut": statistics.median(times[("full", depth)]) / statistics.median(times[(fr, depth)]),
+            "paired_cut_median": statistics.median(
+                a / b for a, b in zip(times[("full", depth)], times[(fr, depth)], strict=True)
+            ),
+            "full_ms_quartiles": statistics.quantiles(times[("full", depth)], n=4),
+            "fr_ms_quartiles": statistics.quantiles(times[(fr, depth)], n=4),
+        }
+        for depth in depths
+    ]
 
 
 def chain_or_error(*args: Any) -> float | str:
@@ -165,6 +219,18 @@ def chain_or_error(*args: Any) -> float | str:
         return draft_chain_ms(*args)
     except Exception as exc:  # recorded; the run goes on
         return f"{type(exc).__name__}: {exc}"
+
+
+def set_switches(args: argparse.Namespace) -> None:
+    """models.mtp_cuda's switches as --whole-round / --kernel-switches ask."""
+    import models.mtp_cuda
+
+    if args.whole_round:
+        models.mtp_cuda.WHOLE_ROUND = True
+    for switch in filter(None, args.kernel_switches.split(",")):
+        name = switch.lstrip("-")
+        assert isinstance(getattr(models.mtp_cuda, name, None), bool), f"no switch {name}"
+        setattr(models.mtp_cuda, name, not switch.startswith("-"))
 
 
 def main() -> None:
@@ -197,10 +263,14 @@ def main() -> None:
                              "one-kernel step of models/mtp_cuda.py where in scope, the CUDA default)")
     parser.add_argument("--whole-round", action="store_true",
                         help="fused steps: a round's first and chained steps in one launch "
-                             "(models.mtp_cuda.WHOLE_ROUND)")
+                             "(models.mtp_cuda.WHOLE_ROUND, now the default; -WHOLE_ROUND in "
+                             "--kernel-switches turns it off)")
     parser.add_argument("--kernel-switches", default="",
                         help="comma-separated models.mtp_cuda switches to turn on (NAME) or "
                              "off (-NAME), e.g. PAIR_ROWS,ROW_PREFETCH")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time only the draft chains, the full and the FR-Spec head in "
+                             "alternation (`interleaved_cuts`), per --steps mode and --rows")
     parser.add_argument("--no-generate", action="store_true",
                         help="time the draft chains only (skip the MTP generations)")
     parser.add_argument("--no-window-kernel", action="store_true",
@@ -263,6 +333,26 @@ def main() -> None:
     vocab = DraftVocabulary.create(ids, args.vocab).unwrap()
     modes = args.steps.split(",")
     report["steps"] = modes
+    if args.interleave:
+        import models.mtp_cuda
+
+        report["interleaved"] = []
+        for mode in modes:
+            models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
+            set_switches(args)
+            drafters = {
+                name: MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
+                for name, listed in (("full", None), (f"fr{args.fr_size}", vocab))
+            }
+            for batch in [int(b) for b in args.rows.split(",")]:
+                for entry in interleaved_cuts(drafters, model, prompt,
+                                              [int(d) for d in args.depths.split(",")],
+                                              args.repeats, sampling, batch):
+                    report["interleaved"].append({"steps": mode, **entry})
+                    print("INTERLEAVED", json.dumps(report["interleaved"][-1]), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        return
     for depth, (name, listed), mode in (
         (d, v, m)
         for d in [int(d) for d in args.depths.split(",")]
@@ -272,11 +362,7 @@ def main() -> None:
         import models.mtp_cuda
 
         models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
-        models.mtp_cuda.WHOLE_ROUND = args.whole_round
-        for switch in filter(None, args.kernel_switches.split(",")):
-            name = switch.lstrip("-")
-            assert isinstance(getattr(models.mtp_cuda, name, None), bool), f"no switch {name}"
-            setattr(models.mtp_cuda, name, not switch.startswith("-"))
+        set_switches(args)
         drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
         if not args.no_generate:
             tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth, sampling)
