@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -441,3 +441,21 @@ def recorded_decode(tokenizer: Any, data: dict[str, Any], name: str) -> tuple[li
     block = data["prompts"][name]
     assert block["prompt_tokens"] == len(prompt), "not the recorded prompt"
     return prompt, list(block["plain"]["specpipe"]["tokens"])
+
+
+def split_ms(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
+    """Median build / encode / wait of `fn`'s graph."""
+    for _ in range(3):
+        mx.eval(fn())
+    parts: dict[str, list[float]] = {"build": [], "encode": [], "wait": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        mx.async_eval(out)
+        t2 = time.perf_counter()
+        mx.synchronize()
+        t3 = time.perf_counter()
+        for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            value and parts[key].append(value * 1000.0)
+    return {k: statistics.median(v) for k, v in parts.items()}

@@ -48,9 +48,9 @@ from mlx.utils import tree_map
 
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import models.mtp_cuda
-from bench.common import machine_info, median_ms
+from bench.common import machine_info, median_ms, split_ms
 from bench.mtp import SAMPLINGS
-from bench.step_probe import probe_arguments, probe_head, split_ms
+from bench.step_probe import probe_arguments, probe_head
 from models.fuse import fuse_projections
 from models.mtp_cuda import FusedStep, draw_params, fused_weights, phases_of
 from specpipe.draft_vocab import SubsetHead

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info
+from bench.common import machine_info, split_ms
 from models.build import build_model, quantize_model
 from models.fuse import fuse_projections
 from models.mtp import MtpHead
@@ -195,6 +195,13 @@ def interleaved_cuts(
             for name in names:
                 times[(name, depth)].append(propose_ms(*opened[name], depth))
     fr = next(n for n in drafters if n != "full")
+    # where a round's draft time goes: building its graph (Python), encoding
+    # it for the device, waiting for the device
+    splits = {
+        (n, d): split_ms(lambda o=opened[n], d=d: o[0].propose(o[1], d).device, repeats)
+        for n in drafters
+        for d in depths
+    }
     return [
         {
             "depth": depth,
@@ -208,6 +215,8 @@ def interleaved_cuts(
             ),
             "full_ms_quartiles": statistics.quantiles(times[("full", depth)], n=4),
             "fr_ms_quartiles": statistics.quantiles(times[(fr, depth)], n=4),
+            "full_split_ms": splits[("full", depth)],
+            "fr_split_ms": splits[(fr, depth)],
         }
         for depth in depths
     ]

@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx
 
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
-from bench.common import machine_info, median_ms
+from bench.common import machine_info, median_ms, split_ms
 from bench.mtp import SAMPLINGS, SHAPES
 from models.build import build_model
 from models.fuse import fuse_projections
@@ -44,24 +41,6 @@ from schemas.hf_hybrid import hybrid_args
 from specpipe import sampling
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.drafts.mtp import HeadStep
-
-
-def split_ms(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
-    """Median build / encode / wait of `fn`'s graph."""
-    for _ in range(3):
-        mx.eval(fn())
-    parts: dict[str, list[float]] = {"build": [], "encode": [], "wait": []}
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        t1 = time.perf_counter()
-        mx.async_eval(out)
-        t2 = time.perf_counter()
-        mx.synchronize()
-        t3 = time.perf_counter()
-        for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            value and parts[key].append(value * 1000.0)
-    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def probe_arguments(doc: str | None, shape: str, rows: str) -> argparse.ArgumentParser:

@@ -486,9 +486,24 @@ _SOURCE = r"""
   constexpr int HALF = ROT / 2;
   constexpr int GROUP = HQ / HKV;
   constexpr int KC = GREEDY ? 1 : TOPK;
+  // The launch's small per-row inputs, read once into shared memory at the
+  // start, all loads in flight together (the host writes them each round:
+  // unified memory a first GPU read may have to fetch from the host; read
+  // later, phase by phase, each such read stalled its phase).
+  __shared__ int s_in_ids[M], s_in_last[B], s_in_start[B], s_in_steps;
+  __shared__ unsigned int s_in_seed[B], s_in_step[B];
+  if (threadIdx.x < M) s_in_ids[threadIdx.x] = ids[threadIdx.x];
+  if (threadIdx.x < B) {
+    s_in_last[threadIdx.x] = TT == 1 ? 0 : last[threadIdx.x];
+    s_in_start[threadIdx.x] = starts[threadIdx.x];
+    s_in_seed[threadIdx.x] = seeds[threadIdx.x];
+    s_in_step[threadIdx.x] = steps[threadIdx.x];
+  }
+  if (threadIdx.x == 0) s_in_steps = nsteps[0];
+  __syncthreads();
   // steps of this launch (a value, not a template constant: one compiled
   // kernel serves every chain length)
-  const int STEPS = nsteps[0];
+  const int STEPS = s_in_steps;
   const int KW = TT + STEPS - 1;  // window slots of knew / vnew (without KV_OUT)
   constexpr size_t PF_CAP = 24u << 20;  // bytes of one array prefetched ahead, at most
   constexpr size_t PF_HEAD = 128u << 10;  // bytes of a block's projection rows prefetched ahead
@@ -608,7 +623,7 @@ _SOURCE = r"""
   for (int m = 0; m < M; ++m) {
     // (a later step's window positions all take the row's one pair: their
     // duplicate products cost no extra weight reads)
-    const int id = s == 0 ? ids[m]
+    const int id = s == 0 ? s_in_ids[m]
                           : GREEDY ? s_tok[m / TT] : __ldcg(tokens + (size_t)(m / TT) * STEPS + s - 1);
     const W* e = embed + (size_t)id * H;
     const W* h = s == 0 ? hid + (size_t)m * H : normed + (size_t)(m / TT) * H;
@@ -758,7 +773,7 @@ _SOURCE = r"""
     // step's query, at window slot lb + s: the window's slots below it hold
     // the first step's keys / values (0 .. TT - 1) overwritten from lb + 1
     // on by the later steps' (knew, vnew, this launch's)
-    const int lb = TT == 1 ? 0 : last[b], st0 = starts[b], qslot = lb + s;
+    const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
     const int mq = b * TT + lb;  // every step's query row (later steps: all rows alike)
     // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
     const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
@@ -895,7 +910,7 @@ _SOURCE = r"""
       n0 += pv.x * w;
       n1 += pv.y * w;
     }
-    const int mq = b * TT + (TT == 1 ? 0 : last[b]);
+    const int mq = b * TT + s_in_last[b];
     const float2 gate = __ldcg(
         reinterpret_cast<const float2*>(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d));
     xs[i] = n0 * sigmoid(gate.x);
@@ -911,7 +926,7 @@ _SOURCE = r"""
         if (lane == 0)
           for (int b = 0; b < B; ++b)
             S[O_R1 + (size_t)b * H + r] =
-                acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + (TT == 1 ? 0 : last[b])) * H + r);
+                acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
       });
   barrier();
 
@@ -1270,7 +1285,7 @@ _SOURCE = r"""
         if (ij <= id) below += pj;
       }
       const float total = warp_sum(p);
-      const float u = step_uniform(seeds[b], steps[b] + (unsigned int)s);
+      const float u = step_uniform(s_in_seed[b], s_in_step[b] + (unsigned int)s);
       const float target = u * total;
       int pick = (p > 0.0f && below >= target) ? id : 0x7fffffff;
       int last_id = p > 0.0f ? id : -1;
