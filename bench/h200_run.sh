@@ -16,9 +16,10 @@
 # (ninth session: `SHAPES=qwen3-next ROWS=1,2,8 PAIR_AB=1 setup-min fused gdn`, then on two more leases
 #  `SHAPES=qwen3-next ROWS=1,2 PAIR_AB=1 REPEATS=15 setup-min fused` + `SAMPLINGS=greedy ROWS=1 fused-mtp`,
 #  `ROWS=1 REPEATS=15 LIMIT=230 setup-min fused` + `fused-ab` + `SAMPLINGS=greedy ROWS=1 DEPTHS=1,3,5 fused-mtp`;
-#  the next: `ROWS=1,2 setup-min round-check` (HEAD=full too), then `WHOLE=1 SAMPLINGS=greedy ROWS=1
-#  DEPTHS=1,3,5 fused-mtp`, then `ROWS=1 PROBE_SAMPLINGS=greedy fused` with PROBE_FLAGS=--pair-rows,
-#  --narrow-loads, --prefetch and PROBE_TAG=-paired / -narrow / -prefetch for the A/Bs)
+# (tenth session, four leases: `setup-min`, then fused_probe.py --rows 1 --samplings greedy by hand
+#  with --prefetch / --stream-hints / --row-prefetch / --pair-rows, round_check.py --head fr / full,
+#  `SAMPLINGS=greedy ROWS=1 DEPTHS=1,3,5 fused-mtp` and the `interleave` step;
+#  the next: `setup-min interleave`, then `fused` with PROBE_FLAGS=--narrow-loads, PROBE_TAG=-narrow)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -176,6 +177,15 @@ for step in "$@"; do
       timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \
           --tokens 32 --depths ${DEPTHS:-1,3} --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
           --steps compiled,fused ${WHOLE:+--whole-round} ${SWITCHES:+--kernel-switches $SWITCHES} --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
+    done
+    ;;
+  interleave)  # a round's draft phase, full and FR-Spec heads timed in alternation, with its split
+    for sampling in ${SAMPLINGS:-greedy}; do
+      timeout ${LIMIT:-230} python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 \
+          --dtype bfloat16 --fr-size 32768 --rows ${ROWS:-1} --steps fused --interleave --tokens 8 \
+          --sampling $sampling --depths ${DEPTHS:-1,3,5} --repeats ${REPEATS:-30} \
+          ${SWITCHES:+--kernel-switches $SWITCHES} --out $OUT/mtp-interleaved-$sampling-h200.json \
+          | grep INTERLEAVED || echo "STEP FAILED: $?"
     done
     ;;
   step-probe)  # where a draft step's time goes, under different CUDA graph sizes

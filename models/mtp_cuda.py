@@ -35,15 +35,18 @@ wrong output):
 
 A round's chained steps (each drafting from the previous step's token and
 normed output, one position further) run as ONE launch: the phases above
-repeat per step after a grid barrier, the earlier steps' keys and values
-read back from the launch's own window output (`FusedStep.chain`; the
-step count is an input, so one compiled kernel serves every depth). With
-`WHOLE_ROUND` the round's first step joins them, and the kernel writes the
-new KV buffers itself instead of returning the window for two scatters
+repeat per step (a sampled draw's token crosses a grid barrier; a greedy
+one is drawn by every block, so the next step starts without one), the
+earlier steps' keys and values read back from the launch's own window
+output (`FusedStep.chain`; the step count is an input, so one compiled
+kernel serves every depth). With `WHOLE_ROUND` (the default) the round's
+first step joins them, and the kernel writes the head's new KV buffers
+itself instead of returning the window for two scatters
 (`FusedStep.launch(..., kv_out=True)`, `HeadStep.round`).
 
 Products read each weight row once with 16-byte loads (one warp per output
-row, float32 sums) from inputs staged, normed, in shared memory. Only the rows' last positions go
+row, float32 sums; `PAIR_ROWS`: two rows per warp where rows are short)
+from inputs staged, normed, in shared memory. Only the rows' last positions go
 through attention, the MLP and the projection (a one-layer head needs no
 other). The step is a draft: it
 rounds differently from the MLX step (float32 throughout instead of rounding

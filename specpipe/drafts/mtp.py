@@ -28,10 +28,11 @@ padded to a power of two (the padded pairs write scratch KV past the row's
 length, which later steps overwrite and no real query sees), so a handful
 of traces serve every round; longer tails (a prompt's first round), rows
 with different draw filters, and the CPU take the eager path. On a CUDA
-GPU, steps within its scope run as one CUDA kernel instead, a round's
-chained steps as one launch (`HeadStep.fused_step`, `HeadStep.round`,
+GPU, steps within its scope run as one CUDA kernel instead, a one-layer
+head's whole round (its first step and chained steps, the KV writes
+included) as one launch (`HeadStep.fused_step`, `HeadStep.round`,
 models/mtp_cuda.py; `models.mtp_cuda.FUSED_ON_GPU` off keeps the compiled
-steps).
+steps, `WHOLE_ROUND` off launches the first step apart).
 """
 
 from __future__ import annotations
