@@ -83,11 +83,13 @@ def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
 
 # A MoE step's stretches per block, between its stamps (FusedStep.stamp_table:
 # 0 start, 1 + 2k / 2 + 2k arrival at / departure from barrier k, 17 the
-# draw's end, 24 + m the inner points)
+# draw's end, 24 + m the inner points: 24-31 where the products start, 32 / 33
+# attention's query normed / its angles computed)
 _SEGMENTS = [
     ("fc_stage", 0, 24), ("fc_product", 24, 1),
     ("qkv_stage", 2, 25), ("qkv_product", 25, 3),
-    ("attn_query", 4, 26), ("attn_positions", 26, 27), ("attn_partial", 27, 5),
+    ("attn_query", 4, 26), ("attn_q_norm", 4, 32), ("attn_q_angles", 32, 33),
+    ("attn_q_rotate", 33, 26), ("attn_positions", 26, 27), ("attn_partial", 27, 5),
     ("o_combine", 6, 28), ("o_product", 28, 7),
     ("router", 8, 9),
     ("experts_topk", 10, 29), ("experts_product", 29, 11),
@@ -123,6 +125,8 @@ def main() -> None:
                         help="L2 evict-first loads of the rows a step reads once (models.mtp_cuda.STREAM_HINTS)")
     parser.add_argument("--row-prefetch", action="store_true",
                         help="each warp's next rows asked of L2 before a barrier (models.mtp_cuda.ROW_PREFETCH)")
+    parser.add_argument("--fast-sincos", action="store_true",
+                        help="diagnostic: RoPE angles by __sincosf (models.mtp_cuda.FAST_SINCOS)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     args = parser.parse_args()
     models.mtp_cuda.PAIR_ROWS = args.pair_rows
@@ -130,6 +134,7 @@ def main() -> None:
     models.mtp_cuda.WIDE_LOADS = not args.narrow_loads
     models.mtp_cuda.STREAM_HINTS = args.stream_hints
     models.mtp_cuda.ROW_PREFETCH = args.row_prefetch
+    models.mtp_cuda.FAST_SINCOS = args.fast_sincos
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False
@@ -160,6 +165,7 @@ def main() -> None:
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
         "stream_hints": models.mtp_cuda.STREAM_HINTS,
         "row_prefetch": models.mtp_cuda.ROW_PREFETCH,
+        "fast_sincos": models.mtp_cuda.FAST_SINCOS,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

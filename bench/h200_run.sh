@@ -19,7 +19,8 @@
 # (tenth session, four leases: `setup-min`, then fused_probe.py --rows 1 --samplings greedy by hand
 #  with --prefetch / --stream-hints / --row-prefetch / --pair-rows, round_check.py --head fr / full,
 #  `SAMPLINGS=greedy ROWS=1 DEPTHS=1,3,5 fused-mtp` and the `interleave` step;
-#  the next: `setup-min interleave`, then `fused` with PROBE_FLAGS=--narrow-loads, PROBE_TAG=-narrow)
+#  the next: `setup-min interleave`, then `ROWS=1 PROBE_SAMPLINGS=greedy LIMIT=240 fused`, the same with
+#  PROBE_FLAGS=--fast-sincos PROBE_TAG=-fastsincos (attention's query stretch), then --narrow-loads)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

@@ -90,8 +90,8 @@ MAX_EXPERTS = 1024  # the router's top-k: 32 logits per lane in registers at mos
 # device's multiprocessor count where it has fewer (`multiprocessors`).
 BLOCKS = 128
 MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
-PHASE_STAMPS = 32  # floats per block at the scratch's end for `FusedStep.phase_times`
-INNER_STAMPS = 8  # of them, points within phases (`FusedStep.stamp_table`)
+PHASE_STAMPS = 34  # floats per block at the scratch's end for `FusedStep.phase_times`
+INNER_STAMPS = 10  # of them, points within phases (`FusedStep.stamp_table`)
 # Whether a warp takes two rows of a one-input product at once (more loads in
 # flight: q/k/v's 2048-long rows are one 16-byte load per lane each). On: an
 # FR-Spec step 146 us against 155 without, the full head's 265 against
@@ -120,6 +120,12 @@ STREAM_HINTS = False
 # attention: 155 / 264 us, and with PAIR_ROWS 164 / 280 against 146 / 265
 # (`--row-prefetch`).
 ROW_PREFETCH = False
+# A diagnostic arm, off: RoPE angles by the hardware's approximate sin / cos
+# (`__sincosf`, no range reduction: less accurate for large positions)
+# instead of `sincosf`, to tell whether attention's query stretch (~12 us on
+# the H200, tenth session) is the rotation's code (`bench/fused_probe.py
+# --fast-sincos`).
+FAST_SINCOS = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -724,21 +730,30 @@ _SOURCE = r"""
   // shuffle (one sincosf per lane: unrolled per dim, as inlined code at
   // every call site, the rotation was a quarter of the kernel's code).
   constexpr int NF = (HALF + 31) / 32;
-  auto normed_roped = [&](const float* src, const W* wn, int pos, float* x) {
+  // (`stamp_at` >= 0, PROFILE: inner stamps stamp_at after the norm and
+  // stamp_at + 1 after the angles)
+  auto normed_roped = [&](const float* src, const W* wn, int pos, float* x, int stamp_at) {
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) { x[i] = __ldcg(src + lane * DPL + i); ss += x[i] * x[i]; }
     const float inv = rsqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) x[i] *= inv * static_cast<float>(wn[lane * DPL + i]);
+    if (PROFILE && stamp_at >= 0) mark(stamp_at, s);
     float sn_f[NF], cs_f[NF];
 #pragma unroll
     for (int c = 0; c < NF; ++c) {
       const int f = lane + 32 * c;
       sn_f[c] = 0.0f;
       cs_f[c] = 1.0f;
-      if (f < HALF) sincosf((float)pos * inv_freq[f], &sn_f[c], &cs_f[c]);
+      if (f < HALF) {
+        // FAST_SINCOS (a diagnostic arm): the hardware approximation,
+        // without sincosf's range reduction code
+        if (FAST_SINCOS) __sincosf((float)pos * inv_freq[f], &sn_f[c], &cs_f[c]);
+        else sincosf((float)pos * inv_freq[f], &sn_f[c], &cs_f[c]);
+      }
     }
+    if (PROFILE && stamp_at >= 0) mark(stamp_at + 1, s);
     constexpr int OFF = HALF / DPL;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
@@ -760,7 +775,7 @@ _SOURCE = r"""
   // a window position's key (normed, roped at `pos`) and value of kv head g
   // from its q/k/v row, rounded to the weights' dtype as the cache holds them
   auto window_kv = [&](const float* row, int g, int pos, float* k, float* v) {
-    normed_roped(row + 2 * HQ * D + g * D, w_kn, pos, k);
+    normed_roped(row + 2 * HQ * D + g * D, w_kn, pos, k, -1);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
       k[i] = static_cast<float>(static_cast<W>(k[i]));
@@ -781,7 +796,8 @@ _SOURCE = r"""
     // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
     const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
     float q[DPL];
-    normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q);
+    normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q,
+                 item == blk ? 8 : -1);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) q[i] *= scale;
     if (item == blk) mark(2, s);
@@ -1820,6 +1836,7 @@ class FusedStep:
             ("WIDE_LOADS", WIDE_LOADS),
             ("STREAM_HINTS", STREAM_HINTS),
             ("ROW_PREFETCH", ROW_PREFETCH),
+            ("FAST_SINCOS", FAST_SINCOS),
         ]
         window = (
             keys.shape
@@ -1870,8 +1887,9 @@ class FusedStep:
         (the last INNER_STAMPS) the points within phases where their
         products start: fc, q/k/v, attention's query roped and its
         positions done, o_proj, the experts' gate/up, their down, the
-        projection. A point a block does not pass (no attention item)
-        holds whatever the scratch held."""
+        projection, then attention's query normed and its angles computed.
+        A point a block does not pass (no attention item) holds whatever
+        the scratch held."""
         outputs = self(*args, count=count, profile=True)
         scratch = self.profiled[0]
         mx.eval(*outputs, scratch)

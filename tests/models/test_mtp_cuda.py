@@ -380,7 +380,7 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         ("moe", False, True, True, 2, 2, 3, ()),  # a whole round: first step, two chained
         ("dense", True, True, False, 1, 4, 3, ()),
         # the tuning switches' other arms (bench/fused_probe.py's flags)
-        ("moe", True, True, True, 1, 2, 3, ("PREFETCH_L2", "STREAM_HINTS", "PAIR_ROWS", "ROW_PREFETCH")),
+        ("moe", True, True, True, 1, 2, 3, ("PREFETCH_L2", "STREAM_HINTS", "PAIR_ROWS", "ROW_PREFETCH", "FAST_SINCOS")),
         ("dense", False, False, True, 2, 1, 2, ("PREFETCH_L2", "STREAM_HINTS", "ROW_PREFETCH", "-WIDE_LOADS")),
     ],
 )
