@@ -7,7 +7,10 @@ kind runs per drafted token: a two-model draft's forward over one token and
 its LM head's argmax; an MTP head's forward over one (token, hidden) pair and
 the shared projection's argmax (onto its FR-Spec rows when it has a draft
 vocabulary), timed by the drafter itself (`DraftStep`); nothing for ngram,
-which drafts on the host. The result is cached per (target, draft kind and
+which drafts on the host. A draft that times whole rounds (`DraftRound`: the
+MTP head, whose first step differs and whose round is one launch on a GPU)
+is timed at depths 1 and `ROUND_DEPTH`, fitted as a fixed cost per round
+plus a cost per drafted token. The result is cached per (target, draft kind and
 source, dtype, device) under the model cache, and loaded automatically when
 adaptive drafting is on.
 """
@@ -40,7 +43,8 @@ from specpipe.adaptive import CostModel
 
 CONTEXT = 64
 # what a calibration measures; a new field makes older caches stale
-FORMAT = "cost-model-3"  # 3: plain_ms and catch_up_ms
+FORMAT = "cost-model-4"  # 3: plain_ms and catch_up_ms; 4: MTP rounds (draft_fixed_ms)
+ROUND_DEPTH = 4  # the deeper of the two round depths a `DraftRound` is timed at
 CATCH_UP = 16
 async_eval = cast(Callable[..., None], mx.async_eval)  # untyped in MLX's stubs
 
@@ -56,6 +60,23 @@ class DraftStep(Protocol):
         """Having read `context` [1, C] and the target's hidden states for it
         (`hidden` [1, C, H], `ModelOutput.hidden`), a callable running one
         draft step and returning its (unevaluated) draft token ids."""
+        ...
+
+
+@runtime_checkable
+class DraftRound(Protocol):
+    """A draft whose rounds are not a sum of equal steps (an MTP head: its
+    first step reads the target's new hidden states, and on a GPU a whole
+    round is one kernel launch): it sets up whole rounds to time, and the
+    calibration fits a round's draft cost as fixed + depth x per-step."""
+
+    def calibration_round(
+        self, context: mx.array, hidden: mx.array
+    ) -> Callable[[int], mx.array]:
+        """Having read `context` [1, C] and the target's hidden states for it
+        (`hidden` [1, C, H]), a callable running one draft round of the given
+        depth as decoding runs it (from a one-token tail) and returning its
+        (unevaluated) draft token ids."""
         ...
 
 
@@ -102,8 +123,16 @@ def measure(
 
         verify_ms.append(_median_ms(forward, repeats))
     plain_ms = _pipelined_step_ms(target, target_cache, context[:, -1:], repeats)
-    draft_ms = catch_up_ms = 0.0
-    if isinstance(draft, DraftStep):
+    draft_ms = catch_up_ms = draft_fixed_ms = 0.0
+    if isinstance(draft, DraftRound):
+        run_round = draft.calibration_round(context, target_hidden)
+        one, deep = (
+            _median_ms(lambda d=d: mx.eval(run_round(d)), repeats)
+            for d in (1, ROUND_DEPTH)
+        )
+        draft_ms = max((deep - one) / (ROUND_DEPTH - 1), 0.0)
+        draft_fixed_ms = max(one - draft_ms, 0.0)
+    elif isinstance(draft, DraftStep):
         step = draft.calibration_step(context, target_hidden)
 
         def head_step() -> None:
@@ -137,7 +166,11 @@ def measure(
             CATCH_UP - 1
         )
     return CostModel(
-        tuple(verify_ms), draft_ms, plain_ms=plain_ms, catch_up_ms=catch_up_ms
+        tuple(verify_ms),
+        draft_ms,
+        draft_fixed_ms,
+        plain_ms=plain_ms,
+        catch_up_ms=catch_up_ms,
     )
 
 

@@ -550,6 +550,33 @@ class MtpDrafter:
             return self.kind
         return f"{self.kind}/vocab={self.vocab.size}"
 
+    def calibration_round(
+        self, context: mx.array, hidden: mx.array
+    ) -> Callable[[int], mx.array]:
+        """A draft round of any depth as decoding runs it
+        (`specpipe.calibrate.DraftRound`): rows opened on the context (all
+        but its last token processed, `hidden` their target states) and
+        one round committed with nothing accepted, so each call proposes
+        from a one-token tail; greedy. Its KV writes are scratch: every
+        call drafts from the same state."""
+        greedy = SamplingParams()
+        ids: list[int] = context.reshape(-1).tolist()  # type: ignore[assignment]
+        rows = [RowState.start(tuple(ids), 64, greedy)]
+        opened = self.open(rows, hidden[:, :-1])
+        proposal = opened.propose(rows, 1)
+        pending = hidden[:, -1:]  # stands in for the verify window's hidden state
+        opened = opened.prepare_commit(
+            rows, proposal, [()], [0], ModelOutput(pending, pending)
+        ).commit()
+        rows = [row.advanced((ids[0],)) for row in rows]
+
+        def run(depth: int) -> mx.array:  # [1, depth] int32
+            drafted = opened.propose(rows, depth)
+            assert drafted.device is not None
+            return drafted.device
+
+        return run
+
     def calibration_step(
         self, context: mx.array, hidden: mx.array
     ) -> Callable[[], mx.array]:

@@ -13,7 +13,13 @@ from test_mtp_companion import LIMITS, PROMPTS, write_hybrid
 from schemas.request import SamplingParams
 from specpipe.adaptive import CostModel
 from specpipe.api import calibrate, load
-from specpipe.calibrate import DraftStep, calibration_path, load_cached, measure
+from specpipe.calibrate import (
+    DraftRound,
+    DraftStep,
+    calibration_path,
+    load_cached,
+    measure,
+)
 from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.mtp import MtpDrafter
 
@@ -40,6 +46,10 @@ def test_mtp_calibration_times_the_head(hybrid: Path, cache: Path) -> None:
     mtp_cost = calibrate(mtp.target, mtp.draft, None, max_width=3)
     assert none_cost.draft_ms == 0.0
     assert mtp_cost.draft_ms > 0.0
+    # an MTP round is timed whole: a fixed part per round besides its steps
+    assert isinstance(mtp.draft.drafter, DraftRound)
+    assert mtp_cost.draft_fixed_ms >= 0.0 and none_cost.draft_fixed_ms == 0.0
+    assert mtp_cost.round_ms(4) - mtp_cost.round_ms(1) >= 3 * mtp_cost.draft_ms
     assert mtp_cost.plain_ms > 0.0 and none_cost.plain_ms > 0.0  # pipelined plain step
     assert len(mtp_cost.verify_ms) == 3
 
@@ -61,6 +71,23 @@ def test_mtp_calibration_times_the_head(hybrid: Path, cache: Path) -> None:
     assert calibration_path(source, None, "native", "ngram") != none_path
     # a second call reads the cache (a measurement would differ in time)
     assert calibrate(mtp.target, mtp.draft, None, max_width=3) == mtp_cost
+
+
+def test_a_calibration_round_drafts_from_the_same_state_each_call(hybrid: Path) -> None:
+    pipeline = load(str(hybrid), draft="mtp").unwrap()
+    assert pipeline.draft is not None
+    drafter = pipeline.draft.drafter
+    assert isinstance(drafter, MtpDrafter)
+    model = pipeline.target.model
+    context = mx.random.randint(0, 320, (1, 24), key=mx.random.key(4)).astype(mx.int32)
+    cache = model.make_cache(1)
+    hidden = model(context, cache, [0]).hidden
+    run = drafter.calibration_round(context, hidden)
+    deep, shallow, again = run(3), run(1), run(3)
+    assert deep.shape == (1, 3) and shallow.shape == (1, 1)
+    # greedy, and the rounds' KV writes are scratch: the same drafts each time
+    assert deep.tolist() == again.tolist()
+    assert deep[:, :1].tolist() == shallow.tolist()
 
 
 def test_mtp_step_with_a_draft_vocabulary(hybrid: Path) -> None:
