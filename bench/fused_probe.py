@@ -36,6 +36,7 @@ FR-Spec list):
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -113,28 +114,30 @@ def segments(tables: list[list[list[float]]]) -> dict[str, list[float]]:
     return out
 
 
+# The kernel's switches the probe sets: --flag on, --no-flag off.
+_SWITCHES = [
+    ("pair-rows", "PAIR_ROWS", "two rows per warp at once in one-input products"),
+    ("prefetch", "PREFETCH_L2", "L2 bulk prefetch hints in the kernel"),
+    ("stream-hints", "STREAM_HINTS", "L2 evict-first loads of the rows a step reads once"),
+    ("row-prefetch", "ROW_PREFETCH", "each warp's next rows asked of L2 before a barrier"),
+    ("fast-sincos", "FAST_SINCOS", "diagnostic: RoPE angles by __sincosf"),
+]
+
+
 def main() -> None:
     parser = probe_arguments(__doc__, "qwen3-next", "1,4,8")
-    parser.add_argument("--pair-rows", action="store_true",
-                        help="two rows per warp at once in one-input products (models.mtp_cuda.PAIR_ROWS)")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="L2 prefetch hints in the kernel (models.mtp_cuda.PREFETCH_L2)")
+    for flag, name, text in _SWITCHES:
+        parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
+                            help=f"{text} (models.mtp_cuda.{name}; default: the module's)")
     parser.add_argument("--narrow-loads", action="store_true",
-                        help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS)")
-    parser.add_argument("--stream-hints", action="store_true",
-                        help="L2 evict-first loads of the rows a step reads once (models.mtp_cuda.STREAM_HINTS)")
-    parser.add_argument("--row-prefetch", action="store_true",
-                        help="each warp's next rows asked of L2 before a barrier (models.mtp_cuda.ROW_PREFETCH)")
-    parser.add_argument("--fast-sincos", action="store_true",
-                        help="diagnostic: RoPE angles by __sincosf (models.mtp_cuda.FAST_SINCOS)")
+                        help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS off)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     args = parser.parse_args()
-    models.mtp_cuda.PAIR_ROWS = args.pair_rows
-    models.mtp_cuda.PREFETCH_L2 = args.prefetch
-    models.mtp_cuda.WIDE_LOADS = not args.narrow_loads
-    models.mtp_cuda.STREAM_HINTS = args.stream_hints
-    models.mtp_cuda.ROW_PREFETCH = args.row_prefetch
-    models.mtp_cuda.FAST_SINCOS = args.fast_sincos
+    for flag, name, _ in _SWITCHES:  # a switch not given keeps the module's setting
+        if getattr(args, flag.replace("-", "_")) is not None:
+            setattr(models.mtp_cuda, name, getattr(args, flag.replace("-", "_")))
+    if args.narrow_loads:
+        models.mtp_cuda.WIDE_LOADS = False
 
     # the reference is the compiled MLX step: HeadStep must not route to the kernel
     models.mtp_cuda.FUSED_ON_GPU = False
