@@ -93,7 +93,7 @@ MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
 PHASE_STAMPS = 34  # floats per block at the scratch's end for `FusedStep.phase_times`
 INNER_STAMPS = 10  # of them, points within phases (`FusedStep.stamp_table`)
 # Whether a warp takes two rows of a one-input product at once (more loads in
-# flight: q/k/v's 2048-long rows are one 16-byte load per lane each). On: an
+# flight: a 2048-long q/k/v row is eight 16-byte loads per lane). On: an
 # FR-Spec step 146 us against 155 without, the full head's 265 against
 # 264-275 (H200, ten chained steps per launch, 2026-12-02 tenth session,
 # `bench/fused_probe.py --pair-rows`).
