@@ -575,9 +575,12 @@ _SOURCE = r"""
   // every multiprocessor, as in a round's chained steps)
   int stamps = 0;
   bool profiling = PROFILE && STEPS == 1;
+  auto stamp_at = [&](int slot) {  // this block's stamp `slot`, when profiling
+    if (profiling && tid == 0)
+      S[O_TS + (size_t)blk * PHASE_STAMPS + slot] = __uint_as_float((unsigned int)now_ns());
+  };
   auto stamp = [&]() {
-    if (profiling && tid == 0 && stamps < PHASE_STAMPS - INNER_STAMPS)
-      S[O_TS + (size_t)blk * PHASE_STAMPS + stamps] = __uint_as_float((unsigned int)now_ns());
+    if (stamps < PHASE_STAMPS - INNER_STAMPS) stamp_at(stamps);
     ++stamps;
   };
   auto barrier = [&]() {
@@ -587,11 +590,7 @@ _SOURCE = r"""
   };
   // PROFILE, the last step: stamp k (< INNER_STAMPS) of points within the
   // phases (after a phase's inputs are staged, where its product starts)
-  auto mark = [&](int k, int s) {
-    if (PROFILE && s == STEPS - 1 && tid == 0)
-      S[O_TS + (size_t)blk * PHASE_STAMPS + (PHASE_STAMPS - INNER_STAMPS) + k] =
-          __uint_as_float((unsigned int)now_ns());
-  };
+  auto mark = [&](int k) { stamp_at(PHASE_STAMPS - INNER_STAMPS + k); };
   stamp();
 
   // this block's first projection rows (its chunk of phase 7)
@@ -681,7 +680,7 @@ _SOURCE = r"""
     }
   }
   __syncthreads();
-  mark(0, s);
+  mark(0);
   if (KV_OUT && s == 0) {
     // KV_OUT: knew / vnew are the new whole buffers: the cache copied (the
     // window's slots are written after this phase's barrier)
@@ -710,7 +709,7 @@ _SOURCE = r"""
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
-  mark(1, s);
+  mark(1);
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, false>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
@@ -730,16 +729,16 @@ _SOURCE = r"""
   // shuffle (one sincosf per lane: unrolled per dim, as inlined code at
   // every call site, the rotation was a quarter of the kernel's code).
   constexpr int NF = (HALF + 31) / 32;
-  // (`stamp_at` >= 0, PROFILE: inner stamps stamp_at after the norm and
-  // stamp_at + 1 after the angles)
-  auto normed_roped = [&](const float* src, const W* wn, int pos, float* x, int stamp_at) {
+  // (`marks` >= 0: inner stamps `marks` after the norm and `marks` + 1
+  // after the angles)
+  auto normed_roped = [&](const float* src, const W* wn, int pos, float* x, int marks) {
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) { x[i] = __ldcg(src + lane * DPL + i); ss += x[i] * x[i]; }
     const float inv = rsqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) x[i] *= inv * static_cast<float>(wn[lane * DPL + i]);
-    if (PROFILE && stamp_at >= 0) mark(stamp_at, s);
+    if (marks >= 0) mark(marks);
     float sn_f[NF], cs_f[NF];
 #pragma unroll
     for (int c = 0; c < NF; ++c) {
@@ -753,7 +752,7 @@ _SOURCE = r"""
         else sincosf((float)pos * inv_freq[f], &sn_f[c], &cs_f[c]);
       }
     }
-    if (PROFILE && stamp_at >= 0) mark(stamp_at + 1, s);
+    if (marks >= 0) mark(marks + 1);
     constexpr int OFF = HALF / DPL;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
@@ -800,7 +799,7 @@ _SOURCE = r"""
                  item == blk ? 8 : -1);
 #pragma unroll
     for (int i = 0; i < DPL; ++i) q[i] *= scale;
-    if (item == blk) mark(2, s);
+    if (item == blk) mark(2);
     float mx_ = -SP_INF, l = 0.0f, acc[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
@@ -851,7 +850,7 @@ _SOURCE = r"""
 #pragma unroll
     for (int i = 0; i < DPL; ++i) s_acc[warp][lane * DPL + i] = acc[i];
     __syncthreads();
-    if (item == blk) mark(3, s);
+    if (item == blk) mark(3);
     // this split's partial: its max, its sum, its weighted values (unscaled)
     float top = -SP_INF;
     for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_l[w] > 0.0f ? s_m[w] : -SP_INF);
@@ -871,14 +870,19 @@ _SOURCE = r"""
     }
     __syncthreads();
   }
-  if (ROW_PREFETCH)  // the MLP's first product: its rows r of this warp
-    for (int r = gwarp; r < (DENSE ? IM : E + 1 + IS) && r < gwarp + 2 * NW; r += NW) {
-      const W* a = DENSE ? mlp0 + (size_t)r * H
-                 : r < E ? mlp0 + (size_t)r * H
-                 : r == E ? mlp1 : mlp5 + (size_t)(r - E - 1) * H;
-      warm_row(a, (size_t)H * WB);
-      if (DENSE || r > E) warm_row(a + (size_t)(DENSE ? IM : IS) * H, (size_t)H * WB);  // its up row
-    }
+  // the MLP's first product, weight row j of its output r: dense, gate
+  // (j 0) / up (1) row r; MoE, router row r < E (j == 1 reads the same row),
+  // the shared expert's gate (r == E), then its gate / up row r - E - 1
+  constexpr int MLP0_ROWS = DENSE ? IM : E + 1 + IS;
+  auto mlp0_row = [&](int r, int j) {
+    if (DENSE) return mlp0 + ((size_t)r + (size_t)j * IM) * H;
+    if (r < E) return mlp0 + (size_t)r * H;
+    if (r == E) return mlp1;
+    return mlp5 + ((size_t)(r - E - 1) + (size_t)j * IS) * H;
+  };
+  if (ROW_PREFETCH)  // this warp's first rows of it
+    for (int r = gwarp; r < MLP0_ROWS && r < gwarp + 2 * NW; r += NW)
+      for (int j = 0; j < ((DENSE || r > E) ? 2 : 1); ++j) warm_row(mlp0_row(r, j), (size_t)H * WB);
   barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
@@ -936,7 +940,7 @@ _SOURCE = r"""
     xs[i + 1] = n1 * sigmoid(gate.y);
   }
   __syncthreads();
-  mark(4, s);
+  mark(4);
   product<W, B, 1, PAIR_ROWS, WIDE_LOADS, false>(
       H, HQ * D, gwarp, NW,
       [&](int r, int) { return w_o + (size_t)r * HQ * D; },
@@ -957,8 +961,7 @@ _SOURCE = r"""
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false, WIDE_LOADS, false>(
-        IM, H, gwarp, NW,
-        [&](int r, int j) { return mlp0 + ((size_t)r + (size_t)j * IM) * H; },
+        MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
           if (lane == 0)
@@ -984,12 +987,7 @@ _SOURCE = r"""
   } else {
     // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
     product<W, B, 2, false, WIDE_LOADS, false>(
-        E + 1 + IS, H, gwarp, NW,
-        [&](int r, int j) {
-          if (r < E) return mlp0 + (size_t)r * H;  // j == 1 reads the same row
-          if (r == E) return mlp1;
-          return mlp5 + ((size_t)(r - E - 1) + (size_t)j * IS) * H;
-        },
+        MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
           if (lane == 0)
@@ -1048,7 +1046,7 @@ _SOURCE = r"""
       }
     }
     __syncthreads();
-    mark(5, s);
+    mark(5);
     if (ROW_PREFETCH)  // this warp's down rows (its first output): the chosen experts' and the shared one's
       for (int r = gwarp; r < B * H && r < gwarp + 2 * NW; r += NW) {
         const int b = r / H, hr = r % H;
@@ -1077,7 +1075,7 @@ _SOURCE = r"""
     stage_l2(xe, S + O_EACT, B * KE * IE);
     stage_l2(xsh, S + O_SACT, B * IS);
     __syncthreads();
-    mark(6, s);
+    mark(6);
     constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
     constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
     for (int r = gwarp; r < B * H; r += NW) {
@@ -1147,7 +1145,7 @@ _SOURCE = r"""
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
   stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
-  mark(7, s);
+  mark(7);
   const int lo = blk * CHUNK;
   const int hi = min(V, lo + CHUNK);
   float best_v[B];
