@@ -21,6 +21,8 @@
 #  `SAMPLINGS=greedy ROWS=1 DEPTHS=1,3,5 fused-mtp` and the `interleave` step;
 #  the next: `setup-min interleave`, then `ROWS=1 PROBE_SAMPLINGS=greedy LIMIT=240 fused`, the same with
 #  PROBE_FLAGS=--fast-sincos PROBE_TAG=-fastsincos (attention's query stretch), then --narrow-loads)
+# (eleventh session, three leases: `setup-min parts`; fused_probe.py --rows 1 --samplings greedy with and
+#  without --fast-sincos and round_parts.py by hand; the probe again, `interleave`, then mtp.py --steps fused)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -188,6 +190,12 @@ for step in "$@"; do
           ${SWITCHES:+--kernel-switches $SWITCHES} --out $OUT/mtp-interleaved-$sampling-h200.json \
           | grep INTERLEAVED || echo "STEP FAILED: $?"
     done
+    ;;
+  parts)  # where a round's draft time goes beyond its kernel, with and without CUDA graphs
+    timeout ${LIMIT:-280} python3 bench/round_parts.py --repeats ${REPEATS:-30} \
+        --out $OUT/round-parts-h200.json | grep PARTS || echo "STEP FAILED: $?"
+    MLX_USE_CUDA_GRAPHS=0 timeout ${LIMIT:-280} python3 bench/round_parts.py --repeats ${REPEATS:-30} \
+        --out $OUT/round-parts-nographs-h200.json | grep PARTS || echo "STEP FAILED: $?"
     ;;
   step-probe)  # where a draft step's time goes, under different CUDA graph sizes
     for ops in 20 60 200; do

@@ -380,6 +380,31 @@ class MtpRows:
         filters: SamplingParams,
     ) -> Proposal:
         """`propose` through `HeadStep`: the same pairs, positions and keys."""
+        arrays = self.round_arrays(rows, depth, params)
+        cache = self.cache
+        whole = self.step.round(filters, depth)
+        if whole is not None:
+            tokens, _, cache.keys[0], cache.values[0] = whole(*arrays)
+            return Proposal(depth, device=tokens)
+        token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(*arrays)
+        if depth == 1:
+            return Proposal(depth, device=token[:, None])
+        lengths = mx.array([row.length for row in rows], dtype=mx.int32)
+        seeds, steps = arrays[6], arrays[7]
+        chained, _ = self.step.chain(
+            cache, 1, filters, token, normed, lengths, seeds, steps + 1, depth - 1
+        )
+        return Proposal(depth, device=mx.concatenate([token[:, None], chained], axis=1))
+
+    def round_arrays(
+        self,
+        rows: Sequence[RowState],
+        depth: int,
+        params: Sequence[SamplingParams],
+    ) -> tuple[mx.array, ...]:
+        """A round's first step in HeadStep's step signature (ids, hidden,
+        last, starts, keys, values, seeds, steps): the tail's pairs padded to
+        a power of two, the head's buffers with room for the round's slots."""
         count = max(self.tail_lengths)
         width = 1 << (count - 1).bit_length()  # padded to a power of two
         grid = [
@@ -393,30 +418,16 @@ class MtpRows:
         # the window's slots, then the chained steps' (one launch writes
         # them all from the head's lengths on)
         cache.reserve(max(self.lengths) + width + depth - 1)
-        seeds = mx.array([p.seed for p in params], dtype=mx.uint32)
-        steps = mx.array([row.step for row in rows], dtype=mx.uint32)
-        arrays = (
+        return (
             mx.array(grid, dtype=mx.int32),
             tail,
             mx.array([n - 1 for n in self.tail_lengths], dtype=mx.int32),
             mx.array(self.lengths, dtype=mx.int32),
+            cache.keys[0],
+            cache.values[0],
+            mx.array([p.seed for p in params], dtype=mx.uint32),
+            mx.array([row.step for row in rows], dtype=mx.uint32),
         )
-        whole = self.step.round(filters, depth)
-        if whole is not None:
-            tokens, _, cache.keys[0], cache.values[0] = whole(
-                *arrays, cache.keys[0], cache.values[0], seeds, steps
-            )
-            return Proposal(depth, device=tokens)
-        token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(
-            *arrays, cache.keys[0], cache.values[0], seeds, steps
-        )
-        if depth == 1:
-            return Proposal(depth, device=token[:, None])
-        lengths = mx.array([row.length for row in rows], dtype=mx.int32)
-        chained, _ = self.step.chain(
-            cache, 1, filters, token, normed, lengths, seeds, steps + 1, depth - 1
-        )
-        return Proposal(depth, device=mx.concatenate([token[:, None], chained], axis=1))
 
     def prepare_commit(
         self,

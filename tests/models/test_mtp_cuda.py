@@ -438,8 +438,8 @@ def test_the_step_kernel_compiles_without_spills(
         assert knew.shape == vnew.shape == (rows, 2, length + count - 1, 64)
     text = source(
         "mtp_step",
-        mtp_cuda._HEADER,
-        mtp_cuda._SOURCE,
+        mtp_cuda._COMPACT_HEADER,  # the text MLX is given
+        mtp_cuda._COMPACT_SOURCE,
         list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
         seen["template"],
@@ -525,3 +525,22 @@ def test_chains_of_any_length_share_one_compiled_kernel(
         counts.append(seen["inputs"][-1].tolist())
     assert templates[0] == templates[1]
     assert counts == [[2], [5]]
+
+
+def test_compact_source_drops_comments_and_indentation_only() -> None:
+    text = (
+        "  // a comment line\n"
+        "\n"
+        "    int x = 1;  // trailing\n"
+        '  asm volatile("mov.u64 %0, %%globaltimer; // kept" : "=l"(t));\n'
+        "#pragma unroll\n"
+    )
+    assert mtp_cuda.compact(text) == (
+        'int x = 1;\nasm volatile("mov.u64 %0, %%globaltimer; // kept" : "=l"(t));\n#pragma unroll'
+    )
+    # the kernel's own text: every statement kept, a third shorter
+    kept = mtp_cuda._COMPACT_SOURCE
+    assert kept.count(";") == sum(
+        line.split("//")[0].count(";") for line in mtp_cuda._SOURCE.split("\n")
+    )
+    assert len(kept) < 0.8 * len(mtp_cuda._SOURCE)
