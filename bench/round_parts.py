@@ -63,6 +63,13 @@ def main() -> None:
     parser.add_argument("--fr-size", type=int, default=32768)
     parser.add_argument("--depths", default="1,3")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=1,
+        help="rows drafted at once (host-made inputs of more "
+        "than 8 bytes, 3 rows on, are not in MLX's pool of host-mapped scalars)",
+    )
     parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -92,7 +99,9 @@ def main() -> None:
     cases: dict[tuple[str, str, int], Callable[[], Any]] = {}
     for name, listed in heads.items():
         drafter = MtpDrafter(model, head, DraftPolicy(compiled=True), vocab=listed)
-        opened, rows = opened_rows(drafter, model, prompt, max(depths), sampling, 1)
+        opened, rows = opened_rows(
+            drafter, model, prompt, max(depths), sampling, args.rows
+        )
         params = [opened.policy.draft_params(row.sampling) for row in rows]
         filters = draw_filters(params[0])
         for depth in depths:
@@ -137,6 +146,7 @@ def main() -> None:
         "fr_size": args.fr_size,
         "sampling": args.sampling,
         "repeats": args.repeats,
+        "rows": args.rows,
         "cases": [
             {
                 "case": case,

@@ -523,7 +523,9 @@ _SOURCE = r"""
   // attention partials per (row, head, split): max, sum, D weighted values
   constexpr int SPLITS = NBLK / (B * HQ) > 0 ? NBLK / (B * HQ) : 1;
   constexpr int PART = D + 2;
-  constexpr size_t O_R1 = O_ATT + align8((size_t)B * HQ * SPLITS * PART);
+  // each (row, head)'s splits combined, times sigmoid(gate): o_proj's input
+  constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * SPLITS * PART);
+  constexpr size_t O_R1 = O_COMB + align8((size_t)B * HQ * D);
   constexpr size_t O_ACT = O_R1 + align8((size_t)B * H);
   // MoE: router logits and shared gate [B, E + 1] | shared act [B, IS] |
   // expert act [B, KE, IE] | expert weights [B, KE] | expert ids [B, KE]
@@ -559,7 +561,8 @@ _SOURCE = r"""
   __shared__ int s_topi[TOPN];
   __shared__ int s_tok[B];  // a greedy step's tokens, drawn by every block
   __shared__ int s_eid[B][KE > 0 ? KE : 1];
-  __shared__ float s_split[B * HQ * SPLITS];
+  __shared__ float s_split[2 * SPLITS];  // a combining block's split (max, sum)s, then weights
+  __shared__ bool s_combines;
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
 
   if (tid == 0) {  // launches run one after another: the counter is a
@@ -868,7 +871,43 @@ _SOURCE = r"""
       part[0] = top;
       part[1] = den;  // 0 for an empty split
     }
+    // the last of the (row, head)'s splits to finish combines them (its
+    // counter back to 0 for the next step: no split of it is left to count)
+    __threadfence();
     __syncthreads();
+    if (tid == 0) {
+      u64* count = bar + 2 + bh;
+      s_combines = atomicAdd(count, 1ULL) == (u64)(SPLITS - 1);
+      if (s_combines) *count = 0ULL;
+    }
+    __syncthreads();
+    if (s_combines) {
+      __threadfence();
+      const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
+      if (tid < 2 * SPLITS) s_split[tid] = __ldcg(parts + (tid >> 1) * PART + (tid & 1));
+      __syncthreads();
+      if (tid == 0) {  // each split's weight exp(max_s - max) / sum
+        float top = -SP_INF;
+        for (int sp = 0; sp < SPLITS; ++sp)
+          if (s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
+        float den = 0.0f;
+        for (int sp = 0; sp < SPLITS; ++sp) {
+          const float l = s_split[2 * sp + 1];
+          s_split[2 * sp] = l > 0.0f ? expf(s_split[2 * sp] - top) : 0.0f;  // 0: an empty split
+          den += l * s_split[2 * sp];
+        }
+        for (int sp = 0; sp < SPLITS; ++sp) s_split[2 * sp] /= den;
+      }
+      __syncthreads();
+      const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+      for (int d = tid; d < D; d += blockDim.x) {
+        float n = 0.0f;
+#pragma unroll
+        for (int sp = 0; sp < SPLITS; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
+        S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
+      }
+      __syncthreads();
+    }
   }
   // the MLP's first product, weight row j of its output r: dense, gate
   // (j 0) / up (1) row r; MoE, router row r < E (j == 1 reads the same row),
@@ -894,51 +933,8 @@ _SOURCE = r"""
       prefetch_share(mlp5, (size_t)2 * IS * H * WB, PF_CAP);
     }
   }
-  // the splits combined, times sigmoid(gate): staged as the product's input.
-  // First each (row, head)'s split weights exp(max_s - max) / sum ...
-  for (int bh = tid; bh < B * HQ; bh += blockDim.x) {
-    const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
-    float m[SPLITS], l[SPLITS];
-#pragma unroll
-    for (int sp = 0; sp < SPLITS; ++sp) {
-      m[sp] = __ldcg(parts + sp * PART);
-      l[sp] = __ldcg(parts + sp * PART + 1);
-    }
-    float top = -SP_INF;
-#pragma unroll
-    for (int sp = 0; sp < SPLITS; ++sp) if (l[sp] > 0.0f) top = fmaxf(top, m[sp]);
-    float den = 0.0f;
-#pragma unroll
-    for (int sp = 0; sp < SPLITS; ++sp) {
-      m[sp] = l[sp] > 0.0f ? expf(m[sp] - top) : 0.0f;  // 0 for an empty split
-      den += l[sp] * m[sp];
-    }
-#pragma unroll
-    for (int sp = 0; sp < SPLITS; ++sp) s_split[bh * SPLITS + sp] = m[sp] / den;
-  }
-  __syncthreads();
-  // ... then every element's weighted sum over the splits
-  // (elements in pairs, 8-byte loads; several pairs' loads in flight at
-  // once: one L2 round trip per pair and split was most of this phase)
-#pragma unroll 4
-  for (int i2 = tid; i2 < B * HQ * D / 2; i2 += SP_THREADS) {
-    const int i = 2 * i2;
-    const int bh = i / D, d = i % D, b = bh / HQ, hq = bh % HQ;
-    const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART + 2 + d;
-    float n0 = 0.0f, n1 = 0.0f;
-#pragma unroll
-    for (int sp = 0; sp < SPLITS; ++sp) {
-      const float2 pv = __ldcg(reinterpret_cast<const float2*>(parts + sp * PART));
-      const float w = s_split[bh * SPLITS + sp];
-      n0 += pv.x * w;
-      n1 += pv.y * w;
-    }
-    const int mq = b * TT + s_in_last[b];
-    const float2 gate = __ldcg(
-        reinterpret_cast<const float2*>(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D + d));
-    xs[i] = n0 * sigmoid(gate.x);
-    xs[i + 1] = n1 * sigmoid(gate.y);
-  }
+  // the attention's output (its splits combined by each head's last split)
+  stage_l2(xs, S + O_COMB, B * HQ * D);
   __syncthreads();
   mark(4);
   product<W, B, 1, PAIR_ROWS, WIDE_LOADS, false>(
@@ -1426,6 +1422,7 @@ class LayerShape:
             vectors * h,
             vectors * qkv,
             rows * self.heads * splits * (self.head_dim + 2),
+            rows * self.heads * self.head_dim,
             rows * h,
         ]
         if self.dense:
@@ -1702,7 +1699,9 @@ class FusedStep:
             if count is None:
                 return None
             blocks = min(BLOCKS, count)
-        sync = mx.zeros((2,), dtype=mx.uint64)
+        # the grid barrier's counter, the barriers that gave up, then a
+        # counter of finished attention splits per (row, head)
+        sync = mx.zeros((2 + MAX_ROWS * weights.shape.heads,), dtype=mx.uint64)
         mx.eval(sync)
         return cls(weights, head, subset_ids, sync, blocks)
 
