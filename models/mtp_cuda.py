@@ -1363,7 +1363,6 @@ _INPUTS = [
 _OUTPUTS = ["tokens", "normed", "knew", "vnew", "scratch"]
 
 
-@cache
 def compact(text: str) -> str:
     """CUDA source without its `//` comments, indentation and blank lines:
     the same program in ~30 % fewer characters. MLX hashes a custom
@@ -1379,6 +1378,7 @@ def compact(text: str) -> str:
     return "\n".join(lines)
 
 
+@cache
 def _kernel(shared: int) -> Callable[..., list[mx.array]]:
     return cast(
         Callable[..., list[mx.array]],

@@ -47,7 +47,6 @@ from attrs import Factory, evolve, field, frozen
 from models import cpu_kernel, mtp_cuda
 from models.base import ModelOutput
 from models.cache import KVCache, cuda_backend, on_gpu
-from models.host_arrays import host_ints
 from models.mtp import MtpHead
 from models.mtp_cuda import FusedStep
 from schemas.request import DraftPolicy, SamplingParams
@@ -419,14 +418,16 @@ class MtpRows:
         # the window's slots, then the chained steps' (one launch writes
         # them all from the head's lengths on)
         cache.reserve(max(self.lengths) + width + depth - 1)
-        ids, last, starts, seeds, steps = host_ints(
-            (grid, mx.int32),
-            ([n - 1 for n in self.tail_lengths], mx.int32),
-            (self.lengths, mx.int32),
-            ([p.seed for p in params], mx.uint32),
-            ([row.step for row in rows], mx.uint32),
+        return (
+            mx.array(grid, dtype=mx.int32),
+            tail,
+            mx.array([n - 1 for n in self.tail_lengths], dtype=mx.int32),
+            mx.array(self.lengths, dtype=mx.int32),
+            cache.keys[0],
+            cache.values[0],
+            mx.array([p.seed for p in params], dtype=mx.uint32),
+            mx.array([row.step for row in rows], dtype=mx.uint32),
         )
-        return (ids, tail, last, starts, cache.keys[0], cache.values[0], seeds, steps)
 
     def prepare_commit(
         self,

@@ -246,22 +246,3 @@ def test_a_head_on_the_bf16_cpu_kernel_drafts_eagerly(target: Any) -> None:
     spec, results = run(target, PROMPTS, SAMPLINGS[1], drafter, 3, max_tokens=10)
     assert spec == plain
     assert all(r.metrics.draft_errors == [] for r in results)
-
-
-def test_rounds_with_packed_host_inputs_draft_the_same(
-    recorded: list[list[list[int]]], target: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # three rows and more: a round's host-made ints as views of one array
-    # (what models.host_arrays does on the CUDA backend) draft what separate
-    # arrays draft, and the output stays plain decoding's
-    import models.host_arrays
-
-    assert len(PROMPTS) >= 3
-    sampling = SAMPLINGS[1]
-    plain, _ = run(target, PROMPTS, sampling, max_tokens=14)
-    head = random_head(3)
-    apart, _ = drafts_of(recorded, target, head, PROMPTS, sampling, 3, True)
-    monkeypatch.setattr(models.host_arrays, "cuda_backend", lambda: True)
-    packed, out = drafts_of(recorded, target, head, PROMPTS, sampling, 3, True)
-    assert packed == apart and len(packed) > 3
-    assert out == plain
