@@ -382,6 +382,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # the tuning switches' other arms (bench/fused_probe.py's flags)
         ("moe", True, True, True, 1, 2, 3, ("PREFETCH_L2", "STREAM_HINTS", "PAIR_ROWS", "ROW_PREFETCH", "FAST_SINCOS")),
         ("dense", False, False, True, 2, 1, 2, ("PREFETCH_L2", "STREAM_HINTS", "ROW_PREFETCH", "-WIDE_LOADS")),
+        # "NAME=N": the template constant as compiled (the router's top-k
+        # past 128 experts takes its KE rounds of a warp argmax)
+        ("moe", True, False, False, 1, 1, 1, ("E=512",)),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
@@ -397,7 +400,8 @@ def test_the_step_kernel_compiles_without_spills(
     count: int,
     switches: tuple[str, ...],
 ) -> None:
-    for switch in switches:  # "-NAME" turns a switch off, "NAME" on
+    constants = dict(c.split("=") for c in switches if "=" in c)
+    for switch in (c for c in switches if "=" not in c):  # "-NAME" off, "NAME" on
         monkeypatch.setattr(mtp_cuda, switch.lstrip("-"), not switch.startswith("-"))
     target, head = request.getfixturevalue(kind)
     whole_round = first and count > 1  # as HeadStep.round launches it
@@ -442,7 +446,7 @@ def test_the_step_kernel_compiles_without_spills(
         mtp_cuda._COMPACT_SOURCE,
         list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
-        seen["template"],
+        [(k, int(constants[k]) if k in constants else v) for k, v in seen["template"]],
     )
     compiled = compile_source(text, tmp_path)
     assert compiled.ok, compiled.log[:4000]
