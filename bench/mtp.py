@@ -222,6 +222,24 @@ def interleaved_cuts(
     ]
 
 
+def round_fit(entries: list[dict[str, Any]]) -> dict[str, float]:
+    """Least-squares lines ms = fixed + depth * step through the full and FR
+    heads' median draft ms at each depth (`interleaved_cuts` entries), the
+    cut of their per-step slopes, and the depth from which the lines' ratio
+    is 2x or more (inf where the per-step cut is 2x or less)."""
+    depths = [e["depth"] for e in entries]
+    fit = {}
+    for head in ("full", "fr"):
+        slope, fixed = statistics.linear_regression(depths, [e[f"{head}_ms"] for e in entries])
+        fit[f"{head}_step_ms"], fit[f"{head}_fixed_ms"] = slope, fixed
+    fit["step_cut"] = fit["full_step_ms"] / fit["fr_step_ms"]
+    # full(d) >= 2 fr(d)  <=>  d (s_full - 2 s_fr) >= 2 F_fr - F_full
+    gain = fit["full_step_ms"] - 2 * fit["fr_step_ms"]
+    need = 2 * fit["fr_fixed_ms"] - fit["full_fixed_ms"]
+    fit["depth_for_2x"] = need / gain if gain > 0 else float("inf")
+    return fit
+
+
 def chain_or_error(*args: Any) -> float | str:
     """`draft_chain_ms`, or the error it raised (recorded; the run goes on)."""
     try:
@@ -359,6 +377,12 @@ def main() -> None:
                                               args.repeats, sampling, batch):
                     report["interleaved"].append({"steps": mode, **entry})
                     print("INTERLEAVED", json.dumps(report["interleaved"][-1]), flush=True)
+                entries = [e for e in report["interleaved"] if e["steps"] == mode and e["rows"] == batch]
+                if len(entries) > 1:
+                    report.setdefault("interleaved_fits", []).append(
+                        {"steps": mode, "rows": batch, **round_fit(entries)}
+                    )
+                    print("FIT", json.dumps(report["interleaved_fits"][-1]), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
         return
