@@ -12,7 +12,8 @@ FR-Spec list):
   tokens equal, the largest difference of the normed output and of the
   window's keys / values, and for tokens that differ, the reference's logit
   gap between the two tokens (a near-tie, if small);
-- the same for three chained steps in one launch of the kernel (`chain3`)
+- the same for three chained steps in one launch of the kernel (`chain3`;
+  `chain3_kv_out`: the kernel writing whole KV buffers, as a round does)
   against three MLX steps, and for a whole round in one launch (`round3`: a
   2-position first step and two chained steps) against `HeadStep.round`'s
   MLX steps;
@@ -132,6 +133,8 @@ def main() -> None:
     parser.add_argument("--narrow-loads", action="store_true",
                         help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS off)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
+    parser.add_argument("--agree-only", action="store_true",
+                        help="the drafts' agreement only (no timing, no profiled launches)")
     args = parser.parse_args()
     for flag, name, _ in _SWITCHES:  # a switch not given keeps the module's setting
         if getattr(args, flag.replace("-", "_")) is not None:
@@ -273,6 +276,13 @@ def main() -> None:
                     ("chain3_vs_float32", ref_chain(exact[name], lambda a: a.astype(mx.float32))),
                 ):
                     agree[label3] = launch_agreement(r_out, f_out, rows * 3)
+                # the same chain with the kernel writing whole KV buffers (as a
+                # whole round does) instead of the window to scatter
+                f_kv = fused.launch(False, 3, params.temperature if not params.greedy else 0.0,
+                                    params.top_p, params.min_p, top_k, kv_out=True)(
+                    token, normed, zeros, starts, keys, values, seeds, steps)
+                agree["chain3_kv_out"] = launch_agreement(
+                    ref_chain(step, lambda a: a), f_kv, rows * 3)
                 # a whole round in one launch: the first step (2-position
                 # window, last = 1) and two chained steps, vs HeadStep.round's
                 # MLX steps (FUSED_ON_GPU is off here)
@@ -290,6 +300,8 @@ def main() -> None:
                                   cast_in(values), seeds, steps)
                     agree[label3] = launch_agreement(r_out, f_out, rows * 3)
                 entry[f"agree_{key}"] = agree
+                if args.agree_only:
+                    continue
 
                 def chain(fn: Any) -> Any:
                     t, n, k, v = fn(True)

@@ -23,6 +23,8 @@
 #  PROBE_FLAGS=--fast-sincos PROBE_TAG=-fastsincos (attention's query stretch), then --narrow-loads)
 # (eleventh session, three leases: `setup-min parts`; fused_probe.py --rows 1 --samplings greedy with and
 #  without --fast-sincos and round_parts.py by hand; the probe again, `interleave`, then mtp.py --steps fused)
+# (next: fused_probe.py --rows 3 --samplings greedy,qwen --agree-only: is the three-row chain3 mismatch
+#  the window form's only (`chain3_kv_out`), and sampled too?)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
