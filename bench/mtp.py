@@ -101,6 +101,41 @@ def qwen3_5_27b_shape(layers: int, experts: int, hidden: int, vocab: int) -> dic
 SHAPES = {"qwen3-next": qwen3_next_shape, "qwen3.5-27b": qwen3_5_27b_shape}
 
 
+def random_target_and_head(
+    shape: str, layers: int, experts: int, hidden: int, vocab: int, dtype: mx.Dtype,
+    quantize: int = 0, fuse: bool = True,
+) -> tuple[dict[str, Any], Any, MtpHead]:
+    """A random hybrid target of `shape` and its MTP head (seed 0), in
+    `dtype`, the target quantized to `quantize` bits if asked, q/k/v and
+    gate/up fused as specpipe.load and build_mtp do unless `fuse` is off."""
+    config = SHAPES[shape](layers, experts, hidden, vocab)
+    hybrid = hybrid_args(config, "bench").unwrap()
+    mx.random.seed(0)
+    model = build_model(hybrid).unwrap()
+    model.set_dtype(dtype)
+    if quantize:
+        quantize_model(model, quantize, 64)
+    mx.eval(model.parameters())
+    head = MtpHead(hybrid)
+    head.set_dtype(dtype)
+    mx.eval(head.parameters())
+    if fuse:
+        fuse_projections(model)
+        fuse_projections(head)
+    return config, model, head
+
+
+def bench_prompt(vocab: int) -> tuple[int, ...]:
+    """The MTP benchmarks' 48-token random prompt."""
+    return tuple(int(t) for t in mx.random.randint(0, vocab, (48,), key=mx.random.key(1)).tolist())
+
+
+def fr_list(vocab: int, size: int) -> DraftVocabulary:
+    """The MTP benchmarks' FR-Spec list: `size` random ids of `vocab`."""
+    ids = sorted(mx.random.permutation(vocab, key=mx.random.key(2))[:size].tolist())
+    return DraftVocabulary.create(ids, vocab).unwrap()
+
+
 class Sink:
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -318,22 +353,11 @@ def main() -> None:
 
         specpipe.sampling.COMPILE_ON_GPU = False
 
-    dtype = getattr(mx, args.dtype)
-    config = SHAPES[args.shape](args.layers, args.experts, args.hidden, args.vocab)
-    hybrid = hybrid_args(config, "bench").unwrap()
-    mx.random.seed(0)
-    model = build_model(hybrid).unwrap()
-    model.set_dtype(dtype)
-    if args.quantize:
-        quantize_model(model, args.quantize, 64)
-    mx.eval(model.parameters())
-    head = MtpHead(hybrid)
-    head.set_dtype(dtype)
-    mx.eval(head.parameters())
-    if not args.no_fuse:  # as specpipe.load and build_mtp do
-        fuse_projections(model)
-        fuse_projections(head)
-    prompt = tuple(int(t) for t in mx.random.randint(0, args.vocab, (48,), key=mx.random.key(1)).tolist())
+    config, model, head = random_target_and_head(
+        args.shape, args.layers, args.experts, args.hidden, args.vocab,
+        getattr(mx, args.dtype), args.quantize, fuse=not args.no_fuse,
+    )
+    prompt = bench_prompt(args.vocab)
 
     sampling = SAMPLINGS[args.sampling]
     generate(model, prompt, 4, None, 0, sampling)  # warm-up
@@ -356,8 +380,7 @@ def main() -> None:
         "mtp": [],
         "draft_chain": [],
     }
-    ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
-    vocab = DraftVocabulary.create(ids, args.vocab).unwrap()
+    vocab = fr_list(args.vocab, args.fr_size)
     modes = args.steps.split(",")
     report["steps"] = modes
     if args.interleave:

@@ -37,13 +37,15 @@ import mlx.core as mx
 
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 from bench.common import machine_info, split_ms, write_json
-from bench.mtp import SAMPLINGS, SHAPES, opened_rows
-from models.build import build_model
-from models.fuse import fuse_projections
-from models.mtp import MtpHead
-from schemas.hf_hybrid import hybrid_args
+from bench.mtp import (
+    SAMPLINGS,
+    SHAPES,
+    bench_prompt,
+    fr_list,
+    opened_rows,
+    random_target_and_head,
+)
 from schemas.request import DraftPolicy
-from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.mtp import MtpDrafter
 from specpipe.sampling import draw_filters
 
@@ -74,24 +76,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    config = SHAPES[args.shape](args.layers, args.experts, 2048, args.vocab)
-    hybrid = hybrid_args(config, "bench").unwrap()
-    mx.random.seed(0)
-    model = build_model(hybrid).unwrap()
-    model.set_dtype(mx.bfloat16)
-    head = MtpHead(hybrid)
-    head.set_dtype(mx.bfloat16)
-    fuse_projections(model)
-    fuse_projections(head)
-    mx.eval(model.parameters(), head.parameters())
-    prompt = tuple(
-        int(t)
-        for t in mx.random.randint(0, args.vocab, (48,), key=mx.random.key(1)).tolist()
+    _, model, head = random_target_and_head(
+        args.shape, args.layers, args.experts, 2048, args.vocab, mx.bfloat16
     )
-    ids = sorted(
-        mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist()
-    )
-    vocab = DraftVocabulary.create(ids, args.vocab).unwrap()
+    prompt = bench_prompt(args.vocab)
+    vocab = fr_list(args.vocab, args.fr_size)
     sampling = SAMPLINGS[args.sampling]
     depths = [int(d) for d in args.depths.split(",")]
     heads = {"full": None, f"fr{args.fr_size}": vocab}
