@@ -25,6 +25,7 @@
 #  without --fast-sincos and round_parts.py by hand; the probe again, `interleave`, then mtp.py --steps fused)
 # (next: fused_probe.py --rows 3 --samplings greedy,qwen --agree-only: is the three-row chain3 mismatch
 #  the window form's only (`chain3_kv_out`), and sampled too?)
+# (twelfth session: `setup-min device`, the draft phase's device time by Nsight Compute)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -182,6 +183,15 @@ for step in "$@"; do
       timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \
           --tokens 32 --depths ${DEPTHS:-1,3} --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
           --steps compiled,fused ${WHOLE:+--whole-round} ${SWITCHES:+--kernel-switches $SWITCHES} --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
+    done
+    ;;
+  device)  # the draft phase's device time per round (Nsight Compute), full head vs FR-Spec list
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for cc in ${CACHE:-all none}; do
+      timeout ${LIMIT:-230} python3 bench/draft_device.py --ncu "${NCU:-ncu}" --depths ${DEPTHS:-1,2,3,5} \
+          --rows ${ROWS:-1,3} --repeats ${REPEATS:-20} --cache-control $cc --context ${CONTEXT:-48} \
+          --sampling ${SAMPLING:-greedy} --inputs ${INPUTS:-library} ${SWITCHES:+--kernel-switches $SWITCHES} \
+          --out $OUT/draft-device-$cc${TAG:-}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
     done
     ;;
   interleave)  # a round's draft phase, full and FR-Spec heads timed in alternation, with its split

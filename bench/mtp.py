@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
 
 import mlx.core as mx
+from attrs import evolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -167,23 +168,47 @@ def generate(
 
 
 def opened_rows(
-    drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int,
-    sampling: SamplingParams, batch: int,
-) -> tuple[Any, list[RowState]]:
-    """`batch` rows opened on `drafter` after a real prefill and one real
-    round (the head has paired the prompt: later chains start from a
-    one-token tail, as in steady-state decoding). Row b's prompt is `prompt`
-    rotated by b tokens (distinct rows of one length)."""
+    drafter: Any, model: Any, prompt: tuple[int, ...], depth: int, sampling: Any, batch: int,
+    craft: bool = False,
+) -> tuple[Any, list[Any]]:
+    """`batch` rows (row b's prompt rotated by b) after a prefill and two real
+    rounds: the prompt's (its long tail drafts op by op), then one through
+    the fused kernel, which leaves the rows a device chain: later proposals
+    derive their inputs on the device (`MtpRows.chain`, where the kernel
+    takes the round), as in steady-state decoding. The draws are the target's greedy ones; `craft`: row b's first
+    draws are set to its drafts instead (a row accepts all its drafts; rows
+    1, 0, 1, ...), to check the device's derivation with."""
     rows = [RowState.start(prompt[b:] + prompt[:b], 64, sampling) for b in range(batch)]
     cache, hidden = prefill_rows(model, rows, keep_hidden=True)
     opened = drafter.open(rows, hidden)
-    # One real round first, so the head has paired the prompt and the timed
-    # chains start from a one-token tail, as in steady-state decoding.
-    proposal = opened.propose(rows, depth)
-    verified = model(mx.array([[row.pending] for row in rows]), cache, [row.length for row in rows])
-    tokens = mx.argmax(verified.logits[:, -1], axis=-1).tolist()
-    opened = opened.prepare_commit(rows, proposal, [()] * batch, [0] * batch, verified).commit()
-    rows = [row.advanced((int(t),)) for row, t in zip(rows, tokens, strict=True)]
+    for round_ in range(2):
+        proposal = opened.propose(rows, depth)
+        assert proposal.device is not None
+        pending = mx.array([[row.pending] for row in rows], dtype=mx.int32)
+        window = mx.concatenate([pending, proposal.device], axis=1)
+        verified = model(window, cache, [row.length for row in rows])
+        draws = mx.argmax(verified.logits, axis=-1).astype(mx.int32)
+        drafts = [tuple(r) for r in proposal.device.tolist()]
+        if craft and round_ == 1:
+            # one row: every draft accepted; more: 1, 0, 1, ... (tails of 2
+            # positions at most, in the kernel's 8 window positions)
+            k = [depth] if batch == 1 else [(b + 1) % 2 for b in range(batch)]
+            keep = mx.array([[i < k[b] for i in range(depth + 1)] for b in range(batch)])
+            padded = mx.pad(proposal.device, [(0, 0), (0, 1)])
+            draws = mx.where(keep, padded, draws)
+        host = draws.tolist()
+        accepted = []
+        for d, t in zip(drafts, host, strict=True):
+            a = 0
+            while a < len(d) and d[a] == t[a]:
+                a += 1
+            accepted.append(a)
+        opened = opened.prepare_commit(
+            rows, proposal, drafts, accepted, evolve(verified, draws=draws)
+        ).commit()
+        if verified.delta is not None:
+            verified.delta.commit([a + 1 for a in accepted])
+        rows = [row.advanced(tuple(t[: a + 1])) for row, t, a in zip(rows, host, accepted, strict=True)]
     return opened, rows
 
 

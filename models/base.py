@@ -37,6 +37,10 @@ class ModelOutput:
     hidden: mx.array  # [B, L, H], the last layer's output before the final norm
     # None for attention-only graphs: their KV needs no commit (see models/cache.py)
     delta: StateDelta | None = None
+    # [B, L] the tokens a speculative round drew from `logits` (set by the
+    # round, not the model): drafters that derive their next inputs on the
+    # device read them
+    draws: mx.array | None = None
 
 
 class ModelCache(Protocol):

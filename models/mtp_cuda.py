@@ -42,7 +42,14 @@ output (`FusedStep.chain`; the step count is an input, so one compiled
 kernel serves every depth). With `WHOLE_ROUND` (the default) the round's
 first step joins them, and the kernel writes the head's new KV buffers
 itself instead of returning the window for two scatters
-(`FusedStep.launch(..., kv_out=True)`, `HeadStep.round`).
+(`FusedStep.launch(..., kv_out=True)`, `HeadStep.round`). With
+`DERIVED_INPUTS` (the default) a round that follows one of its kind takes
+no input made from host values: the kernel derives its per-row inputs (the
+accepted counts, the tail's ids, starts, step keys) from the last round's
+draws, drafts and launch state, all device arrays (`FusedStep.derived_round`,
+`derive_inputs`): arrays MLX makes from host values live in host memory,
+which a launch's blocks read across the bus, or (over 8 bytes) in pages its
+first read migrates.
 
 Products read each weight row once with 16-byte loads (one warp per output
 row, float32 sums; `PAIR_ROWS`: two rows per warp where rows are short)
@@ -126,6 +133,22 @@ ROW_PREFETCH = False
 # the H200, tenth session) is the rotation's code (`bench/fused_probe.py
 # --fast-sincos`).
 FAST_SINCOS = False
+# Whether a round whose inputs follow from the last round's (the same rows,
+# every draft of the last round offered to every row) has the kernel derive
+# them on the device (`FusedStep.derived_round`) instead of reading arrays
+# made from host values: MLX keeps those in host memory, which the launch's
+# blocks then read across the bus (~13 us of a one-row launch on an H200),
+# or, over 8 bytes, in pages the first device read migrates (~180 us at
+# three rows; bench/draft_device.py, 2026-12-02 twelfth session).
+DERIVED_INPUTS = True
+# Whether a launch whose shared memory (its staged inputs plus the kernel's
+# static arrays) fits the 48 KB a kernel gets without opting in asks for just
+# that, instead of at least 64 KiB (a guess at the first step's ~9 us spread
+# of block starts: a multiprocessor switching its shared-memory / L1 split).
+# Off: a one-row round's launch took 245.6 / 137.4 us (full head / FR-Spec,
+# depth 1) against 249.1 / 144.0 without, within the run's spread (H200,
+# `bench/draft_device.py --kernel-switches LEAN_SHARED`, twelfth session).
+LEAN_SHARED = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -501,15 +524,46 @@ _SOURCE = r"""
   // later, phase by phase, each such read stalled its phase).
   __shared__ int s_in_ids[M], s_in_last[B], s_in_start[B], s_in_steps;
   __shared__ unsigned int s_in_seed[B], s_in_step[B];
-  if (threadIdx.x < M) s_in_ids[threadIdx.x] = ids[threadIdx.x];
-  if (threadIdx.x < B) {
-    s_in_last[threadIdx.x] = TT == 1 ? 0 : last[threadIdx.x];
-    s_in_start[threadIdx.x] = starts[threadIdx.x];
-    s_in_seed[threadIdx.x] = seeds[threadIdx.x];
-    s_in_step[threadIdx.x] = steps[threadIdx.x];
+  // DERIVE: a round's per-row inputs derived on the device from the last
+  // round's (no host-written input: MLX keeps arrays made from host values
+  // in host memory, which a kernel reads across the bus, or in pages the
+  // first device read migrates): its accepted count (the leading drafts the
+  // verify window's draws agree with), the tail's ids (those draws up to the
+  // bonus token, padded with it), the start one past the last round's tail,
+  // the step key moved by the tokens the round emitted
+  if (DERIVE) {
+    if (threadIdx.x < B) {
+      const int b = threadIdx.x, dp = drafts_shape[1], sw = samples_shape[1];
+      int a = 0;
+      while (a < dp && (int)drafts[b * dp + a] == (int)samples[b * sw + a]) ++a;
+      s_in_last[b] = a;
+      s_in_start[b] = (int)(prev[b * 4] + prev[b * 4 + 1] + 1u);
+      s_in_step[b] = prev[b * 4 + 2] + (unsigned int)a + 1u;
+      s_in_seed[b] = prev[b * 4 + 3];
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+      const int b = threadIdx.x / TT, t = threadIdx.x % TT;
+      s_in_ids[threadIdx.x] = (int)samples[b * samples_shape[1] + min(t, s_in_last[b])];
+    }
+  } else {
+    if (threadIdx.x < M) s_in_ids[threadIdx.x] = ids[threadIdx.x];
+    if (threadIdx.x < B) {
+      s_in_last[threadIdx.x] = TT == 1 ? 0 : last[threadIdx.x];
+      s_in_start[threadIdx.x] = starts[threadIdx.x];
+      s_in_seed[threadIdx.x] = seeds[threadIdx.x];
+      s_in_step[threadIdx.x] = steps[threadIdx.x];
+    }
   }
   if (threadIdx.x == 0) s_in_steps = nsteps[0];
   __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x < B) {  // this launch's inputs, for the next one to derive from
+    const int b = threadIdx.x;
+    state[b * 4] = (unsigned int)s_in_start[b];
+    state[b * 4 + 1] = (unsigned int)s_in_last[b];
+    state[b * 4 + 2] = s_in_step[b];
+    state[b * 4 + 3] = s_in_seed[b];
+  }
   // steps of this launch (a value, not a template constant: one compiled
   // kernel serves every chain length)
   const int STEPS = s_in_steps;
@@ -1358,9 +1412,59 @@ _INPUTS = [
     "fparams", "inv_freq", "embed", "w_norm_e", "w_norm_h", "w_final", "w_fc",
     "w_in", "w_qkv", "w_qn", "w_kn", "w_o", "w_post", "mlp0", "mlp1", "mlp2",
     "mlp3", "mlp4", "mlp5", "mlp6", "w_hnorm", "w_head", "sub_ids", "sync",
-    "nsteps",
+    "nsteps", "samples", "drafts", "prev",
 ]  # fmt: skip
-_OUTPUTS = ["tokens", "normed", "knew", "vnew", "scratch"]
+_OUTPUTS = ["tokens", "normed", "knew", "vnew", "scratch", "state"]
+
+
+def derive_inputs(
+    samples: mx.array,  # [B, W] the verify window's draws
+    drafts: mx.array,  # [B, W - 1] the round's drafts
+    prev: mx.array,  # [B, 4] uint32: the round's launch inputs (`state_of`)
+    width: int,  # the next round's tail width
+) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
+    """The next round's (ids [B, width], last, starts, seeds, steps) as the
+    kernel's DERIVE prologue computes them, in MLX operations (its
+    specification, and what tests compare with the inputs a round builds
+    from host values): each row's accepted count is its leading drafts that
+    the draws agree with; the tail's ids are the draws up to the bonus token
+    (the accepted drafts, then the row's new pending token), padded with it;
+    the start moves one past the last round's tail; the step key moves by the
+    tokens the round emitted."""
+    agree = drafts.astype(mx.int32) == samples[:, : drafts.shape[1]].astype(mx.int32)
+    accepted = mx.cumprod(agree.astype(mx.int32), axis=1).sum(axis=1)
+    at = mx.minimum(mx.arange(width)[None, :], accepted[:, None])
+    ids = mx.take_along_axis(samples.astype(mx.int32), at, axis=1)
+    prev = prev.astype(mx.uint32)
+    starts = (prev[:, 0] + prev[:, 1] + 1).astype(mx.int32)
+    steps = prev[:, 2] + accepted.astype(mx.uint32) + 1
+    return ids, accepted.astype(mx.int32), starts, prev[:, 3], steps
+
+
+def state_of(
+    last: mx.array, starts: mx.array, seeds: mx.array, steps: mx.array
+) -> mx.array:  # [B, 4] uint32
+    """A round's launch inputs as the kernel's `state` output holds them
+    (start, last, step key, seed per row): what the next round derives from."""
+    return mx.stack(
+        [starts.astype(mx.uint32), last.astype(mx.uint32), steps.astype(mx.uint32),
+         seeds.astype(mx.uint32)],
+        axis=1,
+    )  # fmt: skip
+
+
+@cache
+def count_array(count: int) -> mx.array:
+    """`count` as the kernel's `nsteps` input, made once per count and kept in
+    device memory. An array of at most 8 bytes made from host values lives in
+    MLX's scalar pool (host memory a kernel reads across the bus); this one
+    is a device operation's output over 16 bytes, of which the kernel reads
+    the first element. Made outside any trace (`FusedStep.launch` asks for it
+    before compiling)."""
+    padded = mx.array([count, 0, 0, 0], dtype=mx.int32)
+    out = (padded + mx.zeros((1,), dtype=mx.int32))[:1]
+    mx.eval(out)
+    return out
 
 
 def compact(text: str) -> str:
@@ -1460,6 +1564,22 @@ class LayerShape:
             0 if greedy else 2 * blocks * top_k,
         )
         return 4 * floats
+
+    def static_shared(self, rows: int, candidates: int, blocks: int) -> int:
+        """Bytes of the kernel's static shared arrays, over-counted (mirrors
+        the source's `__shared__` declarations, plus 1 KiB for the small ones)."""
+        warps = BLOCK // 32
+        top = warps * max(rows, candidates) + candidates
+        splits = max(1, blocks // (rows * self.heads))
+        experts = max(self.top_experts, 1)
+        return 4 * (
+            warps * self.head_dim  # s_acc
+            + 2 * top  # s_topv, s_topi
+            + 2 * rows * experts  # s_eid, s_ew
+            + 2 * splits
+            + 4 * MAX_VECTORS
+            + 6 * rows
+        ) + 1024
 
 
 def _align8(n: int) -> int:
@@ -1680,6 +1800,9 @@ class FusedStep:
     sync: mx.array  # [2] uint64: barrier counter, failed barriers
     blocks: int  # of the persistent kernel, all resident at once
     profiled: list[mx.array] = field(factory=list, init=False)  # the last scratch
+    # [sound] once a first launch was evaluated and its grid barriers checked
+    # (`specpipe.drafts.mtp._through_kernel`)
+    checked: list[bool] = field(factory=list, init=False)
     traced: dict[tuple[bool, int, float, float, float, int, bool], StepFn] = field(
         factory=dict, init=False
     )
@@ -1785,6 +1908,7 @@ class FusedStep:
         key = (first, count, temperature, top_p, min_p, top_k, kv_out)
         traced = self.traced.get(key)
         if traced is None:
+            count_array(count)  # made here, outside the trace
             greedy = temperature == 0.0
             dist = draw_params(self.weights.eps, temperature, top_p, min_p)
             mx.eval(dist)
@@ -1833,6 +1957,56 @@ class FusedStep:
         kv_out: bool = False,
         profile: bool = False,
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        tokens, normed, knew, vnew, _ = self.outputs(
+            first, greedy, top_k, dist, ids, hidden, last, starts, keys, values,
+            seeds, steps, count=count, kv_out=kv_out, profile=profile,
+        )  # fmt: skip
+        return tokens, normed, knew, vnew
+
+    def derived_round(
+        self,
+        greedy: bool,
+        top_k: int,
+        dist: mx.array,
+        samples: mx.array,  # [B, W] the last round's verify window's draws
+        drafts: mx.array,  # [B, W - 1] the last round's drafts
+        prev: mx.array,  # [B, 4] uint32: the last launch's `state`
+        hidden: mx.array,  # [B, L, H] the tail (the verify window's hidden states)
+        keys: mx.array,
+        values: mx.array,
+        count: int,
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """A whole round (a first step over the tail, count - 1 chained ones,
+        the new KV buffers written by the kernel) whose per-row inputs the
+        kernel derives from the last round's (`derive_inputs` says how):
+        (tokens [B, count], keys, values, state [B, 4] uint32, this launch's
+        inputs for the next round to derive from)."""
+        tokens, _, knew, vnew, state = self.outputs(
+            True, greedy, top_k, dist, samples, hidden, prev, prev, keys, values,
+            prev, prev, count=count, kv_out=True, derive=(samples, drafts, prev),
+        )  # fmt: skip
+        return tokens, knew, vnew, state
+
+    def outputs(
+        self,
+        first: bool,
+        greedy: bool,
+        top_k: int,
+        dist: mx.array,
+        ids: mx.array,
+        hidden: mx.array,
+        last: mx.array,
+        starts: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        seeds: mx.array,
+        steps: mx.array,
+        *,
+        count: int = 1,
+        kv_out: bool = False,
+        profile: bool = False,
+        derive: tuple[mx.array, mx.array, mx.array] | None = None,
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
         """(tokens [B, count], normed [B, 1, H], knew, vnew [B, Hkv, L + count
         - 1, D]): one step over a window of L positions (a first step, or a
         chained step of one), then `count` - 1 chained steps in the same
@@ -1841,9 +2015,13 @@ class FusedStep:
         keys and values for the caller to store at `starts` (`kv_out`: knew
         / vnew are `keys` / `values` with the window written in, new arrays
         of their shape). `profile`: stamp the phases of the launch's last
-        step (`stamp_table`)."""
+        step (`stamp_table`), state [B, 4] uint32 (the launch's start, last,
+        step key and seed per row). `derive` (samples, drafts, prev): the
+        per-row inputs derived by the kernel (`derived_round`); `ids`, `last`,
+        `starts`, `seeds` and `steps` are then not read (`ids` is
+        `samples`)."""
         w, s = self.weights, self.weights.shape
-        rows, length = ids.shape
+        rows, length = hidden.shape[0], hidden.shape[1]
         if count > 1 and not first and length != 1:
             raise ValueError("chained steps take one position each")
         vectors = rows * length
@@ -1853,6 +2031,9 @@ class FusedStep:
         # (one block per multiprocessor anyway), in steps of 16 KiB.
         needed = s.shared_bytes(vectors, rows, self.vocab, greedy, top_k, self.blocks)
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
+        lean = -(-needed // 1024) * 1024
+        if LEAN_SHARED and lean + s.static_shared(rows, candidates, self.blocks) <= 48000:
+            shared = lean
         template: list[tuple[str, Any]] = [
             ("T", w.embed.dtype),
             ("NBLK", self.blocks),
@@ -1884,6 +2065,7 @@ class FusedStep:
             ("STREAM_HINTS", STREAM_HINTS),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
+            ("DERIVE", derive is not None),
         ]
         window = (
             keys.shape
@@ -1907,7 +2089,8 @@ class FusedStep:
                 self.head,
                 sub_ids,
                 self.sync,
-                mx.array([count], dtype=mx.int32),
+                count_array(count),
+                *(derive if derive is not None else (ids, ids, steps)),
             ],
             template=template,
             grid=(self.blocks * BLOCK, 1, 1),
@@ -1918,13 +2101,14 @@ class FusedStep:
                 window,
                 window,
                 (s.scratch(vectors, rows, candidates, self.blocks),),
+                (rows, 4),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
-                           mx.float32],
+                           mx.float32, mx.uint32],
         )  # fmt: skip
         if profile:
             self.profiled[:] = [outputs[4]]
-        return outputs[0], outputs[1], outputs[2], outputs[3]
+        return outputs[0], outputs[1], outputs[2], outputs[3], outputs[5]
 
     def stamp_table(self, *args: Any, count: int = 1) -> list[list[float]]:
         """One profiled launch of `__call__(*args, count=count)`: per block,

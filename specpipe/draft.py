@@ -28,6 +28,10 @@ class Proposal:
     # A copying drafter's note to itself: per row, the index in the row's
     # tokens its host drafts were copied from (-1: none). Not read by the round.
     origins: tuple[int, ...] | None = None
+    # A drafter's device-side note to its own `prepare_commit` (the MTP
+    # kernel's launch inputs, which the next round derives from). Not read by
+    # the round.
+    state: mx.array | None = None
 
     @classmethod
     def empty(cls, rows: int) -> Proposal:

@@ -16,7 +16,7 @@ from typing import Any, cast
 import mlx.core as mx
 from attrs import define, evolve, field, frozen
 
-from models.base import CausalLM
+from models.base import CausalLM, ModelOutput
 from schemas.request import SamplingParams
 from specpipe.adaptive import AdaptivePolicy, ObservedCosts, RowAdaptation
 from specpipe.draft import Drafter, DraftRows, Proposal
@@ -475,6 +475,8 @@ def _speculative_round(
             deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled)
         )
         metrics[slot].record(len(drafts[b]), acc.accepted, delivered[-1].published)
+    if isinstance(verified, ModelOutput):  # the draws, for drafters that derive from them
+        verified = evolve(verified, draws=samples)
     _commit(batch, proposal, drafts, acceptances, delivered, verified)
     if phases is not None:
         phases.commit += lap()

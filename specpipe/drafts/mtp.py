@@ -32,7 +32,12 @@ GPU, steps within its scope run as one CUDA kernel instead, a one-layer
 head's whole round (its first step and chained steps, the KV writes
 included) as one launch (`HeadStep.fused_step`, `HeadStep.round`,
 models/mtp_cuda.py; `models.mtp_cuda.FUSED_ON_GPU` off keeps the compiled
-steps, `WHOLE_ROUND` off launches the first step apart).
+steps, `WHOLE_ROUND` off launches the first step apart). A round that
+follows a whole-round launch in which every row was offered every draft
+derives its inputs on the device (`MtpRows.chain`, `HeadStep.derived`):
+from the last round's verify draws, drafts and launch state, so the launch
+reads no array made from host values (bench/draft_device.py: 17 us less per
+one-row launch, ~220 us less at three rows on an H200).
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ class HeadStep:
     )
     fused: dict[int, FusedStep | None] = field(factory=dict, init=False)
     rounds: dict[tuple[int, SamplingParams], StepFn] = field(factory=dict, init=False)
+    derivations: dict[tuple[int, SamplingParams], DerivedRound | None] = field(
+        factory=dict, init=False
+    )
 
     def __call__(self, first: bool, layer: int, filters: SamplingParams) -> StepFn:
         key = (first, layer % len(self.head.layers), filters)
@@ -223,6 +231,34 @@ class HeadStep:
             self.rounds[key] = run
         return run
 
+    def derived(self, filters: SamplingParams, depth: int) -> DerivedRound | None:
+        """A one-layer head's whole round as one kernel launch that derives
+        its per-row inputs from the last round's on the device
+        (`FusedStep.derived_round`): (samples, drafts, prev, hidden, keys,
+        values) -> (tokens [B, depth], keys, values, state), or None from the
+        call where the kernel does not take the round's shape. None here where
+        rounds are not one launch (a multi-layer head, no kernel, a draw out
+        of its scope, `WHOLE_ROUND` or `DERIVED_INPUTS` off) or the kernel's
+        first launch has not been checked sound."""
+        key = (depth, filters)
+        if key not in self.derivations:
+            fused = self.fused_step(0)
+            run: DerivedRound | None = None
+            if (
+                len(self.head.layers) == 1
+                and mtp_cuda.WHOLE_ROUND
+                and mtp_cuda.DERIVED_INPUTS
+                and fused is not None
+                and fused.supports(filters.temperature, filters.top_k)
+            ):
+                run = _derived_launch(fused, filters, depth)
+            self.derivations[key] = run
+        run = self.derivations[key]
+        fused = self.fused.get(0)
+        if run is None or fused is None or fused.checked != [True]:
+            return None
+        return run
+
     def draw(
         self,
         normed: mx.array,  # [B, H]
@@ -272,6 +308,36 @@ class HeadStep:
         return token, normed
 
 
+# (samples, drafts, prev, hidden, keys, values) -> (tokens, keys, values,
+#  state), or None where the kernel does not take the shape
+DerivedRound = Callable[..., tuple[mx.array, mx.array, mx.array, mx.array] | None]
+
+
+def _derived_launch(fused: FusedStep, filters: SamplingParams, depth: int) -> DerivedRound:
+    greedy = filters.greedy
+    top_k = 0 if greedy else filters.top_k
+    dist = mtp_cuda.draw_params(
+        fused.weights.eps, filters.temperature, filters.top_p, filters.min_p
+    )
+    mx.eval(dist)
+
+    def run(
+        samples: mx.array,
+        drafts: mx.array,
+        prev: mx.array,
+        hidden: mx.array,
+        keys: mx.array,
+        values: mx.array,
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+        if not fused.fits(hidden.shape[0], hidden.shape[1], greedy, top_k):
+            return None
+        return fused.derived_round(
+            greedy, top_k, dist, samples, drafts, prev, hidden, keys, values, depth
+        )
+
+    return run
+
+
 def _through_kernel(
     fused: FusedStep,
     first: bool,
@@ -292,7 +358,7 @@ def _through_kernel(
     kernel = fused.launch(
         first, count, filters.temperature, filters.top_p, filters.min_p, top_k, kv_out
     )
-    checked: list[bool] = []  # [sound] once the first kernel step was checked
+    checked = fused.checked  # [sound] once the kernel's first launch was checked
 
     def run(*args: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         rows, length = args[0].shape
@@ -317,6 +383,16 @@ def _through_kernel(
     return run
 
 
+@frozen(eq=False)
+class DeviceChain:
+    """What a round leaves on the device for the next one's launch to derive
+    its per-row inputs from (`models.mtp_cuda.derive_inputs`)."""
+
+    samples: mx.array  # [B, W] the verify window's draws
+    drafts: mx.array  # [B, W - 1] the round's drafts
+    prev: mx.array  # [B, 4] uint32: the round's launch inputs (`mtp_cuda.state_of`)
+
+
 @frozen
 class MtpRows:
     target: Any  # models.qwen3_next.Model: embed, final_norm, project shared
@@ -328,6 +404,11 @@ class MtpRows:
     policy: DraftPolicy
     step: HeadStep
     compiled: bool  # whether rounds draft through `step` where they can
+    # What the next round's launch derives its inputs from on the device
+    # (`HeadStep.derived`), where the last round leaves them: None after a
+    # round some row did not take every draft of, after rows joined or left,
+    # and where the launch was not the kernel's whole round.
+    chain: DeviceChain | None = None
     needs_target_hidden: bool = field(default=True, init=False)
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
@@ -379,13 +460,27 @@ class MtpRows:
         params: Sequence[SamplingParams],
         filters: SamplingParams,
     ) -> Proposal:
-        """`propose` through `HeadStep`: the same pairs, positions and keys."""
-        arrays = self.round_arrays(rows, depth, params)
+        """`propose` through `HeadStep`: the same pairs, positions and keys
+        (derived on the device from the last round's where it can)."""
         cache = self.cache
         whole = self.step.round(filters, depth)
+        chain = self.chain
+        derived = None if chain is None else self.step.derived(filters, depth)
+        if chain is not None and derived is not None:
+            out = derived(chain.samples, chain.drafts, chain.prev, self._tail(depth),
+                          cache.keys[0], cache.values[0])  # fmt: skip
+            if out is not None:
+                tokens, cache.keys[0], cache.values[0], derived_state = out
+                return Proposal(depth, device=tokens, state=derived_state)
+        arrays = self.round_arrays(rows, depth, params)
         if whole is not None:
             tokens, _, cache.keys[0], cache.values[0] = whole(*arrays)
-            return Proposal(depth, device=tokens)
+            state = (
+                mtp_cuda.state_of(arrays[2], arrays[3], arrays[6], arrays[7])
+                if mtp_cuda.DERIVED_INPUTS
+                else None
+            )
+            return Proposal(depth, device=tokens, state=state)
         token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(*arrays)
         if depth == 1:
             return Proposal(depth, device=token[:, None])
@@ -405,19 +500,13 @@ class MtpRows:
         """A round's first step in HeadStep's step signature (ids, hidden,
         last, starts, keys, values, seeds, steps): the tail's pairs padded to
         a power of two, the head's buffers with room for the round's slots."""
-        count = max(self.tail_lengths)
-        width = 1 << (count - 1).bit_length()  # padded to a power of two
+        tail = self._tail(depth)
+        width = tail.shape[1]
         grid = [
             [*row.tokens[start + 1 : start + 1 + n], *[row.pending] * (width - n)]
             for row, start, n in zip(rows, self.lengths, self.tail_lengths, strict=True)
         ]
-        tail = self.tail[:, :width]
-        if tail.shape[1] < width:
-            tail = mx.pad(tail, [(0, 0), (0, width - tail.shape[1]), (0, 0)])
         cache = self.cache
-        # the window's slots, then the chained steps' (one launch writes
-        # them all from the head's lengths on)
-        cache.reserve(max(self.lengths) + width + depth - 1)
         return (
             mx.array(grid, dtype=mx.int32),
             tail,
@@ -429,6 +518,19 @@ class MtpRows:
             mx.array([row.step for row in rows], dtype=mx.uint32),
         )
 
+    def _tail(self, depth: int) -> mx.array:
+        """The round's tail of target hidden states, padded to a power of two
+        positions; the head's buffers given room for the round's slots (the
+        window's, then the chained steps': one launch writes them all from
+        the head's lengths on)."""
+        count = max(self.tail_lengths)
+        width = 1 << (count - 1).bit_length()
+        tail = self.tail[:, :width]
+        if tail.shape[1] < width:
+            tail = mx.pad(tail, [(0, 0), (0, width - tail.shape[1]), (0, 0)])
+        self.cache.reserve(max(self.lengths) + width + depth - 1)
+        return tail
+
     def prepare_commit(
         self,
         rows: Sequence[RowState],
@@ -438,6 +540,16 @@ class MtpRows:
         verified: ModelOutput,
     ) -> Prepared[DraftRows]:
         kept = tuple(1 + a for a in accepted)  # the pending token and accepted drafts
+        chain = None
+        if (
+            proposal.state is not None
+            and proposal.device is not None
+            and verified.draws is not None
+            and all(len(d) == proposal.depth for d in drafts)
+        ):
+            # every row was offered every draft: its accepted count is its
+            # drafts' agreement with the draws, which the device can count
+            chain = DeviceChain(verified.draws, proposal.device, proposal.state)
         if proposal.depth > 0:
             # The tail was paired this round: the verify hidden states of the
             # kept positions are the next tail.
@@ -448,7 +560,9 @@ class MtpRows:
             tail = _append_rows(self.tail, self.tail_lengths, verified.hidden, kept)
             kept = tuple(c + k for c, k in zip(self.tail_lengths, kept, strict=True))
         return Prepared(
-            lambda: evolve(self, lengths=lengths, tail=tail, tail_lengths=kept)
+            lambda: evolve(
+                self, lengths=lengths, tail=tail, tail_lengths=kept, chain=chain
+            )
         )
 
     def join(self, other: DraftRows) -> DraftRows:
@@ -463,6 +577,7 @@ class MtpRows:
         ]
         return evolve(
             self,
+            chain=None,
             cache=KVCache.concat_rows([self.cache, other.cache]),
             lengths=self.lengths + other.lengths,
             tail=mx.concatenate(tails, axis=0),
@@ -473,6 +588,7 @@ class MtpRows:
         index = mx.array(list(keep), dtype=mx.int32)
         return evolve(
             self,
+            chain=None,
             cache=self.cache.take_rows(keep),
             lengths=tuple(self.lengths[i] for i in keep),
             tail=mx.take(self.tail, index, axis=0),

@@ -208,6 +208,7 @@ class FakeFused:
     def __init__(self, failures: int = 0) -> None:
         self.calls: list[str] = []
         self.failed = failures
+        self.checked: list[bool] = []
 
     def fits(self, rows: int, length: int, greedy: bool, top_k: int) -> bool:
         return rows == 1 and length == 1
@@ -456,6 +457,65 @@ def test_the_step_kernel_compiles_without_spills(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
+@pytest.mark.parametrize(("rows", "width", "greedy"), [(1, 1, True), (3, 2, False)])
+def test_the_derived_round_compiles_and_reads_no_host_input(
+    moe: tuple[Any, MtpHead],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    rows: int,
+    width: int,
+    greedy: bool,
+) -> None:
+    """The whole round that derives its per-row inputs on the device: the
+    last round's draws, drafts and launch state go in, the kernel's state
+    comes out, and the compiled form neither spills nor reads the host-built
+    inputs (the placeholders it is given are the device arrays)."""
+    target, head = moe
+    weights = fused_weights(target, head, 0)
+    assert weights is not None
+    step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
+    assert step is not None
+    seen = captured_kernel(monkeypatch, mtp_cuda)
+    cache = head.make_cache(rows)
+    cache.reserve(64)
+    samples = mx.zeros((rows, 4), dtype=mx.int32)
+    drafts = mx.zeros((rows, 3), dtype=mx.int32)
+    prev = mx.zeros((rows, 4), dtype=mx.uint32)
+    tokens, knew, _, state = step.derived_round(
+        greedy,
+        0 if greedy else 20,
+        mtp_cuda.draw_params(1e-6, 0.7, 0.8, 0.05),
+        samples,
+        drafts,
+        prev,
+        mx.zeros((rows, width, weights.shape.hidden), dtype=mx.bfloat16),
+        cache.keys[0],
+        cache.values[0],
+        3,
+    )
+    assert tokens.shape == (rows, 3) and state.shape == (rows, 4)
+    assert knew.shape == cache.keys[0].shape and state.dtype == mx.uint32
+    template = dict(seen["template"])
+    assert template["DERIVE"] and template["KV_OUT"] and template["FIRST"]
+    assert template["M"] == rows * width and template["TT"] == width
+    named = dict(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True))
+    assert named["samples"] is samples and named["drafts"] is drafts and named["prev"] is prev
+    for host_built in ("last", "starts", "seeds", "steps"):  # placeholders: device arrays
+        assert named[host_built] is prev
+    text = source(
+        "mtp_step",
+        mtp_cuda._COMPACT_HEADER,
+        mtp_cuda._COMPACT_SOURCE,
+        list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
+        list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
+        seen["template"],
+    )
+    compiled = compile_source(text, tmp_path)
+    assert compiled.ok, compiled.log[:4000]
+    assert compiled.spill_bytes == 0, compiled.log
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
 @pytest.mark.parametrize("runtime_dims", [False, True])
 @pytest.mark.parametrize("per_position", [False, True])
 def test_the_window_kernel_compiles(
@@ -526,7 +586,7 @@ def test_chains_of_any_length_share_one_compiled_kernel(
         )
         assert tokens.shape == (1, count) and knew.shape[2] == count
         templates.append(seen["template"])
-        counts.append(seen["inputs"][-1].tolist())
+        counts.append(seen["inputs"][mtp_cuda._INPUTS.index("nsteps")].tolist())
     assert templates[0] == templates[1]
     assert counts == [[2], [5]]
 
