@@ -53,18 +53,21 @@ UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
 
 
 def worker(args: argparse.Namespace) -> None:
-    import models  # noqa: I001  before mlx: routes its BLAS (models/blas.py)
+    import models  # noqa: F401, I001  before mlx: routes its BLAS (models/blas.py)
     import mlx.core as mx
 
-    import models.mtp_cuda
-    from bench.mtp import SAMPLINGS, bench_prompt, fr_list, opened_rows, random_target_and_head
+    from bench.mtp import (
+        SAMPLINGS,
+        apply_switches,
+        bench_prompt,
+        fr_list,
+        opened_rows,
+        random_target_and_head,
+    )
     from schemas.request import DraftPolicy
     from specpipe.drafts.mtp import MtpDrafter
 
-    for switch in filter(None, args.kernel_switches.split(",")):
-        name = switch.lstrip("-")
-        assert isinstance(getattr(models.mtp_cuda, name, None), bool), f"no switch {name}"
-        setattr(models.mtp_cuda, name, not switch.startswith("-"))
+    apply_switches(args.kernel_switches)
     _, model, head = random_target_and_head(
         "qwen3-next", args.layers, args.experts, 2048, args.vocab, mx.bfloat16
     )

@@ -314,7 +314,14 @@ def set_switches(args: argparse.Namespace) -> None:
 
     if args.whole_round:
         models.mtp_cuda.WHOLE_ROUND = True
-    for switch in filter(None, args.kernel_switches.split(",")):
+    apply_switches(args.kernel_switches)
+
+
+def apply_switches(text: str) -> None:
+    """models.mtp_cuda's switches from comma-separated NAME (on) / -NAME (off)."""
+    import models.mtp_cuda
+
+    for switch in filter(None, text.split(",")):
         name = switch.lstrip("-")
         assert isinstance(getattr(models.mtp_cuda, name, None), bool), f"no switch {name}"
         setattr(models.mtp_cuda, name, not switch.startswith("-"))
