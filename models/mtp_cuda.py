@@ -28,15 +28,17 @@ wrong output):
    residual;
 7. the head's norm, the projection onto the full vocabulary or the FR-Spec
    rows (each block a contiguous chunk of rows), each block's best (greedy)
-   or top-k candidates (sampled);
-8. the draw: the argmax, or Qwen-style temperature / top-k / top-p / min-p
+   or top-k candidates (sampled: its warps sort runs of 32 logits by bitonic
+   networks of shuffles and merge them);
+8. the draw, by every block for every row (the candidates merged the same
+   way): the argmax, or Qwen-style temperature / top-k / top-p / min-p
    filtering and the coupled inverse-CDF draw of `specpipe.sampling` with the
    same (seed, step) uniform.
 
 A round's chained steps (each drafting from the previous step's token and
 normed output, one position further) run as ONE launch: the phases above
-repeat per step (a sampled draw's token crosses a grid barrier; a greedy
-one is drawn by every block, so the next step starts without one), the
+repeat per step (every block draws the step's tokens, greedy or sampled,
+so the next step starts without a grid barrier), the
 earlier steps' keys and values read back from the launch's own window
 output (`FusedStep.chain`; the step count is an input, so one compiled
 kernel serves every depth). With `WHOLE_ROUND` (the default) the round's
@@ -456,38 +458,42 @@ __device__ __forceinline__ void smem8(const float* p, float* out) {
 
 __host__ __device__ constexpr size_t align8(size_t n) { return (n + 7) / 8 * 8; }
 
-// Top-`count` of `n` values in shared memory (destroyed: taken ones become
-// -inf), by one warp, best first: out_v / out_i (shared) get them. Each lane
-// caches the best of its strided share; a round takes the warp's best and
-// only the lane that gave it rescans.
-__device__ __forceinline__ void warp_top(
-    float* vals, const int* ids, int n, int count, float* out_v, int* out_i) {
+// Whether (av, ai) goes before (bv, bi): the larger value, the smaller id on
+// a tie (the order of `specpipe.sampling`'s top-k candidates).
+__device__ __forceinline__ bool ahead(float av, int ai, float bv, int bi) {
+  return av > bv || (av == bv && ai < bi);
+}
+
+// The warp's 32 (value, id) pairs sorted best first (lane 0 the best): a
+// bitonic network by shuffles, 15 exchanges.
+__device__ __forceinline__ void warp_sort(float& v, int& i) {
   const int lane = threadIdx.x & 31;
-  float bv = -SP_INF;
-  int bp = 0x7fffffff;
-  for (int p = lane; p < n; p += 32)
-    if (vals[p] > bv) { bv = vals[p]; bp = p; }
-  for (int c = 0; c < count; ++c) {
-    float v = bv;
-    int id = (bp < n) ? ids[bp] : 0x7fffffff;
-    int pos = bp;
-    // argmax over lanes on (value, id), carrying the position
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int oid = __shfl_xor_sync(0xffffffffu, id, o);
-      const int op = __shfl_xor_sync(0xffffffffu, pos, o);
-      if (ov > v || (ov == v && oid < id)) { v = ov; id = oid; pos = op; }
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, j);
+      const int oi = __shfl_xor_sync(0xffffffffu, i, j);
+      // the lower lane of a pair keeps the better where its run goes best first
+      const bool better = ((lane & k) == 0) == ((lane & j) == 0);
+      if (better ? ahead(ov, oi, v, i) : ahead(v, i, ov, oi)) { v = ov; i = oi; }
     }
-    if (lane == 0) { out_v[c] = v; out_i[c] = id; }
-    if (pos == bp && bp < n && v != -SP_INF) {  // the giving lane rescans
-      vals[bp] = -SP_INF;
-      bv = -SP_INF;
-      bp = 0x7fffffff;
-      for (int p = lane; p < n; p += 32)
-        if (vals[p] > bv) { bv = vals[p]; bp = p; }
-    }
-    __syncwarp();
+  }
+}
+
+// The best 32 of two sorted runs of 32 (each best first, one pair per lane):
+// (v, i) becomes them, best first. The elementwise better of the one run and
+// the other reversed is bitonic; five exchanges sort it.
+__device__ __forceinline__ void warp_merge(float& v, int& i, float bv, int bi) {
+  const int lane = threadIdx.x & 31;
+  const float rv = __shfl_sync(0xffffffffu, bv, 31 - lane);
+  const int ri = __shfl_sync(0xffffffffu, bi, 31 - lane);
+  if (ahead(rv, ri, v, i)) { v = rv; i = ri; }
+#pragma unroll
+  for (int j = 16; j > 0; j >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, j);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, j);
+    if (((lane & j) == 0) ? ahead(ov, oi, v, i) : ahead(v, i, ov, oi)) { v = ov; i = oi; }
   }
 }
 
@@ -610,10 +616,10 @@ _SOURCE = r"""
   __shared__ float red[NWARP];
   __shared__ float s_m[NWARP], s_l[NWARP];
   __shared__ float s_acc[NWARP][D];
-  constexpr int TOPN = NWARP * (B > KC ? B : KC) + KC;
+  constexpr int TOPN = NWARP * (B > 32 ? B : 32);  // (greedy: B per warp; sampled: a run of 32)
   __shared__ float s_topv[TOPN];
   __shared__ int s_topi[TOPN];
-  __shared__ int s_tok[B];  // a greedy step's tokens, drawn by every block
+  __shared__ int s_tok[B];  // a step's tokens, drawn by every block
   __shared__ int s_eid[B][KE > 0 ? KE : 1];
   __shared__ float s_split[2 * SPLITS];  // a combining block's split (max, sum)s, then weights
   __shared__ bool s_combines;
@@ -689,7 +695,7 @@ _SOURCE = r"""
     // (a later step's window positions all take the row's one pair: their
     // duplicate products cost no extra weight reads)
     const int id = s == 0 ? s_in_ids[m]
-                          : GREEDY ? s_tok[m / TT] : __ldcg(tokens + (size_t)(m / TT) * STEPS + s - 1);
+                          : s_tok[m / TT];
     const W* e = embed + (size_t)id * H;
     const W* h = s == 0 ? hid + (size_t)m * H : normed + (size_t)(m / TT) * H;
     float ev[NGH][8], hv[NGH][8];
@@ -1273,31 +1279,31 @@ _SOURCE = r"""
     }
   } else {
     __syncthreads();
-    if (warp < B) {  // warp b: this block's top KC of row b
-      const int b = warp;
-      float* vals = lg + (size_t)b * CHUNK;
-      const int n = hi - lo;
-      float bv = -SP_INF;
-      int bp = 0x7fffffff;
-      for (int p = lane; p < n; p += 32)
-        if (vals[p] > bv || (vals[p] == bv && p < bp)) { bv = vals[p]; bp = p; }
-      for (int c = 0; c < KC; ++c) {
-        float v = bv;
-        int pos = bp;
-        warp_argmax(v, pos);
-        if (lane == 0) {
-          S[O_CV + ((size_t)b * NBLK + blk) * KC + c] = v;
-          S[O_CI + ((size_t)b * NBLK + blk) * KC + c] = (float)(pos < n ? lo + pos : -1);
-        }
-        if (pos == bp && pos < n) {
-          vals[bp] = -SP_INF;
-          bv = -SP_INF;
-          bp = 0x7fffffff;
-          for (int p = lane; p < n; p += 32)
-            if (vals[p] > bv || (vals[p] == bv && p < bp)) { bv = vals[p]; bp = p; }
-        }
-        __syncwarp();
+    // this block's best KC of each row, best first: every warp sorts its
+    // batches of 32 logits into its best 32, then warp 0 merges the warps'
+    const int n = hi - lo;
+    for (int b = 0; b < B; ++b) {
+      const float* vals = lg + (size_t)b * CHUNK;
+      float tv = -SP_INF;
+      int ti = 0x7fffffff;
+      for (int p0 = warp * 32; p0 < n; p0 += NWARP * 32) {
+        const int p = p0 + lane;
+        float v = p < n ? vals[p] : -SP_INF;
+        int id = p < n ? lo + p : 0x7fffffff;
+        warp_sort(v, id);
+        warp_merge(tv, ti, v, id);
       }
+      s_topv[warp * 32 + lane] = tv;
+      s_topi[warp * 32 + lane] = ti;
+      __syncthreads();
+      if (warp == 0) {
+        for (int w = 1; w < NWARP; ++w) warp_merge(tv, ti, s_topv[w * 32 + lane], s_topi[w * 32 + lane]);
+        if (lane < KC) {
+          S[O_CV + ((size_t)b * NBLK + blk) * KC + lane] = tv;
+          S[O_CI + ((size_t)b * NBLK + blk) * KC + lane] = (float)(tv == -SP_INF ? -1 : ti);
+        }
+      }
+      __syncthreads();
     }
   }
   barrier();
@@ -1324,83 +1330,88 @@ _SOURCE = r"""
       if (blk == 0) tokens[(size_t)b * STEPS + s] = token;
     }
   }
-  if (!GREEDY && blk < B) {
-    const int b = blk;
-    // the block's candidates into shared memory (after the logits)
-    constexpr int NC = NBLK * KC;
-    float* cv = dyn;
-    int* ci = reinterpret_cast<int*>(dyn + NC);
-    for (int c = tid; c < NC; c += blockDim.x) {
-      cv[c] = __ldcg(S + O_CV + (size_t)b * NC + c);
-      ci[c] = (int)__ldcg(S + O_CI + (size_t)b * NC + c);
-    }
-    __syncthreads();
-    // each warp the top KC of its slice, then warp 0 of those
-    constexpr int SLICE = (NC + NWARP - 1) / NWARP;
-    {
-      const int a = warp * SLICE;
-      const int n = max(0, min(NC, a + SLICE) - a);
-      warp_top(cv + a, ci + a, n, KC, s_topv + warp * KC, s_topi + warp * KC);
-    }
-    __syncthreads();
-    if (warp == 0) {
-      int* tmp_i = s_topi + NWARP * KC;
-      float* tmp_v = s_topv + NWARP * KC;
-      warp_top(s_topv, s_topi, NWARP * KC, KC, tmp_v, tmp_i);
-      __syncwarp();
-      // lane j: the j-th largest logit (descending), or none
-      const bool have = lane < KC && tmp_v[min(lane, KC - 1)] != -SP_INF;
-      const float sc = have ? tmp_v[lane] * fparams[1] : -SP_INF;
-      const int id = have ? tmp_i[lane] : 0x7fffffff;
-      const float smax = __shfl_sync(0xffffffffu, sc, 0);
-      float e = have ? expf(sc - smax) : 0.0f;
-      const float z = warp_sum(e);
-      float p = e / z;
-      const float top_p = fparams[2], min_p = fparams[3];
-      if (top_p < 1.0f) {
-        float before = 0.0f;  // exclusive prefix sum in descending order
-        float run = p;
+  if (!GREEDY) {
+    // every block draws every row (the same candidates, the same code: the
+    // same token; the next step reads it from shared memory, no grid barrier
+    // between): the best KC of the row's NBLK block lists (each best first),
+    // warp w merging lists w, w + NWARP, ..., then warp 0 the warps' runs
+    constexpr int LPW = (NBLK + NWARP - 1) / NWARP;
+    for (int b = 0; b < B; ++b) {
+      float pv[LPW];
+      int pi[LPW];
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const float up = __shfl_up_sync(0xffffffffu, run, o);
-          if (lane >= o) run += up;
+      for (int q = 0; q < LPW; ++q) {
+        const int c = warp + q * NWARP;
+        const size_t at = ((size_t)b * NBLK + c) * KC + lane;
+        pv[q] = (c < NBLK && lane < KC) ? __ldcg(S + O_CV + at) : -SP_INF;
+        pi[q] = (c < NBLK && lane < KC && pv[q] != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
+      }
+      float tv = pv[0];
+      int ti = pi[0];
+#pragma unroll
+      for (int q = 1; q < LPW; ++q) warp_merge(tv, ti, pv[q], pi[q]);
+      __syncthreads();  // (s_topv: the last row's merge read them)
+      s_topv[warp * 32 + lane] = tv;
+      s_topi[warp * 32 + lane] = ti;
+      __syncthreads();
+      if (warp == 0) {
+        for (int w = 1; w < NWARP; ++w) warp_merge(tv, ti, s_topv[w * 32 + lane], s_topi[w * 32 + lane]);
+        // lane j: the j-th largest logit (descending), or none
+        const bool have = lane < KC && tv != -SP_INF;
+        const float sc = have ? tv * fparams[1] : -SP_INF;
+        const int id = have ? ti : 0x7fffffff;
+        const float smax = __shfl_sync(0xffffffffu, sc, 0);
+        float e = have ? expf(sc - smax) : 0.0f;
+        const float z = warp_sum(e);
+        float p = e / z;
+        const float top_p = fparams[2], min_p = fparams[3];
+        if (top_p < 1.0f) {
+          float before = 0.0f;  // exclusive prefix sum in descending order
+          float run = p;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const float up = __shfl_up_sync(0xffffffffu, run, o);
+            if (lane >= o) run += up;
+          }
+          before = run - p;
+          const float kept = (have && before < top_p) ? p : SP_INF;
+          float cutoff = kept;
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) cutoff = fminf(cutoff, __shfl_xor_sync(0xffffffffu, cutoff, o));
+          if (p < cutoff) p = 0.0f;
         }
-        before = run - p;
-        const float kept = (have && before < top_p) ? p : SP_INF;
-        float cutoff = kept;
+        if (min_p > 0.0f) {
+          const float pmax = __shfl_sync(0xffffffffu, p, 0);
+          if (p < min_p * pmax) p = 0.0f;
+        }
+        // inverse CDF in id order with the (seed, step) uniform
+        float below = 0.0f;  // mass of ids <= mine
+        for (int j = 0; j < 32; ++j) {
+          const float pj = __shfl_sync(0xffffffffu, p, j);
+          const int ij = __shfl_sync(0xffffffffu, id, j);
+          if (ij <= id) below += pj;
+        }
+        const float total = warp_sum(p);
+        const float u = step_uniform(s_in_seed[b], s_in_step[b] + (unsigned int)s);
+        const float target = u * total;
+        int pick = (p > 0.0f && below >= target) ? id : 0x7fffffff;
+        int last_id = p > 0.0f ? id : -1;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) cutoff = fminf(cutoff, __shfl_xor_sync(0xffffffffu, cutoff, o));
-        if (p < cutoff) p = 0.0f;
+        for (int o = 16; o > 0; o >>= 1) {
+          pick = min(pick, __shfl_xor_sync(0xffffffffu, pick, o));
+          last_id = max(last_id, __shfl_xor_sync(0xffffffffu, last_id, o));
+        }
+        if (pick == 0x7fffffff) pick = last_id;
+        if (lane == 0) {
+          const int token = SUBSET ? sub_ids[pick] : pick;
+          s_tok[b] = token;
+          if (blk == 0) tokens[(size_t)b * STEPS + s] = token;
+        }
       }
-      if (min_p > 0.0f) {
-        const float pmax = __shfl_sync(0xffffffffu, p, 0);
-        if (p < min_p * pmax) p = 0.0f;
-      }
-      // inverse CDF in id order with the (seed, step) uniform
-      float below = 0.0f;  // mass of ids <= mine
-      for (int j = 0; j < 32; ++j) {
-        const float pj = __shfl_sync(0xffffffffu, p, j);
-        const int ij = __shfl_sync(0xffffffffu, id, j);
-        if (ij <= id) below += pj;
-      }
-      const float total = warp_sum(p);
-      const float u = step_uniform(s_in_seed[b], s_in_step[b] + (unsigned int)s);
-      const float target = u * total;
-      int pick = (p > 0.0f && below >= target) ? id : 0x7fffffff;
-      int last_id = p > 0.0f ? id : -1;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        pick = min(pick, __shfl_xor_sync(0xffffffffu, pick, o));
-        last_id = max(last_id, __shfl_xor_sync(0xffffffffu, last_id, o));
-      }
-      if (pick == 0x7fffffff) pick = last_id;
-      if (lane == 0) tokens[(size_t)b * STEPS + s] = SUBSET ? sub_ids[pick] : pick;
     }
   }
-  __syncthreads();  // (greedy: s_tok)
+  __syncthreads();  // (s_tok)
   stamp();
-  // a sampled draw's next step reads its token from the drawing block
-  if (!GREEDY && s + 1 < STEPS) barrier();
   }  // steps
 """
 
@@ -1547,7 +1558,7 @@ class LayerShape:
     ) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
-        sampling) and the draw's candidates."""
+        sampling)."""
         h = self.hidden
         mlp = (
             rows * self.intermediate
@@ -1561,7 +1572,6 @@ class LayerShape:
             rows * self.heads * self.head_dim,
             mlp,
             rows * h + (0 if greedy else rows * chunk),
-            0 if greedy else 2 * blocks * top_k,
         )
         return 4 * floats
 
@@ -1569,7 +1579,7 @@ class LayerShape:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
         the source's `__shared__` declarations, plus 1 KiB for the small ones)."""
         warps = BLOCK // 32
-        top = warps * max(rows, candidates) + candidates
+        top = warps * max(rows, 32)
         splits = max(1, blocks // (rows * self.heads))
         experts = max(self.top_experts, 1)
         return 4 * (
