@@ -107,7 +107,7 @@ def _mtp_drafter(
     (`models.mtp.DeclaredQuantization`), checked against the weights; None
     for a head bundled in the target's checkpoint, whose packed shapes alone
     say how it is quantized (as for the target's own layers)."""
-    from models.mtp import build_mtp
+    from models.mtp import DEFAULT_BLOCK_SIZE, build_mtp
     from schemas.hf_hybrid import HybridArgs, text_settings
     from specpipe.draft_vocab import configured
     from specpipe.drafts.mtp import MtpDrafter
@@ -138,8 +138,8 @@ def _mtp_drafter(
     vocab = configured(request.draft_vocab, args.vocab_size, companion)
     if not isinstance(vocab, Success):
         return Failure(BindingError(f"draft vocabulary: {vocab.failure().message}"))
-    block = config.get("block_size")
-    width = max(1, int(block) - 1) if isinstance(block, int) else 3
+    block = config.get("block_size", DEFAULT_BLOCK_SIZE)
+    width = max(1, int(block) - 1) if isinstance(block, int) else DEFAULT_BLOCK_SIZE - 1
     graph = GraphCapabilities.for_decoder(args)
     needs = DraftNeeds(
         kind="mtp",

@@ -55,6 +55,11 @@ from models.qwen3_next import AttentionLayer
 from schemas.errors import LoadError
 from schemas.hf_hybrid import HybridArgs
 
+# The draft block of a head whose config names none (`block_size`): the
+# target's token plus two drafts, the MTP width Qwen recommends for its
+# hybrid models. A bundled head and the companion `specpipe convert` writes
+# (which records it) default to the same width, block - 1.
+DEFAULT_BLOCK_SIZE = 3
 
 class SharedProjection(Protocol):
     """What the head borrows from its target: the vocabulary projection."""

@@ -1465,17 +1465,25 @@ def state_of(
 
 
 @cache
-def count_array(count: int) -> mx.array:
-    """`count` as the kernel's `nsteps` input, made once per count and kept in
-    device memory. An array of at most 8 bytes made from host values lives in
-    MLX's scalar pool (host memory a kernel reads across the bus); this one
-    is a device operation's output over 16 bytes, of which the kernel reads
-    the first element. Made outside any trace (`FusedStep.launch` asks for it
-    before compiling)."""
-    padded = mx.array([count, 0, 0, 0], dtype=mx.int32)
-    out = (padded + mx.zeros((1,), dtype=mx.int32))[:1]
+def device_copy(array: mx.array) -> mx.array:
+    """`array` as the output of a device operation, evaluated. MLX (0.32)
+    keeps an array made from host values in host memory: one of at most 8
+    bytes in its pool of host-mapped scalars, a larger one in managed pages
+    that a kernel's first read migrates (and a host write near them moves
+    back); a kernel reading either pays the bus or a page fault at every
+    launch. A device operation's output lives in device memory. Call it
+    outside any trace."""
+    out = array + mx.zeros((1,), dtype=array.dtype)
     mx.eval(out)
     return out
+
+
+def count_array(count: int) -> mx.array:
+    """`count` as the kernel's `nsteps` input, made once per count and kept in
+    device memory (`device_copy` of 16 bytes, of which the kernel reads the
+    first element). Made outside any trace (`FusedStep.launch` asks for it
+    before compiling)."""
+    return device_copy(mx.array([count, 0, 0, 0], dtype=mx.int32))[:1]
 
 
 def compact(text: str) -> str:
@@ -1836,7 +1844,9 @@ class FusedStep:
         # counter of finished attention splits per (row, head)
         sync = mx.zeros((2 + MAX_ROWS * weights.shape.heads,), dtype=mx.uint64)
         mx.eval(sync)
-        return cls(weights, head, subset_ids, sync, blocks)
+        # the subset's ids, which every block's draw reads, in device memory
+        ids = None if subset_ids is None else device_copy(subset_ids)
+        return cls(weights, head, ids, sync, blocks)
 
     @classmethod
     def for_head(
@@ -1921,7 +1931,6 @@ class FusedStep:
             count_array(count)  # made here, outside the trace
             greedy = temperature == 0.0
             dist = draw_params(self.weights.eps, temperature, top_p, min_p)
-            mx.eval(dist)
 
             def run(*arrays: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
                 # arrays: ids, hidden, last, starts, keys, values, seeds, steps
@@ -2200,6 +2209,7 @@ def multiprocessors() -> int | None:
 
 
 def draw_params(eps: float, temperature: float, top_p: float, min_p: float) -> mx.array:
-    """The kernel's float parameters."""
+    """The kernel's float parameters (every thread reads the norms' epsilon
+    at the launch's start), in device memory (`device_copy`)."""
     inverse = 1.0 / temperature if temperature > 0 else 0.0
-    return mx.array([eps, inverse, top_p, min_p], dtype=mx.float32)
+    return device_copy(mx.array([eps, inverse, top_p, min_p], dtype=mx.float32))

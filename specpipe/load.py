@@ -25,6 +25,7 @@ from returns.result import Failure, Result, Success
 from models.base import CausalLM
 from models.build import build_model, load_weights, quantize_layers, quantize_model
 from models.fuse import fuse_projections
+from models.mtp import DEFAULT_BLOCK_SIZE
 from models.paths import cache_root
 from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
@@ -370,7 +371,7 @@ def write_companion(
     folder.mkdir()
     cfg = dict(loaded.raw_config)
     cfg["model_type"] = f"{loaded.args.model_type}_mtp"
-    cfg.setdefault("block_size", 3)
+    cfg.setdefault("block_size", DEFAULT_BLOCK_SIZE)
     cfg.pop("quantization", None)
     cfg.pop("quantization_config", None)
     if quantization is not None:

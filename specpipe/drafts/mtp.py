@@ -319,7 +319,6 @@ def _derived_launch(fused: FusedStep, filters: SamplingParams, depth: int) -> De
     dist = mtp_cuda.draw_params(
         fused.weights.eps, filters.temperature, filters.top_p, filters.min_p
     )
-    mx.eval(dist)
 
     def run(
         samples: mx.array,

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from test_mtp import CONFIG, scaled
 
 from models.build import build_model
-from models.mtp import MtpHead
+from models.mtp import DEFAULT_BLOCK_SIZE, MtpHead
 from schemas.hf_hybrid import hybrid_args
 from schemas.request import GenerationLimits, SamplingParams
 from specpipe.api import load
@@ -27,9 +27,13 @@ LIMITS = GenerationLimits(max_tokens=12)
 PROMPTS = ["def fibonacci(n):", "Hello world! The quick"]
 
 
-def write_hybrid(folder: Path, with_mtp: bool = True) -> Path:
+def write_hybrid(
+    folder: Path, with_mtp: bool = True, block_size: int | None = 3
+) -> Path:
     write_tiny_model(folder)  # tokenizer files (the weights are replaced)
-    config = {**CONFIG, "vocab_size": VOCAB, "block_size": 3}
+    config = {**CONFIG, "vocab_size": VOCAB}
+    if block_size is not None:
+        config["block_size"] = block_size
     (folder / "config.json").write_text(json.dumps(config))
     args = hybrid_args(config, "test").unwrap()
     mx.random.seed(0)
@@ -54,6 +58,23 @@ def tokens(pipeline: Any, sampling: SamplingParams) -> list[tuple[int, ...]]:
     return [
         r.tokens for r in pipeline.generate_batch(PROMPTS, sampling, LIMITS).unwrap()
     ]
+
+
+def test_a_head_without_a_block_size_drafts_as_its_converted_companion(
+    tmp_path: Path,
+) -> None:
+    """A bundled head whose config names no block and the companion convert
+    writes for it (which records the default block) draft the same width."""
+    folder = write_hybrid(tmp_path / "target", block_size=None)
+    native = load(str(folder), draft="auto").unwrap()
+    assert native.draft is not None
+    assert native.draft.width == DEFAULT_BLOCK_SIZE - 1 == 2
+    out = tmp_path / "converted"
+    main(["convert", str(folder), str(out)])
+    companion = json.loads((out / "mtp" / "config.json").read_text())
+    assert companion["block_size"] == DEFAULT_BLOCK_SIZE
+    converted = load(str(out), draft="auto").unwrap()
+    assert converted.draft is not None and converted.draft.width == native.draft.width
 
 
 @pytest.mark.parametrize(
