@@ -122,6 +122,7 @@ _SWITCHES = [
     ("stream-hints", "STREAM_HINTS", "L2 evict-first loads of the rows a step reads once"),
     ("row-prefetch", "ROW_PREFETCH", "each warp's next rows asked of L2 before a barrier"),
     ("fast-sincos", "FAST_SINCOS", "diagnostic: RoPE angles by __sincosf"),
+    ("radix-select", "RADIX_SELECT", "a sampled step's top-k by radix selection"),
 ]
 
 
@@ -172,6 +173,7 @@ def main() -> None:
         "stream_hints": models.mtp_cuda.STREAM_HINTS,
         "row_prefetch": models.mtp_cuda.ROW_PREFETCH,
         "fast_sincos": models.mtp_cuda.FAST_SINCOS,
+        "radix_select": models.mtp_cuda.RADIX_SELECT,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size
