@@ -160,6 +160,17 @@ LEAN_SHARED = False
 # measured on a device (`--kernel-switches RADIX_SELECT`): its drafts are
 # checked against the MLX step there only.
 RADIX_SELECT = False
+# Whether a MoE step of at most 127 experts folds its router into o_proj's
+# phase: the router's logits (and the shared expert's gate) are linear in the
+# MoE's input before its norm's scale, so each block sums its o_proj rows'
+# share of them (weights pre-multiplied by the norm's, transposed, float32)
+# and every block adds the blocks' shares after the barrier it waits behind
+# anyway, scaled by the norm; the shared expert's gate/up rows join the
+# chosen experts' product. One grid barrier and the router's product phase
+# fewer per step (the router's phase took ~3 us of a step on the H200, its
+# barrier ~1.2, its input staging ~1.4; eleventh session's segments). Off
+# until measured on a device (`--kernel-switches FOLD_ROUTER`).
+FOLD_ROUTER = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -326,10 +337,12 @@ __device__ __forceinline__ void stage_l2(float* to, const float* from, int n) {
 // RMSNorm of `count` scratch vectors of N floats into `to` (float32, shared
 // memory): x * rsqrt(mean(x^2) + eps) * w, each thread's elements read once
 // (16-byte loads, all in flight together); `copy`, when given, also gets
-// them in the weights' dtype.
+// them in the weights' dtype; `inv`, when given (shared), each vector's
+// rsqrt(mean(x^2) + eps).
 template <typename W, int N>
 __device__ __forceinline__ void stage_normed(
-    float* to, const float* from, int count, const W* w, float eps, float* red, W* copy) {
+    float* to, const float* from, int count, const W* w, float eps, float* red, W* copy,
+    float* inv = nullptr) {
   constexpr int NG = groups8(N);
   for (int m = 0; m < count; ++m) {
     float x[NG][8];
@@ -344,6 +357,7 @@ __device__ __forceinline__ void stage_normed(
       }
     }
     const float iv = rsqrtf(block_sum(s, red) / N + eps);
+    if (inv != nullptr && threadIdx.x == 0) inv[m] = iv;
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
       const int k = (threadIdx.x + g * SP_THREADS) * 8;
@@ -738,7 +752,11 @@ _SOURCE = r"""
   constexpr size_t O_CV = O_R2 + align8((size_t)B * H);
   constexpr size_t O_CI = O_CV + align8((size_t)B * NBLK * KC);
   constexpr int CHUNK = (V + NBLK - 1) / NBLK;
-  constexpr size_t O_TS = O_CI + align8((size_t)B * NBLK * KC);
+  // FOLD: the router's (and the shared gate's) logits before the norm's
+  // scale, each block's share of them: [B, E + 1, NBLK]
+  constexpr int EP = E + 1;
+  constexpr size_t O_RP = O_CI + align8((size_t)B * NBLK * KC);
+  constexpr size_t O_TS = O_RP + (FOLD ? align8((size_t)B * EP * NBLK) : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int blk = blockIdx.x;
@@ -764,6 +782,7 @@ _SOURCE = r"""
   __shared__ float s_split[2 * SPLITS];  // a combining block's split (max, sum)s, then weights
   __shared__ bool s_combines;
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
+  __shared__ float s_inv[B], s_rlog[FOLD ? B * EP : 1];  // FOLD: the norm's scale, the router's logits
 
   if (tid == 0) {  // launches run one after another: the counter is a
     // multiple of NBLK at each start, and no block passes the first barrier
@@ -1137,16 +1156,63 @@ _SOURCE = r"""
   stage_l2(xs, S + O_COMB, B * HQ * D);
   __syncthreads();
   mark(4);
+  // FOLD: the router's logits (and the shared expert's gate) are linear in
+  // the MoE's input before its norm's scale: sum_r w_rt[r, e] * out[r], with
+  // w_rt the router rows times the norm's weights, transposed (float32,
+  // [H, E + 1]). Each lane keeps its logits' sums over the warp's rows of
+  // this product (lane l: logits l, l + 32, ...; their w_rt read ahead for
+  // the warp's first two rows)
+  constexpr int EPL = FOLD ? (EP + 31) / 32 : 1;
+  float rsum[B][EPL], rt_ahead[2][EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) rsum[b][j] = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int r = gwarp + q * NW, e = lane + 32 * j;
+      rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
+    }
+  }
   product<W, B, 1, PAIR_ROWS, WIDE_LOADS, false>(
       H, HQ * D, gwarp, NW,
       [&](int r, int) { return w_o + (size_t)r * HQ * D; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
-        if (lane == 0)
+        if constexpr (FOLD) {
+          const int q = (r - gwarp) / NW;
+#pragma unroll
+          for (int b = 0; b < B; ++b) {
+            const float out = acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
+            if (lane == 0) S[O_R1 + (size_t)b * H + r] = out;
+#pragma unroll
+            for (int j = 0; j < EPL; ++j) {
+              const int e = lane + 32 * j;
+              const float wt = q == 0 ? rt_ahead[0][j] : q == 1 ? rt_ahead[1][j]
+                             : (e < EP ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f);
+              rsum[b][j] += wt * out;
+            }
+          }
+        } else if (lane == 0) {
           for (int b = 0; b < B; ++b)
             S[O_R1 + (size_t)b * H + r] =
                 acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
+        }
       });
+  if constexpr (FOLD) {  // the block's share: its warps' sums in warp order
+    __syncthreads();  // (xs: the product's input)
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+      for (int j = 0; j < EPL; ++j)
+        if (lane + 32 * j < EP) xs[((size_t)warp * B + b) * EP + lane + 32 * j] = rsum[b][j];
+    __syncthreads();
+    for (int t = tid; t < B * EP; t += SP_THREADS) {
+      float sum = 0.0f;
+      for (int w = 0; w < NWARP; ++w) sum += xs[(size_t)w * B * EP + t];
+      S[O_RP + (size_t)t * NBLK + blk] = sum;
+    }
+  }
   barrier();
 
   // ---- 5-6. the MLP plus the residual ----------------------------------------
@@ -1154,7 +1220,7 @@ _SOURCE = r"""
     if (DENSE) prefetch_share(mlp1, (size_t)H * IM * WB, PF_CAP);
     else prefetch_share(mlp6, (size_t)H * IS * WB, PF_CAP);
   }
-  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr);
+  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false, WIDE_LOADS, false>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
@@ -1181,18 +1247,32 @@ _SOURCE = r"""
     warm_head();
     barrier();
   } else {
-    // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-    product<W, B, 2, false, WIDE_LOADS, false>(
-        MLP0_ROWS, H, gwarp, NW, mlp0_row,
-        [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
-        [&](int r, float (&acc)[B][2]) {
-          if (lane == 0)
-            for (int b = 0; b < B; ++b) {
-              if (r <= E) S[O_ROUT + (size_t)b * (E + 1) + r] = acc[b][0];
-              else S[O_SACT + (size_t)b * IS + (r - E - 1)] = silu(acc[b][0]) * acc[b][1];
-            }
-        });
-    barrier();
+    if constexpr (FOLD) {
+      // the router's (and the shared gate's) logits: each warp sums its
+      // logits' NBLK block shares (lane l: blocks l, l + 32, ...), times the
+      // norm's scale; every block the same sums in the same order
+#pragma unroll 4
+      for (int t = warp; t < B * EP; t += NWARP) {
+        float part = 0.0f;
+        for (int c = lane; c < NBLK; c += 32) part += __ldcg(S + O_RP + (size_t)t * NBLK + c);
+        part = warp_sum(part);
+        if (lane == 0) s_rlog[t] = part * s_inv[t / EP];
+      }
+      __syncthreads();
+    } else {
+      // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
+      product<W, B, 2, false, WIDE_LOADS, false>(
+          MLP0_ROWS, H, gwarp, NW, mlp0_row,
+          [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
+          [&](int r, float (&acc)[B][2]) {
+            if (lane == 0)
+              for (int b = 0; b < B; ++b) {
+                if (r <= E) S[O_ROUT + (size_t)b * (E + 1) + r] = acc[b][0];
+                else S[O_SACT + (size_t)b * IS + (r - E - 1)] = silu(acc[b][0]) * acc[b][1];
+              }
+          });
+      barrier();
+    }
     // every block: softmax top-KE of each row's router (warp b for row b)
     if (warp < B) {
       const int b = warp;
@@ -1206,7 +1286,7 @@ _SOURCE = r"""
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const int e = lane + 32 * j;
-        lv[j] = e < E ? __ldcg(lg + e) : -SP_INF;
+        lv[j] = e < E ? (FOLD ? s_rlog[b * EP + e] : __ldcg(lg + e)) : -SP_INF;
         if (e < E) top = fmaxf(top, lv[j]);
       }
       top = warp_max(top);
@@ -1283,17 +1363,26 @@ _SOURCE = r"""
       }
     if (PREFETCH && tid < B * KE)  // the chosen experts' down rows
       prefetch_share(mlp4 + (size_t)s_eid[tid / KE][tid % KE] * H * IE, (size_t)H * IE * WB, PF_CAP);
-    // the chosen experts' gate/up: rows (b, c, j)
+    // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
+    // expert's (b, row, j)
+    constexpr int ROUTED = B * KE * IE;
     product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS>(
-        B * KE * IE, H, gwarp, NW,
+        ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
+          if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
           const W* base = j == 0 ? mlp2 : mlp3;
           return base + ((size_t)s_eid[b][c] * IE + row) * H;
         },
-        [&](int, int r, int k, float* x) { smem8(xs + (size_t)(r / (KE * IE)) * H + k, x); },
+        [&](int, int r, int k, float* x) {
+          const int b = (FOLD && r >= ROUTED) ? (r - ROUTED) / IS : r / (KE * IE);
+          smem8(xs + (size_t)b * H + k, x);
+        },
         [&](int r, float (&acc)[1][2]) {
-          if (lane == 0) S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
+          if (lane == 0) {
+            if (FOLD && r >= ROUTED) S[O_SACT + (r - ROUTED)] = silu(acc[0][0]) * acc[0][1];
+            else S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
+          }
         });
     barrier();
     // down: per output (b, h) the weighted experts plus the gated shared one
@@ -1308,7 +1397,7 @@ _SOURCE = r"""
     constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
     for (int r = gwarp; r < B * H; r += NW) {
       const int b = r / H, hr = r % H;
-      const float sg = sigmoid(__ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
+      const float sg = sigmoid(FOLD ? s_rlog[b * EP + E] : __ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
       float part = 0.0f;
       if constexpr (BATCHED) {
         uint4 raw[KE * CH + SCH > 0 ? KE * CH + SCH : 1];
@@ -1600,7 +1689,7 @@ _BARRIERS = {True: 7, False: 8}
 
 _INPUTS = [
     "ids", "hid", "last", "starts", "keys", "values", "seeds", "steps",
-    "fparams", "inv_freq", "embed", "w_norm_e", "w_norm_h", "w_final", "w_fc",
+    "fparams", "inv_freq", "w_rt", "embed", "w_norm_e", "w_norm_h", "w_final", "w_fc",
     "w_in", "w_qkv", "w_qn", "w_kn", "w_o", "w_post", "mlp0", "mlp1", "mlp2",
     "mlp3", "mlp4", "mlp5", "mlp6", "w_hnorm", "w_head", "sub_ids", "sync",
     "nsteps", "samples", "drafts", "prev",
@@ -1716,7 +1805,15 @@ class LayerShape:
     shared_intermediate: int
     norm_top: bool
 
-    def scratch(self, vectors: int, rows: int, candidates: int, blocks: int) -> int:
+    @property
+    def foldable(self) -> bool:
+        """Whether the kernel can fold the router into o_proj's phase
+        (`FOLD_ROUTER`): a MoE layer of at most 127 experts."""
+        return not self.dense and 0 < self.experts + 1 <= 128
+
+    def scratch(
+        self, vectors: int, rows: int, candidates: int, blocks: int, fold: bool = False
+    ) -> int:
         """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
@@ -1739,6 +1836,8 @@ class LayerShape:
                 rows * self.top_experts,
             ]
         parts += [rows * h, rows * blocks * candidates, rows * blocks * candidates]
+        if fold:
+            parts.append(rows * (self.experts + 1) * blocks)
         return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
     def shared_bytes(
@@ -1760,6 +1859,7 @@ class LayerShape:
             rows * self.heads * self.head_dim,
             mlp,
             rows * h + (0 if greedy else rows * chunk),
+            BLOCK // 32 * rows * (self.experts + 1),  # FOLD: o_proj's warps' router sums
         )
         return 4 * floats
 
@@ -1775,6 +1875,7 @@ class LayerShape:
             + 256 + 4  # s_hist, s_sel
             + 2 * top  # s_topv, s_topi
             + 2 * rows * experts  # s_eid, s_ew
+            + rows * (self.experts + 2)  # s_inv, s_rlog
             + 2 * splits
             + 4 * MAX_VECTORS
             + 6 * rows
@@ -1805,6 +1906,9 @@ class FusedWeights:
     head_norm: mx.array
     inv_freq: mx.array  # [rotary / 2] f32
     eps: float
+    # MoE with at most 127 experts: the router's rows and the shared expert's
+    # gate times the MoE norm's weights, transposed: [H, E + 1] f32 (`FOLD_ROUTER`)
+    router_t: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
         """The weights in the kernel's input order (`_INPUTS`, embed .. w_hnorm)."""
@@ -1949,6 +2053,12 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
         return None
     while len(mlp_arrays) < 7:  # unused slots of the dense form
         mlp_arrays.append(mlp_arrays[0][:1, :8])
+    router_t = None
+    if shape.foldable:
+        gates = mx.concatenate([mlp_arrays[0], mlp_arrays[1]], axis=0).astype(mx.float32)
+        post = layer.post_attention_layernorm.weight.astype(mx.float32)
+        router_t = mx.contiguous((gates * post[None, :]).T)
+        mx.eval(router_t)
     weights = FusedWeights(
         shape,
         embed.weight,
@@ -1966,6 +2076,7 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
         head.norm.weight,
         inv_freq,
         float(head.norm.eps),
+        router_t,
     )
     return weights if _float2(weights.arrays()) is not None else None
 
@@ -2226,6 +2337,7 @@ class FusedStep:
             raise ValueError("chained steps take one position each")
         vectors = rows * length
         candidates = 1 if greedy else top_k
+        fold = self.folds
         # MLX lifts a kernel's shared-memory limit only for more than 48000
         # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
         # (one block per multiprocessor anyway), in steps of 16 KiB.
@@ -2266,6 +2378,7 @@ class FusedStep:
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("RADIX_SELECT", RADIX_SELECT),
+            ("FOLD", fold),
             ("DERIVE", derive is not None),
         ]
         window = (
@@ -2286,6 +2399,7 @@ class FusedStep:
                 steps,
                 dist,
                 w.inv_freq,
+                w.router_t if fold else w.inv_freq,  # (unread without FOLD)
                 *w.arrays(),
                 self.head,
                 sub_ids,
@@ -2301,7 +2415,7 @@ class FusedStep:
                 (rows, 1, s.hidden),
                 window,
                 window,
-                (s.scratch(vectors, rows, candidates, self.blocks),),
+                (s.scratch(vectors, rows, candidates, self.blocks, fold),),
                 (rows, 4),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
@@ -2347,8 +2461,13 @@ class FusedStep:
 
     @property
     def barriers(self) -> int:
-        """Grid barriers of one step."""
-        return _BARRIERS[self.weights.shape.dense]
+        """Grid barriers of one step (the folded router's phase has none)."""
+        return _BARRIERS[self.weights.shape.dense] - self.folds
+
+    @property
+    def folds(self) -> bool:
+        """Whether launches fold the router into o_proj's phase (`FOLD_ROUTER`)."""
+        return FOLD_ROUTER and self.weights.router_t is not None
 
 
 def phases_of(table: list[list[float]], barriers: int) -> list[tuple[float, float, float, int]]:

@@ -103,10 +103,11 @@ def test_the_kernel_takes_moe_and_dense_heads(
     assert plain.shape.dense and plain.shape.intermediate == 768
     assert plain.qkv.shape == (2 * 4 * 64 + 2 * 2 * 64, 256)  # q and gate, k, v
     assert plain.mlp[0].shape == (2 * 768, 256)  # gate and up, fused
-    # the weights go to the kernel in its parameter order, between the RoPE
-    # frequencies and the projection rows
+    # the weights go to the kernel in its parameter order, between the
+    # folded router's weights (after the RoPE frequencies) and the projection rows
     names = mtp_cuda._INPUTS
-    start = names.index("inv_freq") + 1
+    assert names.index("w_rt") == names.index("inv_freq") + 1
+    start = names.index("w_rt") + 1
     assert len(plain.arrays()) == names.index("w_head") - start
     assert plain.arrays()[names.index("w_qkv") - start] is plain.qkv
     assert plain.arrays()[names.index("mlp1") - start] is plain.mlp[1]
@@ -158,6 +159,33 @@ def test_rope_frequencies_rotate_as_mlx_rope(config: RopeConfig) -> None:
         ]
     )
     assert mx.allclose(rotated, expected, atol=1e-5).item()
+
+
+def test_the_folded_router_weights_give_the_router_s_logits(
+    moe: tuple[Any, MtpHead],
+) -> None:
+    """FOLD_ROUTER's weights: the router's rows and the shared expert's gate
+    times the MoE norm's weights, transposed; a vector's logits are its
+    product with them times the norm's scale (what the kernel sums per block
+    in o_proj's phase), the router's and the shared gate's on the normed vector."""
+    target, head = moe
+    weights = fused_weights(target, head, 0)
+    assert weights is not None and weights.router_t is not None
+    layer = head.layers[0]
+    hidden = weights.shape.hidden
+    assert weights.router_t.shape == (hidden, weights.shape.experts + 1)
+    mx.random.seed(3)
+    out = mx.random.normal((2, hidden))
+    norm = layer.post_attention_layernorm
+    scale = mx.rsqrt(mx.mean(out * out, axis=-1, keepdims=True) + norm.eps)
+    folded = (out @ weights.router_t) * scale
+    normed = norm(out.astype(mx.bfloat16)).astype(mx.float32)
+    router = normed @ layer.mlp.gate.weight.astype(mx.float32).T
+    gate = normed @ layer.mlp.shared_expert_gate.weight.astype(mx.float32).T
+    expected = mx.concatenate([router, gate], axis=-1)
+    assert mx.allclose(folded, expected, atol=0.05, rtol=0.02).item()
+    dense = fused_weights(*built(DENSE), 0)
+    assert dense is not None and dense.router_t is None
 
 
 def test_traditional_rope_is_out_of_scope() -> None:
@@ -389,6 +417,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # a sampled step's top-k by radix selection, one row and three
         ("moe", False, True, True, 1, 2, 3, ("RADIX_SELECT",)),
         ("moe", False, False, False, 3, 1, 2, ("RADIX_SELECT",)),
+        # the router folded into o_proj's phase (greedy and sampled)
+        ("moe", True, True, True, 1, 2, 3, ("FOLD_ROUTER",)),
+        ("moe", False, False, False, 3, 1, 2, ("FOLD_ROUTER", "RADIX_SELECT")),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
