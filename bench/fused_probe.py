@@ -123,6 +123,7 @@ _SWITCHES = [
     ("row-prefetch", "ROW_PREFETCH", "each warp's next rows asked of L2 before a barrier"),
     ("fast-sincos", "FAST_SINCOS", "diagnostic: RoPE angles by __sincosf"),
     ("radix-select", "RADIX_SELECT", "a sampled step's top-k by radix selection"),
+    ("fold-router", "FOLD_ROUTER", "the MoE router folded into o_proj's phase"),
 ]
 
 
@@ -174,6 +175,7 @@ def main() -> None:
         "row_prefetch": models.mtp_cuda.ROW_PREFETCH,
         "fast_sincos": models.mtp_cuda.FAST_SINCOS,
         "radix_select": models.mtp_cuda.RADIX_SELECT,
+        "fold_router": models.mtp_cuda.FOLD_ROUTER,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

@@ -26,6 +26,9 @@
 # (next: fused_probe.py --rows 3 --samplings greedy,qwen --agree-only: is the three-row chain3 mismatch
 #  the window form's only (`chain3_kv_out`), and sampled too?)
 # (twelfth session: `setup-min device`, the draft phase's device time by Nsight Compute)
+# (thirteenth session, five leases: fused_probe.py --agree-only --rows 1,3 --samplings greedy,qwen,
+#  draft_device.py --check --sampling qwen, `SAMPLING=qwen|greedy DEPTHS=1,2,3 device`, fused_probe.py
+#  --rows 1 --samplings qwen (segments); next: `setup-min switches`, the switches left off, on and off)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -192,6 +195,18 @@ for step in "$@"; do
           --rows ${ROWS:-1,3} --repeats ${REPEATS:-20} --cache-control $cc --context ${CONTEXT:-48} \
           --sampling ${SAMPLING:-greedy} --inputs ${INPUTS:-library} ${SWITCHES:+--kernel-switches $SWITCHES} \
           --out $OUT/draft-device-$cc${TAG:-}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
+    done
+    ;;
+  switches)  # the kernel's switches off (the defaults) and on: the drafts' agreement, then draft device time
+    timeout ${LIMIT:-300} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings greedy,qwen \
+        --agree-only --repeats 2 --radix-select --fold-router --out $OUT/fused-probe-next-switches-agree-h200.json \
+        | grep -v '^agree' || echo "STEP FAILED: $?"
+    for sw in none RADIX_SELECT FOLD_ROUTER RADIX_SELECT,FOLD_ROUTER; do
+      for sampling in greedy qwen; do
+        [ "$sw" = RADIX_SELECT ] && [ $sampling = greedy ] && continue  # (sampled only)
+        SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
+            REPEATS=${REPEATS:-10} CACHE=all LIMIT=150 TAG=-$sampling-${sw//,/-} bash $0 device
+      done
     done
     ;;
   interleave)  # a round's draft phase, full and FR-Spec heads timed in alternation, with its split
