@@ -205,7 +205,7 @@ for step in "$@"; do
       for sampling in greedy qwen; do
         [ "$sw" = RADIX_SELECT ] && [ $sampling = greedy ] && continue  # (sampled only)
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
-            REPEATS=${REPEATS:-10} CACHE=all LIMIT=150 TAG=-$sampling-${sw//,/-} bash $0 device
+            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//,/-} bash $0 device
       done
     done
     ;;
