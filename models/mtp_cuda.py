@@ -521,9 +521,10 @@ __device__ __forceinline__ void warp_merge(float& v, int& i, float bv, int bi) {
 }
 
 // A float as an unsigned key in the same order (the larger float, the larger
-// key; -0 as +0); 0, below every float's, for an empty slot (-inf).
+// key; -0 as +0); 0, below every float's, for an empty slot (-inf) and NaN
+// (which the comparisons of the merging path never choose either).
 __device__ __forceinline__ unsigned int order_key(float v) {
-  if (v == -SP_INF) return 0u;
+  if (v == -SP_INF || v != v) return 0u;
   const unsigned int u = __float_as_uint(v == 0.0f ? 0.0f : v);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
