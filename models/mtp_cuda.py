@@ -1734,7 +1734,6 @@ def state_of(
     )  # fmt: skip
 
 
-@cache
 def device_copy(array: mx.array) -> mx.array:
     """`array` as the output of a device operation, evaluated. MLX (0.32)
     keeps an array made from host values in host memory: one of at most 8
@@ -1748,6 +1747,7 @@ def device_copy(array: mx.array) -> mx.array:
     return out
 
 
+@cache
 def count_array(count: int) -> mx.array:
     """`count` as the kernel's `nsteps` input, made once per count and kept in
     device memory (`device_copy` of 16 bytes, of which the kernel reads the

@@ -188,6 +188,14 @@ def test_the_folded_router_weights_give_the_router_s_logits(
     assert dense is not None and dense.router_t is None
 
 
+def test_the_step_count_is_made_once_per_count() -> None:
+    """A launch's `nsteps` input is one device array per count, not a device
+    operation (and its evaluation) per launch."""
+    three = mtp_cuda.count_array(3)
+    assert mtp_cuda.count_array(3) is three and three.shape == (1,)
+    assert three.item() == 3 and mtp_cuda.count_array(4).item() == 4
+
+
 def test_traditional_rope_is_out_of_scope() -> None:
     assert _inv_freq(RoPE(32, RopeConfig(traditional=True))) is None
 
