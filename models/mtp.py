@@ -61,6 +61,7 @@ from schemas.hf_hybrid import HybridArgs
 # (which records it) default to the same width, block - 1.
 DEFAULT_BLOCK_SIZE = 3
 
+
 class SharedProjection(Protocol):
     """What the head borrows from its target: the vocabulary projection."""
 

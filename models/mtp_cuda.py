@@ -520,6 +520,18 @@ __device__ __forceinline__ void warp_merge(float& v, int& i, float bv, int bi) {
   }
 }
 
+// Warp 0's (v, i) becomes the best 32 of the block's warps' runs (each best
+// first): the runs through shared memory (sv / si, 32 per warp), merged in
+// warp order. Every thread calls it.
+__device__ __forceinline__ void merge_runs(float& v, int& i, float* sv, int* si) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  sv[warp * 32 + lane] = v;
+  si[warp * 32 + lane] = i;
+  __syncthreads();
+  if (warp == 0)
+    for (int w = 1; w < SP_THREADS / 32; ++w) warp_merge(v, i, sv[w * 32 + lane], si[w * 32 + lane]);
+}
+
 // A float as an unsigned key in the same order (the larger float, the larger
 // key; -0 as +0); 0, below every float's, for an empty slot (-inf) and NaN
 // (which the comparisons of the merging path never choose either).
@@ -1492,6 +1504,13 @@ _SOURCE = r"""
           }
         }
       });
+  // sampled: warp 0's best KC of row b (best first) as this block's candidates
+  auto keep_candidates = [&](int b, float tv, int ti) {
+    if (warp == 0 && lane < KC) {
+      S[O_CV + ((size_t)b * NBLK + blk) * KC + lane] = tv;
+      S[O_CI + ((size_t)b * NBLK + blk) * KC + lane] = (float)(tv == -SP_INF ? -1 : ti);
+    }
+  };
   if constexpr (GREEDY) {
     if (lane == 0)
       for (int b = 0; b < B; ++b) { s_topv[warp * B + b] = best_v[b]; s_topi[warp * B + b] = best_i[b]; }
@@ -1524,10 +1543,7 @@ _SOURCE = r"""
       float tv;
       int ti;
       block_select<NPT>(v, id, KC, s_hist, s_sel, s_topv, s_topi, tv, ti);
-      if (warp == 0 && lane < KC) {
-        S[O_CV + ((size_t)b * NBLK + blk) * KC + lane] = tv;
-        S[O_CI + ((size_t)b * NBLK + blk) * KC + lane] = (float)(tv == -SP_INF ? -1 : ti);
-      }
+      keep_candidates(b, tv, ti);
     }
   } else {
     __syncthreads();
@@ -1545,16 +1561,8 @@ _SOURCE = r"""
         warp_sort(v, id);
         warp_merge(tv, ti, v, id);
       }
-      s_topv[warp * 32 + lane] = tv;
-      s_topi[warp * 32 + lane] = ti;
-      __syncthreads();
-      if (warp == 0) {
-        for (int w = 1; w < NWARP; ++w) warp_merge(tv, ti, s_topv[w * 32 + lane], s_topi[w * 32 + lane]);
-        if (lane < KC) {
-          S[O_CV + ((size_t)b * NBLK + blk) * KC + lane] = tv;
-          S[O_CI + ((size_t)b * NBLK + blk) * KC + lane] = (float)(tv == -SP_INF ? -1 : ti);
-        }
-      }
+      merge_runs(tv, ti, s_topv, s_topi);
+      keep_candidates(b, tv, ti);
       __syncthreads();
     }
   }
@@ -1619,11 +1627,7 @@ _SOURCE = r"""
 #pragma unroll
         for (int q = 1; q < LPW; ++q) warp_merge(tv, ti, pv[q], pi[q]);
         __syncthreads();  // (s_topv: the last row's merge read them)
-        s_topv[warp * 32 + lane] = tv;
-        s_topi[warp * 32 + lane] = ti;
-        __syncthreads();
-        if (warp == 0)
-          for (int w = 1; w < NWARP; ++w) warp_merge(tv, ti, s_topv[w * 32 + lane], s_topi[w * 32 + lane]);
+        merge_runs(tv, ti, s_topv, s_topi);
       }
       if (warp == 0) {
         // lane j: the j-th largest logit (descending), or none
@@ -1841,9 +1845,7 @@ class LayerShape:
             parts.append(rows * (self.experts + 1) * blocks)
         return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
-    def shared_bytes(
-        self, vectors: int, rows: int, vocab: int, greedy: bool, top_k: int, blocks: int
-    ) -> int:
+    def shared_bytes(self, vectors: int, rows: int, vocab: int, greedy: bool, blocks: int) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
         sampling)."""
@@ -1864,7 +1866,7 @@ class LayerShape:
         )
         return 4 * floats
 
-    def static_shared(self, rows: int, candidates: int, blocks: int) -> int:
+    def static_shared(self, rows: int, blocks: int) -> int:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
         the source's `__shared__` declarations, plus 1 KiB for the small ones)."""
         warps = BLOCK // 32
@@ -2176,9 +2178,7 @@ class FusedStep:
             and rows * length <= MAX_VECTORS
             and (greedy or 0 < top_k <= MAX_TOP_K)
             and top_k < self.vocab
-            and shape.shared_bytes(
-                rows * length, rows, self.vocab, greedy, top_k, self.blocks
-            )
+            and shape.shared_bytes(rows * length, rows, self.vocab, greedy, self.blocks)
             <= MAX_SHARED
         )
 
@@ -2342,10 +2342,10 @@ class FusedStep:
         # MLX lifts a kernel's shared-memory limit only for more than 48000
         # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
         # (one block per multiprocessor anyway), in steps of 16 KiB.
-        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, top_k, self.blocks)
+        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks)
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         lean = -(-needed // 1024) * 1024
-        if LEAN_SHARED and lean + s.static_shared(rows, candidates, self.blocks) <= 48000:
+        if LEAN_SHARED and lean + s.static_shared(rows, self.blocks) <= 48000:
             shared = lean
         template: list[tuple[str, Any]] = [
             ("T", w.embed.dtype),
