@@ -124,6 +124,8 @@ _SWITCHES = [
     ("fast-sincos", "FAST_SINCOS", "diagnostic: RoPE angles by __sincosf"),
     ("radix-select", "RADIX_SELECT", "a sampled step's top-k by radix selection"),
     ("fold-router", "FOLD_ROUTER", "the MoE router folded into o_proj's phase"),
+    ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),
+    ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
 ]
 
 
@@ -134,6 +136,8 @@ def main() -> None:
                             help=f"{text} (models.mtp_cuda.{name}; default: the module's)")
     parser.add_argument("--narrow-loads", action="store_true",
                         help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS off)")
+    parser.add_argument("--draw-heads-k", type=int, default=None,
+                        help="candidates per block the draw merges first (models.mtp_cuda.DRAW_HEADS_K)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     parser.add_argument("--agree-only", action="store_true",
                         help="the drafts' agreement only (no timing, no profiled launches)")
@@ -141,6 +145,8 @@ def main() -> None:
     for flag, name, _ in _SWITCHES:  # a switch not given keeps the module's setting
         if getattr(args, flag.replace("-", "_")) is not None:
             setattr(models.mtp_cuda, name, getattr(args, flag.replace("-", "_")))
+    if args.draw_heads_k is not None:
+        models.mtp_cuda.DRAW_HEADS_K = args.draw_heads_k
     if args.narrow_loads:
         models.mtp_cuda.WIDE_LOADS = False
 

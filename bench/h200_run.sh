@@ -29,6 +29,8 @@
 # (thirteenth session, five leases: fused_probe.py --agree-only --rows 1,3 --samplings greedy,qwen,
 #  draft_device.py --check --sampling qwen, `SAMPLING=qwen|greedy DEPTHS=1,2,3 device`, fused_probe.py
 #  --rows 1 --samplings qwen (segments); next: `setup-min switches`, the switches left off, on and off)
+# (fourteenth session, three leases: `setup-min switches`, `setup-min draw`, `setup-min tight` (its
+#  agreement run cut by the lease's end); next: the agreement run of `tight` with the defaults)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -198,16 +200,39 @@ for step in "$@"; do
     done
     ;;
   switches)  # the kernel's switches off (the defaults) and on: the drafts' agreement, then draft device time
-    timeout ${LIMIT:-300} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings greedy,qwen \
+    [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-300} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings greedy,qwen \
         --agree-only --repeats 2 --radix-select --fold-router --out $OUT/fused-probe-next-switches-agree-h200.json \
         | grep -v '^agree' || echo "STEP FAILED: $?"
-    for sw in none RADIX_SELECT FOLD_ROUTER RADIX_SELECT,FOLD_ROUTER; do
-      for sampling in greedy qwen; do
+    for sw in ${SETS:-none RADIX_SELECT FOLD_ROUTER RADIX_SELECT,FOLD_ROUTER}; do
+      for sampling in ${SAMPLINGS:-greedy qwen}; do
         [ "$sw" = RADIX_SELECT ] && [ $sampling = greedy ] && continue  # (sampled only)
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
             REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//,/-} bash $0 device
       done
     done
+    ;;
+  draw)  # a sampled draw: its parts' cost (diagnostics, wrong drafts), the blocks' heads merged first
+    SETS=${SETS:--DRAW_HEADS,-TIGHT_DRAW none DIAG_NO_DRAW DIAG_NO_SORT DIAG_NO_DRAW,DIAG_NO_SORT} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
+    for k in ${HEADS_K:-2}; do  # 2: the fallback taken in most draws (two of a row's best 20 in one block)
+      timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings qwen \
+          --agree-only --repeats 2 --draw-heads-k $k --out $OUT/fused-probe-next-drawheads$k-agree-h200.json \
+          | grep -v '^agree' || echo "STEP FAILED: $?"
+    done
+    ;;
+  tight)  # compact sampled-draw code; where a step's warps stall (ncu's stall reasons, sampled and greedy)
+    SETS=${SETS:--TIGHT_DRAW none -DRAW_HEADS} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for sampling in qwen greedy; do
+      MLX_USE_CUDA_GRAPHS=0 timeout ${LIMIT:-150} "${NCU:-ncu}" --target-processes all --kernel-name regex:specpipe_mtp_step \
+          --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum' \
+          --cache-control all --clock-control none --csv --page raw \
+          python3 bench/draft_device.py --worker --labels $OUT/stalls-$sampling-labels.json --depths 3 --rows 1 \
+          --repeats 3 --sampling $sampling ${SWITCHES:+--kernel-switches $SWITCHES} > $OUT/stalls-$sampling.csv 2> $OUT/stalls-$sampling.err \
+          || echo "STEP FAILED: $?"; tail -c 600 $OUT/stalls-$sampling.err
+    done
+    timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings qwen \
+        --agree-only --repeats 2 --draw-heads-k 2 --out $OUT/fused-probe-next-tight-agree-h200.json \
+        | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   interleave)  # a round's draft phase, full and FR-Spec heads timed in alternation, with its split
     for sampling in ${SAMPLINGS:-greedy}; do

@@ -31,7 +31,8 @@ wrong output):
    or top-k candidates (sampled: its warps sort runs of 32 logits by bitonic
    networks of shuffles and merge them);
 8. the draw, by every block for every row (the candidates merged the same
-   way): the argmax, or Qwen-style temperature / top-k / top-p / min-p
+   way, the blocks' best four first, their whole lists only when one block
+   holds four of the row's best top-k): the argmax, or Qwen-style temperature / top-k / top-p / min-p
    filtering and the coupled inverse-CDF draw of `specpipe.sampling` with the
    same (seed, step) uniform.
 
@@ -156,10 +157,36 @@ LEAN_SHARED = False
 # rounds over its bits, ties by the smallest ids, then one warp sorts the k)
 # instead of bitonic sorts and merges of runs of 32. The merges' draw cost
 # 12.8-13.6 us of a sampled step, the block's candidates 3-5 us (H200,
-# `bench/fused_probe.py --samplings qwen`, thirteenth session). Off until
-# measured on a device (`--kernel-switches RADIX_SELECT`): its drafts are
-# checked against the MLX step there only.
+# `bench/fused_probe.py --samplings qwen`, thirteenth session). Off: at
+# most ~1% faster on the H200 (depth 2: 488.5 / 262.4 -> 484.2 / 259.3 us,
+# full / FR, fourteenth session), the draw's cost being its code's fetch,
+# not its selection; its drafts not yet checked on a device.
 RADIX_SELECT = False
+# Whether a sampled step's draw first merges only each block's best DRAW_HEADS_K
+# candidates (512 of the 2,560 with 128 blocks), exactly: when no block has
+# all of those among the row's best top-k, no block's later candidates can be
+# among them either (each block's list is in the draw's order); otherwise
+# every block (each sees the same candidates) merges the whole lists. A
+# sampled step's draw is bound by fetching its code, not by its arithmetic
+# (ncu: sampled FR steps stall on "no instruction" 2.1 per issue against 0.6
+# greedy; the step's code is ~300 KB and the head's rows stream through L2
+# before the draw): fewer merges run, less code. H200, one row, FR-Spec
+# 32k, Qwen's sampling: 264.5 -> 248.7 us per depth-2 launch (the full
+# head 486.1 -> 468.0), drafts equal to the float32 MLX step's with both
+# paths taken (fourteenth session, bench/RESULTS.md).
+DRAW_HEADS = True
+DRAW_HEADS_K = 4
+# Whether a sampled step's sorts, merges and inverse CDF keep their loops
+# rolled (compact code: the step's code is ~300 KB, re-read every step; the
+# rolled loops take ~30 KB off). With DRAW_HEADS, H200: 248.7 -> 244.1 us
+# per FR depth-2 launch, 373.8 -> 362.9 at depth 3 (fourteenth session).
+TIGHT_DRAW = True
+# Diagnostics, timing only (their drafts are wrong): a sampled step without
+# the draw's merge and inverse CDF (each block's best candidate reduced as a
+# greedy draw does), without each block's sort of its logits (its first
+# top-k logits as its candidates), or both.
+DIAG_NO_DRAW = False
+DIAG_NO_SORT = False
 # Whether a MoE step of at most 127 experts folds its router into o_proj's
 # phase: the router's logits (and the shared expert's gate) are linear in the
 # MoE's input before its norm's scale, so each block sums its o_proj rows'
@@ -168,8 +195,9 @@ RADIX_SELECT = False
 # anyway, scaled by the norm; the shared expert's gate/up rows join the
 # chosen experts' product. One grid barrier and the router's product phase
 # fewer per step (the router's phase took ~3 us of a step on the H200, its
-# barrier ~1.2, its input staging ~1.4; eleventh session's segments). Off
-# until measured on a device (`--kernel-switches FOLD_ROUTER`).
+# barrier ~1.2, its input staging ~1.4; eleventh session's segments). Off:
+# ~1 us per launch on the H200 (greedy depth 2: 442.8 / 222.4 -> 441.5 /
+# 222.1 us, fourteenth session); its drafts not yet checked on a device.
 FOLD_ROUTER = False
 
 _HEADER = r"""
@@ -489,11 +517,12 @@ __device__ __forceinline__ bool ahead(float av, int ai, float bv, int bi) {
 
 // The warp's 32 (value, id) pairs sorted best first (lane 0 the best): a
 // bitonic network by shuffles, 15 exchanges.
+template <int U = 32>  // U: the loops' unrolling (1: compact code)
 __device__ __forceinline__ void warp_sort(float& v, int& i) {
   const int lane = threadIdx.x & 31;
-#pragma unroll
+#pragma unroll U
   for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
+#pragma unroll U
     for (int j = k >> 1; j > 0; j >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, v, j);
       const int oi = __shfl_xor_sync(0xffffffffu, i, j);
@@ -507,12 +536,13 @@ __device__ __forceinline__ void warp_sort(float& v, int& i) {
 // The best 32 of two sorted runs of 32 (each best first, one pair per lane):
 // (v, i) becomes them, best first. The elementwise better of the one run and
 // the other reversed is bitonic; five exchanges sort it.
+template <int U = 32>
 __device__ __forceinline__ void warp_merge(float& v, int& i, float bv, int bi) {
   const int lane = threadIdx.x & 31;
   const float rv = __shfl_sync(0xffffffffu, bv, 31 - lane);
   const int ri = __shfl_sync(0xffffffffu, bi, 31 - lane);
   if (ahead(rv, ri, v, i)) { v = rv; i = ri; }
-#pragma unroll
+#pragma unroll U
   for (int j = 16; j > 0; j >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, v, j);
     const int oi = __shfl_xor_sync(0xffffffffu, i, j);
@@ -523,13 +553,20 @@ __device__ __forceinline__ void warp_merge(float& v, int& i, float bv, int bi) {
 // Warp 0's (v, i) becomes the best 32 of the block's warps' runs (each best
 // first): the runs through shared memory (sv / si, 32 per warp), merged in
 // warp order. Every thread calls it.
+template <int U = 32>
 __device__ __forceinline__ void merge_runs(float& v, int& i, float* sv, int* si) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   sv[warp * 32 + lane] = v;
   si[warp * 32 + lane] = i;
   __syncthreads();
-  if (warp == 0)
-    for (int w = 1; w < SP_THREADS / 32; ++w) warp_merge(v, i, sv[w * 32 + lane], si[w * 32 + lane]);
+  if (warp == 0) {
+    if constexpr (U == 1) {
+#pragma unroll 1
+      for (int w = 1; w < SP_THREADS / 32; ++w) warp_merge<U>(v, i, sv[w * 32 + lane], si[w * 32 + lane]);
+    } else {
+      for (int w = 1; w < SP_THREADS / 32; ++w) warp_merge<U>(v, i, sv[w * 32 + lane], si[w * 32 + lane]);
+    }
+  }
 }
 
 // A float as an unsigned key in the same order (the larger float, the larger
@@ -690,6 +727,7 @@ _SOURCE = r"""
   constexpr int HALF = ROT / 2;
   constexpr int GROUP = HQ / HKV;
   constexpr int KC = GREEDY ? 1 : TOPK;
+  constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -790,6 +828,7 @@ _SOURCE = r"""
   __shared__ float s_topv[TOPN];
   __shared__ int s_topi[TOPN];
   __shared__ int s_tok[B];  // a step's tokens, drawn by every block
+  __shared__ bool s_crowded;  // DRAW_HEADS: the blocks' heads not enough
   __shared__ unsigned int s_hist[RADIX_SELECT && !GREEDY ? 256 : 1], s_sel[4];  // radix selection
   __shared__ int s_eid[B][KE > 0 ? KE : 1];
   __shared__ float s_split[2 * SPLITS];  // a combining block's split (max, sum)s, then weights
@@ -1554,14 +1593,19 @@ _SOURCE = r"""
       const float* vals = lg + (size_t)b * CHUNK;
       float tv = -SP_INF;
       int ti = 0x7fffffff;
+      if constexpr (DIAG_NO_SORT) {
+        tv = lane < n ? vals[lane] : -SP_INF;
+        ti = lane < n ? lo + lane : 0x7fffffff;
+      } else {
       for (int p0 = warp * 32; p0 < n; p0 += NWARP * 32) {
         const int p = p0 + lane;
         float v = p < n ? vals[p] : -SP_INF;
         int id = p < n ? lo + p : 0x7fffffff;
-        warp_sort(v, id);
-        warp_merge(tv, ti, v, id);
+        warp_sort<SU>(v, id);
+        warp_merge<SU>(tv, ti, v, id);
       }
-      merge_runs(tv, ti, s_topv, s_topi);
+      merge_runs<SU>(tv, ti, s_topv, s_topi);
+      }
       keep_candidates(b, tv, ti);
       __syncthreads();
     }
@@ -1612,7 +1656,51 @@ _SOURCE = r"""
           ci[q] = c < NC ? (int)__ldcg(S + O_CI + (size_t)b * NC + c) : 0x7fffffff;
         }
         block_select<CPT>(cv, ci, KC, s_hist, s_sel, s_topv, s_topi, tv, ti);
+      } else if constexpr (DIAG_NO_DRAW) {
+        if (warp == 0) {
+          for (int c = lane; c < NBLK; c += 32) {
+            const float ov = __ldcg(S + O_CV + ((size_t)b * NBLK + c) * KC);
+            const int oi = (int)__ldcg(S + O_CI + ((size_t)b * NBLK + c) * KC);
+            if (ov > tv || (ov == tv && oi < ti)) { tv = ov; ti = oi; }
+          }
+          warp_argmax(tv, ti);
+        }
       } else {
+        bool whole = true;  // DRAW_HEADS: whether the blocks' whole lists are merged
+        if constexpr (DRAW_HEADS) {
+          // runs of 32: LPR blocks' best HK each; warp w the runs w * RUNS ...
+          constexpr int LPR = 32 / HK;
+          constexpr int RUNS = (NBLK + NWARP * LPR - 1) / (NWARP * LPR);
+          float rv[RUNS];
+          int ri[RUNS];
+#pragma unroll
+          for (int r = 0; r < RUNS; ++r) {
+            const int c = (warp * RUNS + r) * LPR + lane / HK;
+            const size_t at = ((size_t)b * NBLK + c) * KC + lane % HK;
+            rv[r] = c < NBLK ? __ldcg(S + O_CV + at) : -SP_INF;
+            ri[r] = (c < NBLK && rv[r] != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
+          }
+#pragma unroll
+          for (int r = 0; r < RUNS; ++r) warp_sort<SU>(rv[r], ri[r]);
+          tv = rv[0];
+          ti = ri[0];
+#pragma unroll
+          for (int r = 1; r < RUNS; ++r) warp_merge<SU>(tv, ti, rv[r], ri[r]);
+          __syncthreads();  // (s_topv: the last row's merge read them)
+          merge_runs<SU>(tv, ti, s_topv, s_topi);
+          if (warp == 0) {
+            // a block with all its HK heads among the best KC may hold more
+            const bool in = lane < KC && tv != -SP_INF;
+            const unsigned int same = __match_any_sync(0xffffffffu, in ? ti / CHUNK : -1 - lane);
+            const bool crowded = __any_sync(0xffffffffu, in && __popc(same) >= HK);
+            if (lane == 0) s_crowded = crowded;
+          }
+          __syncthreads();
+          whole = s_crowded;
+        }
+        if (whole) {
+        tv = -SP_INF;
+        ti = 0x7fffffff;
         float pv[LPW];
         int pi[LPW];
 #pragma unroll
@@ -1628,8 +1716,15 @@ _SOURCE = r"""
         for (int q = 1; q < LPW; ++q) warp_merge(tv, ti, pv[q], pi[q]);
         __syncthreads();  // (s_topv: the last row's merge read them)
         merge_runs(tv, ti, s_topv, s_topi);
+        }
       }
-      if (warp == 0) {
+      if (DIAG_NO_DRAW && warp == 0) {
+        if (lane == 0) {
+          const int token = SUBSET ? sub_ids[ti] : ti;
+          s_tok[b] = token;
+          if (blk == 0) tokens[(size_t)b * STEPS + s] = token;
+        }
+      } else if (warp == 0) {
         // lane j: the j-th largest logit (descending), or none
         const bool have = lane < KC && tv != -SP_INF;
         const float sc = have ? tv * fparams[1] : -SP_INF;
@@ -1660,10 +1755,16 @@ _SOURCE = r"""
         }
         // inverse CDF in id order with the (seed, step) uniform
         float below = 0.0f;  // mass of ids <= mine
-        for (int j = 0; j < 32; ++j) {
+        auto add_below = [&](int j) {
           const float pj = __shfl_sync(0xffffffffu, p, j);
           const int ij = __shfl_sync(0xffffffffu, id, j);
           if (ij <= id) below += pj;
+        };
+        if constexpr (TIGHT_DRAW) {
+#pragma unroll 1
+          for (int j = 0; j < 32; ++j) add_below(j);
+        } else {
+          for (int j = 0; j < 32; ++j) add_below(j);
         }
         const float total = warp_sum(p);
         const float u = step_uniform(s_in_seed[b], s_in_step[b] + (unsigned int)s);
@@ -2379,6 +2480,11 @@ class FusedStep:
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("RADIX_SELECT", RADIX_SELECT),
+            ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),
+            ("HK", DRAW_HEADS_K),
+            ("TIGHT_DRAW", TIGHT_DRAW),
+            ("DIAG_NO_DRAW", DIAG_NO_DRAW),
+            ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
             ("DERIVE", derive is not None),
         ]

@@ -428,6 +428,13 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # the router folded into o_proj's phase (greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("FOLD_ROUTER",)),
         ("moe", False, False, False, 3, 1, 2, ("FOLD_ROUTER", "RADIX_SELECT")),
+        # the draw's whole-list merge without the blocks' heads first, and
+        # unrolled sorts (one row and three)
+        ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
+        ("moe", False, False, False, 3, 1, 2, ("-DRAW_HEADS",)),
+        ("moe", False, True, True, 1, 2, 3, ("HK=2",)),
+        # the timing diagnostics
+        ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
