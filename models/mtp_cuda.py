@@ -32,8 +32,8 @@ wrong output):
    networks of shuffles and merge them);
 8. the draw, by every block for every row (the candidates merged the same
    way, the blocks' best four first, their whole lists only when one block
-   holds four of the row's best top-k): the argmax, or Qwen-style temperature / top-k / top-p / min-p
-   filtering and the coupled inverse-CDF draw of `specpipe.sampling` with the
+   holds four of the row's best top-k): the argmax, or Qwen-style
+   temperature / top-k / top-p / min-p filtering and the coupled inverse-CDF draw of `specpipe.sampling` with the
    same (seed, step) uniform.
 
 A round's chained steps (each drafting from the previous step's token and
@@ -559,7 +559,7 @@ __device__ __forceinline__ void merge_runs(float& v, int& i, float* sv, int* si)
   sv[warp * 32 + lane] = v;
   si[warp * 32 + lane] = i;
   __syncthreads();
-  if (warp == 0) {
+  if (warp == 0) {  // (U > 1: no pragma, the compiler's choice, as measured)
     if constexpr (U == 1) {
 #pragma unroll 1
       for (int w = 1; w < SP_THREADS / 32; ++w) warp_merge<U>(v, i, sv[w * 32 + lane], si[w * 32 + lane]);
@@ -1668,6 +1668,7 @@ _SOURCE = r"""
       } else {
         bool whole = true;  // DRAW_HEADS: whether the blocks' whole lists are merged
         if constexpr (DRAW_HEADS) {
+          static_assert(32 % HK == 0, "a run of 32 holds whole blocks' heads");
           // runs of 32: LPR blocks' best HK each; warp w the runs w * RUNS ...
           constexpr int LPR = 32 / HK;
           constexpr int RUNS = (NBLK + NWARP * LPR - 1) / (NWARP * LPR);
@@ -1698,7 +1699,7 @@ _SOURCE = r"""
           __syncthreads();
           whole = s_crowded;
         }
-        if (whole) {
+        if (whole) {  // (rarely run: left unrolled, the form measured)
         tv = -SP_INF;
         ti = 0x7fffffff;
         float pv[LPW];
