@@ -79,6 +79,7 @@ def worker(args: argparse.Namespace) -> None:
         "fr": MtpDrafter(model, head, DraftPolicy(compiled=True),
                          vocab=fr_list(args.vocab, args.fr_size)),
     }
+    drafters = {name: d for name, d in drafters.items() if name in args.heads.split(",")}
     opened = {
         (rows, name): opened_rows(
             drafter, model, prompt, max(depths), sampling, rows, craft=args.check
@@ -250,6 +251,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sampling", choices=("greedy", "qwen"), default="greedy")
+    parser.add_argument("--heads", default="full,fr",
+                        help="the worker's heads (profiling one head under other ncu options)")
     parser.add_argument("--kernel-switches", default="",
                         help="comma-separated models.mtp_cuda switches on (NAME) or off (-NAME)")
     parser.add_argument("--inputs", choices=("library", "host", "device", "chained"),

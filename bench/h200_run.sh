@@ -234,6 +234,22 @@ for step in "$@"; do
         --agree-only --repeats 2 --draw-heads-k 2 --out $OUT/fused-probe-next-tight-agree-h200.json \
         | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
+  pcsamp)  # where a step's warps stall, per SASS instruction (ncu's PC sampling), FR head, depth 3
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    "${NCU:-ncu}" --version | tail -1
+    for sampling in ${SAMPLINGS:-greedy qwen}; do
+      MLX_USE_CUDA_GRAPHS=0 timeout ${LIMIT:-200} "${NCU:-ncu}" --target-processes all --kernel-name regex:specpipe_mtp_step \
+          --launch-skip ${SKIP:-6} --launch-count 1 --section SourceCounters --section WarpStateStats \
+          --cache-control all --clock-control none -f -o /tmp/pc-$sampling \
+          python3 bench/draft_device.py --worker --labels /tmp/pc-labels.json --heads ${HEADS:-fr} --depths ${DEPTHS:-3} \
+          --rows 1 --repeats 4 --sampling $sampling ${SWITCHES:+--kernel-switches $SWITCHES} > $OUT/pc-$sampling.log 2>&1 \
+          || echo "STEP FAILED: $?"; tail -c 300 $OUT/pc-$sampling.log
+      "${NCU:-ncu}" --import /tmp/pc-$sampling.ncu-rep --page source --csv --print-source sass > $OUT/pc-$sampling-sass.csv \
+          2> $OUT/pc-$sampling.err || echo "STEP FAILED: $?"
+      "${NCU:-ncu}" --import /tmp/pc-$sampling.ncu-rep --page details --csv >> $OUT/pc-$sampling.log 2>&1 || echo "STEP FAILED: $?"
+      head -c 400 $OUT/pc-$sampling-sass.csv; echo; wc -c $OUT/pc-$sampling-sass.csv
+    done
+    ;;
   interleave)  # a round's draft phase, full and FR-Spec heads timed in alternation, with its split
     for sampling in ${SAMPLINGS:-greedy}; do
       timeout ${LIMIT:-230} python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 \

@@ -124,6 +124,12 @@ PREFETCH_L2 = False
 # which the next chained step reads again, stay in L2 longer: 157 / 274 us
 # (`--stream-hints`).
 STREAM_HINTS = False
+# Whether every weight row a step reads (each is read once per step) loads
+# under the L2 evict-first policy, so that what L2 keeps between a step's
+# phases and between chained steps is the kernel's code and the small
+# activations, not the last megabytes of weights: a step's code (~150 KB,
+# greedy) is otherwise fetched from DRAM again every step.
+EVICT_ALL = False
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -970,7 +976,7 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, false>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, 2 * H, gwarp, NW,
       [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
@@ -984,7 +990,7 @@ _SOURCE = r"""
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, false>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -1226,7 +1232,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, false>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, HQ * D, gwarp, NW,
       [&](int r, int) { return w_o + (size_t)r * HQ * D; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
@@ -1274,7 +1280,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, false>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1287,7 +1293,7 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, false>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW,
         [&](int r, int) { return mlp1 + (size_t)r * IM; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
@@ -1313,7 +1319,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, false>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1418,7 +1424,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS>(
+    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -1457,12 +1463,11 @@ _SOURCE = r"""
         for (int c = 0; c < KE; ++c)
 #pragma unroll
           for (int q = 0; q < CH; ++q)
-            raw[c * CH + q] = load_w<STREAM_HINTS>(
+            raw[c * CH + q] = load_w<STREAM_HINTS || EVICT_ALL>(
                 mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE + q * 256 + lane * 8);
 #pragma unroll
         for (int q = 0; q < SCH; ++q)
-          raw[KE * CH + q] = __ldg(reinterpret_cast<const uint4*>(
-              mlp6 + (size_t)hr * IS + q * 256 + lane * 8));
+          raw[KE * CH + q] = load_w<EVICT_ALL>(mlp6 + (size_t)hr * IS + q * 256 + lane * 8);
 #pragma unroll
         for (int c = 0; c <= KE; ++c) {
           const float weight = c < KE ? s_ew[b][c] : sg;
@@ -1524,7 +1529,7 @@ _SOURCE = r"""
   // two adjacent rows per warp (more loads in flight); an odd last row pairs
   // with itself and its second sum is dropped
   const int n_here = max(0, hi - lo);
-  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS>(
+  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
       (n_here + 1) / 2, H, warp, NWARP,
       [&](int q, int j) { return w_head + (size_t)min(lo + 2 * q + j, hi - 1) * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -2478,6 +2483,7 @@ class FusedStep:
             ("KV_OUT", kv_out),
             ("WIDE_LOADS", WIDE_LOADS),
             ("STREAM_HINTS", STREAM_HINTS),
+            ("EVICT_ALL", EVICT_ALL),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("RADIX_SELECT", RADIX_SELECT),

@@ -433,6 +433,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
         ("moe", False, False, False, 3, 1, 2, ("-DRAW_HEADS",)),
         ("moe", False, True, True, 1, 2, 3, ("HK=2",)),
+        # every weight row under the L2 evict-first policy (greedy and sampled)
+        ("moe", True, True, True, 1, 2, 3, ("EVICT_ALL",)),
+        ("dense", False, False, False, 2, 1, 2, ("EVICT_ALL",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
