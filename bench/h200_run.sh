@@ -211,6 +211,11 @@ for step in "$@"; do
       done
     done
     ;;
+  agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
+    timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
+        --agree-only --repeats 2 ${PROBE_FLAGS:-} --out $OUT/fused-probe-next${PROBE_TAG:-}-agree-h200.json \
+        | grep -v '^agree' || echo "STEP FAILED: $?"
+    ;;
   draw)  # a sampled draw: its parts' cost (diagnostics, wrong drafts), the blocks' heads merged first
     SETS=${SETS:--DRAW_HEADS,-TIGHT_DRAW none DIAG_NO_DRAW DIAG_NO_SORT DIAG_NO_DRAW,DIAG_NO_SORT} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
     for k in ${HEADS_K:-2}; do  # 2: the fallback taken in most draws (two of a row's best 20 in one block)

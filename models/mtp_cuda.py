@@ -130,6 +130,14 @@ STREAM_HINTS = False
 # activations, not the last megabytes of weights: a step's code (~150 KB,
 # greedy) is otherwise fetched from DRAM again every step.
 EVICT_ALL = False
+# Whether the layer's products (all but the head's projection, whose loop
+# runs many times per warp) land their weight loads in shared memory by
+# asynchronous copies and sum them in rolled loops: the same sums in the
+# same order, a fraction of the code (each of those products runs once or a
+# few times per warp per step, so its unrolled code is fetched cold every
+# step). Costs STAGE_BYTES of shared memory per block.
+COMPACT_PRODUCT = False
+STAGE_BYTES = 8 * 8192  # models.mtp_cuda's STAGE_WARP per warp
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -430,6 +438,33 @@ __device__ __forceinline__ uint4 load_w(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// An asynchronous 16-byte copy of a weight chunk from global into shared
+// memory (sm_80+; L2 evict-first under STREAM), and the wait for this
+// thread's copies.
+template <bool STREAM>
+__device__ __forceinline__ void copy_w(void* to, const void* from) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(to);
+  if constexpr (STREAM) {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                 ::"r"(at), "l"(from), "l"(policy) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(from) : "memory");
+  }
+}
+__device__ __forceinline__ void copies_done() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Bytes of shared memory each warp's compact products land their loads in
+// (`COMPACT_PRODUCT`), at the end of the block's dynamic shared memory.
+constexpr int STAGE_WARP = 8192;
+__device__ __forceinline__ char* warp_stage() {
+  extern __shared__ __align__(16) float dyn[];
+  unsigned int size;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(size));
+  return reinterpret_cast<char*>(dyn) + size - (SP_THREADS / 32 - (threadIdx.x >> 5)) * STAGE_WARP;
+}
+
 // Rows r = first, first + stride, ... of a product: NV input vectors times
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
@@ -437,7 +472,8 @@ __device__ __forceinline__ uint4 load_w(const void* p) {
 // lane holds them). PAIRS: a warp takes two of its rows at once (their loads
 // in flight together: half the DRAM round trips where a warp has several
 // short rows), for one weight row of at most two inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF, typename XF, typename OF>
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, bool COMPACT = false,
+          typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
   constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
@@ -461,6 +497,45 @@ __device__ __forceinline__ void product(
       for (int v = 0; v < NV; ++v)
 #pragma unroll
         for (int j = 0; j < NDOT; ++j) acc[q][v][j] = 0.0f;
+    if constexpr (COMPACT) {
+      // the loads land in this warp's shared stage (each lane its own 16
+      // bytes per chunk: no exchange between lanes), the sums in rolled
+      // loops: the same sums in the same order as the register path below,
+      // a fraction of its code
+      static_assert(R * NDOT * U * 512 <= STAGE_WARP, "a warp's stage holds its loads");
+      char* stage = warp_stage() + lane * 16;
+      for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
+#pragma unroll
+        for (int q = 0; q < R; ++q)
+#pragma unroll
+          for (int j = 0; j < NDOT; ++j)
+#pragma unroll 4
+            for (int u = 0; u < U; ++u)
+              if (k0 + u * 256 < K) copy_w<STREAM>(stage + ((q * NDOT + j) * U + u) * 512, wr[q][j] + k0 + u * 256);
+        copies_done();
+#pragma unroll 1
+        for (int u = 0; u < U; ++u) {
+          const int k = k0 + u * 256;
+          if (k >= K) break;
+#pragma unroll
+          for (int v = 0; v < NV; ++v) {
+            float x[8];
+            xf(v, r0, k, x);
+#pragma unroll
+            for (int q = 0; q < R; ++q)
+#pragma unroll
+              for (int j = 0; j < NDOT; ++j) {
+                const uint4 chunk = *reinterpret_cast<const uint4*>(stage + ((q * NDOT + j) * U + u) * 512);
+                const W* e = reinterpret_cast<const W*>(&chunk);
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
+                acc[q][v][j] += s;
+              }
+          }
+        }
+      }
+    } else
     for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
       uint4 raw[R][U][NDOT];
 #pragma unroll
@@ -976,7 +1051,7 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
       H, 2 * H, gwarp, NW,
       [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
@@ -990,7 +1065,7 @@ _SOURCE = r"""
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
       QKVN, H, gwarp, NW,
       [&](int r, int) { return w_qkv + (size_t)r * H; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
@@ -1232,7 +1307,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
       H, HQ * D, gwarp, NW,
       [&](int r, int) { return w_o + (size_t)r * HQ * D; },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
@@ -1280,7 +1355,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1293,7 +1368,7 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
         H, IM, gwarp, NW,
         [&](int r, int) { return mlp1 + (size_t)r * IM; },
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
@@ -1319,7 +1394,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1424,7 +1499,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
+    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, COMPACT_PRODUCT>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -1955,7 +2030,7 @@ class LayerShape:
     def shared_bytes(self, vectors: int, rows: int, vocab: int, greedy: bool, blocks: int) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
-        sampling)."""
+        sampling), then the products' stages where COMPACT_PRODUCT is on."""
         h = self.hidden
         mlp = (
             rows * self.intermediate
@@ -1971,7 +2046,8 @@ class LayerShape:
             rows * h + (0 if greedy else rows * chunk),
             BLOCK // 32 * rows * (self.experts + 1),  # FOLD: o_proj's warps' router sums
         )
-        return 4 * floats
+        # (COMPACT_PRODUCT: the warps' stages at the end)
+        return 4 * _align8(floats) + (STAGE_BYTES if COMPACT_PRODUCT else 0)
 
     def static_shared(self, rows: int, blocks: int) -> int:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
@@ -2484,6 +2560,7 @@ class FusedStep:
             ("WIDE_LOADS", WIDE_LOADS),
             ("STREAM_HINTS", STREAM_HINTS),
             ("EVICT_ALL", EVICT_ALL),
+            ("COMPACT_PRODUCT", COMPACT_PRODUCT),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("RADIX_SELECT", RADIX_SELECT),

@@ -436,6 +436,10 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # every weight row under the L2 evict-first policy (greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("EVICT_ALL",)),
         ("dense", False, False, False, 2, 1, 2, ("EVICT_ALL",)),
+        # the products' loads through shared memory, summed in rolled loops
+        ("moe", True, True, True, 1, 2, 3, ("COMPACT_PRODUCT",)),
+        ("moe", False, False, False, 3, 1, 2, ("COMPACT_PRODUCT", "EVICT_ALL")),
+        ("dense", True, True, False, 2, 2, 1, ("COMPACT_PRODUCT",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
