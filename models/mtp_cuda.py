@@ -130,14 +130,18 @@ STREAM_HINTS = False
 # activations, not the last megabytes of weights: a step's code (~150 KB,
 # greedy) is otherwise fetched from DRAM again every step.
 EVICT_ALL = False
-# Whether the layer's products (all but the head's projection, whose loop
-# runs many times per warp) land their weight loads in shared memory by
-# asynchronous copies and sum them in rolled loops: the same sums in the
-# same order, a fraction of the code (each of those products runs once or a
-# few times per warp per step, so its unrolled code is fetched cold every
-# step). Costs STAGE_BYTES of shared memory per block.
-COMPACT_PRODUCT = False
-STAGE_BYTES = 8 * 8192  # models.mtp_cuda's STAGE_WARP per warp
+# Whether each warp copies the weight chunks of its first rows of a phase's
+# product into shared memory (asynchronous copies, cp.async) before the grid
+# barrier that product waits behind, so that a phase's first DRAM round trip
+# overlaps the barrier and the input staging: the q/k/v rows during fc's
+# barrier, o_proj's during attention, the MLP's first rows during o_proj's
+# barrier, the head's during the MLP's last barrier, fc's during the last
+# step's draw (and a launch's input staging). A step's non-head phases are
+# latency-bound: ncu's PC sampling puts half of a one-row FR step's stalls on
+# loads outstanding and a fifth on barriers, 5% on fetching code (H200,
+# fifteenth session). Costs STAGE_BYTES of shared memory per block.
+STAGE_AHEAD = False
+STAGE_BYTES = 8 * 8192  # the kernel's STAGE_WARP per warp
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -455,8 +459,9 @@ __device__ __forceinline__ void copy_w(void* to, const void* from) {
 }
 __device__ __forceinline__ void copies_done() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Bytes of shared memory each warp's compact products land their loads in
-// (`COMPACT_PRODUCT`), at the end of the block's dynamic shared memory.
+// Bytes of shared memory each warp's first loads of a product land in ahead
+// of its barrier (`STAGE_AHEAD`), at the end of the block's dynamic shared
+// memory.
 constexpr int STAGE_WARP = 8192;
 __device__ __forceinline__ char* warp_stage() {
   extern __shared__ __align__(16) float dyn[];
@@ -465,22 +470,51 @@ __device__ __forceinline__ char* warp_stage() {
   return reinterpret_cast<char*>(dyn) + size - (SP_THREADS / 32 - (threadIdx.x >> 5)) * STAGE_WARP;
 }
 
+// A product's tile: R rows per warp at once, U 16-byte loads per lane and
+// weight row in flight (see `product`).
+template <int NV, int NDOT, bool PAIRS, bool WIDE>
+struct Tile {
+  static constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
+  // WIDE: a one-input product of one or two vectors keeps 16 loads per lane
+  // in flight (a 4096-long row in one DRAM round trip instead of two)
+  static constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
+};
+
+// The chunks `product` (same arguments) loads first, copied into this
+// warp's stage ahead (`STAGE_AHEAD`): its first rows' first U chunks per lane.
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF>
+__device__ __forceinline__ void stage_ahead(int rows, int K, int first, int stride, RF rowf) {
+  constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
+  static_assert(R * NDOT * U * 512 <= STAGE_WARP, "a warp's stage holds its first loads");
+  const int lane = threadIdx.x & 31;
+  if (first >= rows) return;
+  char* stage = warp_stage() + lane * 16;
+#pragma unroll
+  for (int q = 0; q < R; ++q)
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) {
+      const W* row = rowf(first + q * stride < rows ? first + q * stride : first, j);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (lane * 8 + u * 256 < K) copy_w<STREAM>(stage + ((q * NDOT + j) * U + u) * 512, row + lane * 8 + u * 256);
+    }
+}
+
 // Rows r = first, first + stride, ... of a product: NV input vectors times
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
 // elements k .. k + 7 (from shared memory); of(r, acc) gets the sums (every
 // lane holds them). PAIRS: a warp takes two of its rows at once (their loads
 // in flight together: half the DRAM round trips where a warp has several
-// short rows), for one weight row of at most two inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, bool COMPACT = false,
+// short rows), for one weight row of at most two inputs. AHEAD: the first
+// loads are in the warp's stage (`stage_ahead` with the same arguments).
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, bool AHEAD = false,
           typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
-  constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
-  // WIDE: a one-input product of one or two vectors keeps 16 loads per lane
-  // in flight (a 4096-long row in one DRAM round trip instead of two)
-  constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
+  constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
   const int lane = threadIdx.x & 31;
+  bool staged = AHEAD;
   for (int r0 = first; r0 < rows; r0 += stride * R) {
     const W* wr[R][NDOT];
     bool live[R];
@@ -497,56 +531,32 @@ __device__ __forceinline__ void product(
       for (int v = 0; v < NV; ++v)
 #pragma unroll
         for (int j = 0; j < NDOT; ++j) acc[q][v][j] = 0.0f;
-    if constexpr (COMPACT) {
-      // the loads land in this warp's shared stage (each lane its own 16
-      // bytes per chunk: no exchange between lanes), the sums in rolled
-      // loops: the same sums in the same order as the register path below,
-      // a fraction of its code
-      static_assert(R * NDOT * U * 512 <= STAGE_WARP, "a warp's stage holds its loads");
-      char* stage = warp_stage() + lane * 16;
-      for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
+    for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
+      uint4 raw[R][U][NDOT];
+      if (AHEAD && staged) {  // (the warp's first rows, k0 = lane * 8)
+        copies_done();
+        const char* stage = warp_stage() + lane * 16;
 #pragma unroll
         for (int q = 0; q < R; ++q)
 #pragma unroll
-          for (int j = 0; j < NDOT; ++j)
-#pragma unroll 4
-            for (int u = 0; u < U; ++u)
-              if (k0 + u * 256 < K) copy_w<STREAM>(stage + ((q * NDOT + j) * U + u) * 512, wr[q][j] + k0 + u * 256);
-        copies_done();
-#pragma unroll 1
-        for (int u = 0; u < U; ++u) {
-          const int k = k0 + u * 256;
-          if (k >= K) break;
+          for (int u = 0; u < U; ++u)
 #pragma unroll
-          for (int v = 0; v < NV; ++v) {
-            float x[8];
-            xf(v, r0, k, x);
+            for (int j = 0; j < NDOT; ++j)
+              raw[q][u][j] = (k0 + u * 256 < K)
+                  ? *reinterpret_cast<const uint4*>(stage + ((q * NDOT + j) * U + u) * 512)
+                  : make_uint4(0u, 0u, 0u, 0u);
+        staged = false;
+      } else {
 #pragma unroll
-            for (int q = 0; q < R; ++q)
+        for (int q = 0; q < R; ++q)
 #pragma unroll
-              for (int j = 0; j < NDOT; ++j) {
-                const uint4 chunk = *reinterpret_cast<const uint4*>(stage + ((q * NDOT + j) * U + u) * 512);
-                const W* e = reinterpret_cast<const W*>(&chunk);
-                float s = 0.0f;
+          for (int u = 0; u < U; ++u)
 #pragma unroll
-                for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
-                acc[q][v][j] += s;
-              }
-          }
-        }
+            for (int j = 0; j < NDOT; ++j)
+              raw[q][u][j] = (k0 + u * 256 < K)
+                  ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
+                  : make_uint4(0u, 0u, 0u, 0u);
       }
-    } else
-    for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
-      uint4 raw[R][U][NDOT];
-#pragma unroll
-      for (int q = 0; q < R; ++q)
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int j = 0; j < NDOT; ++j)
-            raw[q][u][j] = (k0 + u * 256 < K)
-                ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
-                : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int k = k0 + u * 256;
@@ -971,6 +981,24 @@ _SOURCE = r"""
         if (2 * q + j < CHUNK && r < V) warm_row(w_head + (size_t)r * H, (size_t)H * WB);
       }
   };
+  // the products' weight rows (row r, weight row j of it); STAGE_AHEAD: a
+  // warp's first ones copied into its stage before the barrier the product
+  // waits behind (a launch's first fc rows here, before its input staging)
+  auto fc_row = [&](int r, int) { return w_fc + (size_t)r * 2 * H; };
+  auto qkv_row = [&](int r, int) { return w_qkv + (size_t)r * H; };
+  auto o_row = [&](int r, int) { return w_o + (size_t)r * HQ * D; };
+  auto mlp1_row = [&](int r, int) { return mlp1 + (size_t)r * IM; };
+  // the projection: this block's chunk of the head's rows, two adjacent rows
+  // per warp (more loads in flight; an odd last row pairs with itself and
+  // its second sum is dropped)
+  const int h_lo = blk * CHUNK, h_hi = min(V, h_lo + CHUNK);
+  const int h_pairs = (max(0, h_hi - h_lo) + 1) / 2;
+  auto head_row = [&](int q, int j) { return w_head + (size_t)min(h_lo + 2 * q + j, h_hi - 1) * H; };
+  auto stage_head = [&]() {
+    if constexpr (STAGE_AHEAD)
+      stage_ahead<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(h_pairs, H, warp, NWARP, head_row);
+  };
+  if constexpr (STAGE_AHEAD) stage_ahead<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, 2 * H, gwarp, NW, fc_row);
   float* xs = dyn;  // each phase's staged input vectors
   constexpr int NGH = groups8(H);
 #pragma unroll 1
@@ -1051,29 +1079,29 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
-      H, 2 * H, gwarp, NW,
-      [&](int r, int) { return w_fc + (size_t)r * 2 * H; },
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+      H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       });
   warm(w_qkv, QKVN, H);
+  if constexpr (STAGE_AHEAD) stage_ahead<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(QKVN, H, gwarp, NW, qkv_row);
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
-      QKVN, H, gwarp, NW,
-      [&](int r, int) { return w_qkv + (size_t)r * H; },
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+      QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
       });
   warm(w_o, H, HQ * D);  // (attention between: its phase leaves DRAM idle)
+  if constexpr (STAGE_AHEAD) stage_ahead<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, HQ * D, gwarp, NW, o_row);
   barrier();
 
   // ---- 3. attention of each row's last position ---------------------------
@@ -1274,6 +1302,8 @@ _SOURCE = r"""
   if (ROW_PREFETCH)  // this warp's first rows of it
     for (int r = gwarp; r < MLP0_ROWS && r < gwarp + 2 * NW; r += NW)
       for (int j = 0; j < ((DENSE || r > E) ? 2 : 1); ++j) warm_row(mlp0_row(r, j), (size_t)H * WB);
+  if constexpr (STAGE_AHEAD && (DENSE || !FOLD))  // (FOLD: the MoE runs no such product)
+    stage_ahead<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(MLP0_ROWS, H, gwarp, NW, mlp0_row);
   barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
@@ -1307,9 +1337,8 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
-      H, HQ * D, gwarp, NW,
-      [&](int r, int) { return w_o + (size_t)r * HQ * D; },
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+      H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
         if constexpr (FOLD) {
@@ -1355,7 +1384,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1364,13 +1393,13 @@ _SOURCE = r"""
               S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
         });
     warm(mlp1, H, IM);
+    if constexpr (STAGE_AHEAD) stage_ahead<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, IM, gwarp, NW, mlp1_row);
     barrier();
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
-        H, IM, gwarp, NW,
-        [&](int r, int) { return mlp1 + (size_t)r * IM; },
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+        H, IM, gwarp, NW, mlp1_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
         [&](int r, float (&acc)[B][1]) {
           if (lane == 0)
@@ -1378,6 +1407,7 @@ _SOURCE = r"""
               S[O_R2 + (size_t)b * H + r] = acc[b][0] + __ldcg(S + O_R1 + (size_t)b * H + r);
         });
     warm_head();
+    stage_head();
     barrier();
   } else {
     if constexpr (FOLD) {
@@ -1394,7 +1424,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, COMPACT_PRODUCT>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1499,7 +1529,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, COMPACT_PRODUCT>(
+    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -1587,6 +1617,7 @@ _SOURCE = r"""
       if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
     }
     warm_head();
+    stage_head();
     barrier();
   }
 
@@ -1595,18 +1626,13 @@ _SOURCE = r"""
   float* lg = dyn + (size_t)B * H;
   stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
   mark(7);
-  const int lo = blk * CHUNK;
-  const int hi = min(V, lo + CHUNK);
+  const int lo = h_lo, hi = h_hi;
   float best_v[B];
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  // two adjacent rows per warp (more loads in flight); an odd last row pairs
-  // with itself and its second sum is dropped
-  const int n_here = max(0, hi - lo);
-  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
-      (n_here + 1) / 2, H, warp, NWARP,
-      [&](int q, int j) { return w_head + (size_t)min(lo + 2 * q + j, hi - 1) * H; },
+  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, STAGE_AHEAD>(
+      h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
 #pragma unroll
@@ -1698,6 +1724,8 @@ _SOURCE = r"""
   if (PREFETCH && tid == 0 && s + 1 < STEPS)  // the next step's fc
     prefetch_share(w_fc, (size_t)H * 2 * H * WB, PF_CAP);
   if (s + 1 < STEPS) warm(w_fc, H, 2 * H);
+  if constexpr (STAGE_AHEAD)  // (the last step's draw and the next step's input staging between)
+    if (s + 1 < STEPS) stage_ahead<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, 2 * H, gwarp, NW, fc_row);
   if (GREEDY && warp < B) {
     const int b = warp;
     float v = -SP_INF;
@@ -2030,7 +2058,7 @@ class LayerShape:
     def shared_bytes(self, vectors: int, rows: int, vocab: int, greedy: bool, blocks: int) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
-        sampling), then the products' stages where COMPACT_PRODUCT is on."""
+        sampling), then the warps' stages where STAGE_AHEAD is on."""
         h = self.hidden
         mlp = (
             rows * self.intermediate
@@ -2046,8 +2074,8 @@ class LayerShape:
             rows * h + (0 if greedy else rows * chunk),
             BLOCK // 32 * rows * (self.experts + 1),  # FOLD: o_proj's warps' router sums
         )
-        # (COMPACT_PRODUCT: the warps' stages at the end)
-        return 4 * _align8(floats) + (STAGE_BYTES if COMPACT_PRODUCT else 0)
+        # (STAGE_AHEAD: the warps' stages at the end)
+        return 4 * _align8(floats) + (STAGE_BYTES if STAGE_AHEAD else 0)
 
     def static_shared(self, rows: int, blocks: int) -> int:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
@@ -2560,7 +2588,7 @@ class FusedStep:
             ("WIDE_LOADS", WIDE_LOADS),
             ("STREAM_HINTS", STREAM_HINTS),
             ("EVICT_ALL", EVICT_ALL),
-            ("COMPACT_PRODUCT", COMPACT_PRODUCT),
+            ("STAGE_AHEAD", STAGE_AHEAD),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("RADIX_SELECT", RADIX_SELECT),
