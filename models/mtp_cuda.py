@@ -1302,8 +1302,6 @@ _SOURCE = r"""
   if (ROW_PREFETCH)  // this warp's first rows of it
     for (int r = gwarp; r < MLP0_ROWS && r < gwarp + 2 * NW; r += NW)
       for (int j = 0; j < ((DENSE || r > E) ? 2 : 1); ++j) warm_row(mlp0_row(r, j), (size_t)H * WB);
-  if constexpr (STAGE_AHEAD && (DENSE || !FOLD))  // (FOLD: the MoE runs no such product)
-    stage_ahead<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(MLP0_ROWS, H, gwarp, NW, mlp0_row);
   barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
@@ -1375,6 +1373,9 @@ _SOURCE = r"""
       S[O_RP + (size_t)t * NBLK + blk] = sum;
     }
   }
+  // (after o_proj's product, which reads its own stage: one stage per warp)
+  if constexpr (STAGE_AHEAD && (DENSE || !FOLD))  // (FOLD: the MoE runs no such product)
+    stage_ahead<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(MLP0_ROWS, H, gwarp, NW, mlp0_row);
   barrier();
 
   // ---- 5-6. the MLP plus the residual ----------------------------------------
