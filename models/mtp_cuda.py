@@ -125,23 +125,17 @@ PREFETCH_L2 = False
 # (`--stream-hints`).
 STREAM_HINTS = False
 # Whether every weight row a step reads (each is read once per step) loads
-# under the L2 evict-first policy, so that what L2 keeps between a step's
-# phases and between chained steps is the kernel's code and the small
-# activations, not the last megabytes of weights: a step's code (~150 KB,
-# greedy) is otherwise fetched from DRAM again every step.
-EVICT_ALL = False
-# Whether each warp copies the weight chunks of its first rows of a phase's
-# product into shared memory (asynchronous copies, cp.async) before the grid
-# barrier that product waits behind, so that a phase's first DRAM round trip
-# overlaps the barrier and the input staging: the q/k/v rows during fc's
-# barrier, o_proj's during attention, the MLP's first rows during o_proj's
-# barrier, the head's during the MLP's last barrier, fc's during the last
-# step's draw (and a launch's input staging). A step's non-head phases are
-# latency-bound: ncu's PC sampling puts half of a one-row FR step's stalls on
-# loads outstanding and a fifth on barriers, 5% on fetching code (H200,
-# fifteenth session). Costs STAGE_BYTES of shared memory per block.
-STAGE_AHEAD = False
-STAGE_BYTES = 8 * 8192  # the kernel's STAGE_WARP per warp
+# under the L2 evict-first policy (STREAM_HINTS's, for all of them), so that
+# what L2 keeps between a step's phases and between chained steps is the
+# kernel's code and the small activations, not the last megabytes of
+# weights. On: H200, one row, FR-Spec 32k, same lease, full / FR us per
+# launch at depths 1 / 2 / 3, Qwen's sampling 240.9 / 129.2, 467.6 / 244.3,
+# 696.0 / 362.9 -> 239.9 / 128.0, 460.8 / 237.4, 682.6 / 348.1 (cut 1.91x ->
+# 1.94x at depth 2, 1.92x -> 1.96x at depth 3: the sampled draw's code stays
+# in L2); greedy within ~1% (the next lease: 228.2 / 119.4 -> 226.8 / 119.6
+# at depth 1, 647.5 / 324.6 -> 643.2 / 320.0 at depth 3). Drafts equal to the
+# switch's off arm's on the device (fifteenth session, bench/RESULTS.md).
+EVICT_ALL = True
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -442,34 +436,6 @@ __device__ __forceinline__ uint4 load_w(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// An asynchronous 16-byte copy of a weight chunk from global into shared
-// memory (sm_80+; L2 evict-first under STREAM), and the wait for this
-// thread's copies.
-template <bool STREAM>
-__device__ __forceinline__ void copy_w(void* to, const void* from) {
-  const unsigned int at = (unsigned int)__cvta_generic_to_shared(to);
-  if constexpr (STREAM) {
-    u64 policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-                 ::"r"(at), "l"(from), "l"(policy) : "memory");
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(from) : "memory");
-  }
-}
-__device__ __forceinline__ void copies_done() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// Bytes of shared memory each warp's first loads of a product land in ahead
-// of its barrier (`STAGE_AHEAD`), at the end of the block's dynamic shared
-// memory.
-constexpr int STAGE_WARP = 8192;
-__device__ __forceinline__ char* warp_stage() {
-  extern __shared__ __align__(16) float dyn[];
-  unsigned int size;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(size));
-  return reinterpret_cast<char*>(dyn) + size - (SP_THREADS / 32 - (threadIdx.x >> 5)) * STAGE_WARP;
-}
-
 // A product's tile: R rows per warp at once, U 16-byte loads per lane and
 // weight row in flight (see `product`).
 template <int NV, int NDOT, bool PAIRS, bool WIDE>
@@ -480,41 +446,18 @@ struct Tile {
   static constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
 };
 
-// The chunks `product` (same arguments) loads first, copied into this
-// warp's stage ahead (`STAGE_AHEAD`): its first rows' first U chunks per lane.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF>
-__device__ __forceinline__ void stage_ahead(int rows, int K, int first, int stride, RF rowf) {
-  constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
-  static_assert(R * NDOT * U * 512 <= STAGE_WARP, "a warp's stage holds its first loads");
-  const int lane = threadIdx.x & 31;
-  if (first >= rows) return;
-  char* stage = warp_stage() + lane * 16;
-#pragma unroll
-  for (int q = 0; q < R; ++q)
-#pragma unroll
-    for (int j = 0; j < NDOT; ++j) {
-      const W* row = rowf(first + q * stride < rows ? first + q * stride : first, j);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (lane * 8 + u * 256 < K) copy_w<STREAM>(stage + ((q * NDOT + j) * U + u) * 512, row + lane * 8 + u * 256);
-    }
-}
-
 // Rows r = first, first + stride, ... of a product: NV input vectors times
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
 // elements k .. k + 7 (from shared memory); of(r, acc) gets the sums (every
 // lane holds them). PAIRS: a warp takes two of its rows at once (their loads
 // in flight together: half the DRAM round trips where a warp has several
-// short rows), for one weight row of at most two inputs. AHEAD: the first
-// loads are in the warp's stage (`stage_ahead` with the same arguments).
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, bool AHEAD = false,
-          typename RF, typename XF, typename OF>
+// short rows), for one weight row of at most two inputs.
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
   constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
   const int lane = threadIdx.x & 31;
-  bool staged = AHEAD;
   for (int r0 = first; r0 < rows; r0 += stride * R) {
     const W* wr[R][NDOT];
     bool live[R];
@@ -533,30 +476,15 @@ __device__ __forceinline__ void product(
         for (int j = 0; j < NDOT; ++j) acc[q][v][j] = 0.0f;
     for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
       uint4 raw[R][U][NDOT];
-      if (AHEAD && staged) {  // (the warp's first rows, k0 = lane * 8)
-        copies_done();
-        const char* stage = warp_stage() + lane * 16;
 #pragma unroll
-        for (int q = 0; q < R; ++q)
+      for (int q = 0; q < R; ++q)
 #pragma unroll
-          for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int j = 0; j < NDOT; ++j)
-              raw[q][u][j] = (k0 + u * 256 < K)
-                  ? *reinterpret_cast<const uint4*>(stage + ((q * NDOT + j) * U + u) * 512)
-                  : make_uint4(0u, 0u, 0u, 0u);
-        staged = false;
-      } else {
-#pragma unroll
-        for (int q = 0; q < R; ++q)
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int j = 0; j < NDOT; ++j)
-              raw[q][u][j] = (k0 + u * 256 < K)
-                  ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
-                  : make_uint4(0u, 0u, 0u, 0u);
-      }
+          for (int j = 0; j < NDOT; ++j)
+            raw[q][u][j] = (k0 + u * 256 < K)
+                ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
+                : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int k = k0 + u * 256;
@@ -981,9 +909,7 @@ _SOURCE = r"""
         if (2 * q + j < CHUNK && r < V) warm_row(w_head + (size_t)r * H, (size_t)H * WB);
       }
   };
-  // the products' weight rows (row r, weight row j of it); STAGE_AHEAD: a
-  // warp's first ones copied into its stage before the barrier the product
-  // waits behind (a launch's first fc rows here, before its input staging)
+  // the products' weight rows (row r, weight row j of it)
   auto fc_row = [&](int r, int) { return w_fc + (size_t)r * 2 * H; };
   auto qkv_row = [&](int r, int) { return w_qkv + (size_t)r * H; };
   auto o_row = [&](int r, int) { return w_o + (size_t)r * HQ * D; };
@@ -994,11 +920,6 @@ _SOURCE = r"""
   const int h_lo = blk * CHUNK, h_hi = min(V, h_lo + CHUNK);
   const int h_pairs = (max(0, h_hi - h_lo) + 1) / 2;
   auto head_row = [&](int q, int j) { return w_head + (size_t)min(h_lo + 2 * q + j, h_hi - 1) * H; };
-  auto stage_head = [&]() {
-    if constexpr (STAGE_AHEAD)
-      stage_ahead<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(h_pairs, H, warp, NWARP, head_row);
-  };
-  if constexpr (STAGE_AHEAD) stage_ahead<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, 2 * H, gwarp, NW, fc_row);
   float* xs = dyn;  // each phase's staged input vectors
   constexpr int NGH = groups8(H);
 #pragma unroll 1
@@ -1079,7 +1000,7 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1087,13 +1008,12 @@ _SOURCE = r"""
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       });
   warm(w_qkv, QKVN, H);
-  if constexpr (STAGE_AHEAD) stage_ahead<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(QKVN, H, gwarp, NW, qkv_row);
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1101,7 +1021,6 @@ _SOURCE = r"""
           for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
       });
   warm(w_o, H, HQ * D);  // (attention between: its phase leaves DRAM idle)
-  if constexpr (STAGE_AHEAD) stage_ahead<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, HQ * D, gwarp, NW, o_row);
   barrier();
 
   // ---- 3. attention of each row's last position ---------------------------
@@ -1335,7 +1254,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
@@ -1373,9 +1292,6 @@ _SOURCE = r"""
       S[O_RP + (size_t)t * NBLK + blk] = sum;
     }
   }
-  // (after o_proj's product, which reads its own stage: one stage per warp)
-  if constexpr (STAGE_AHEAD && (DENSE || !FOLD))  // (FOLD: the MoE runs no such product)
-    stage_ahead<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(MLP0_ROWS, H, gwarp, NW, mlp0_row);
   barrier();
 
   // ---- 5-6. the MLP plus the residual ----------------------------------------
@@ -1385,7 +1301,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1394,12 +1310,11 @@ _SOURCE = r"""
               S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
         });
     warm(mlp1, H, IM);
-    if constexpr (STAGE_AHEAD) stage_ahead<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, IM, gwarp, NW, mlp1_row);
-    barrier();
+      barrier();
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW, mlp1_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
         [&](int r, float (&acc)[B][1]) {
@@ -1408,7 +1323,6 @@ _SOURCE = r"""
               S[O_R2 + (size_t)b * H + r] = acc[b][0] + __ldcg(S + O_R1 + (size_t)b * H + r);
         });
     warm_head();
-    stage_head();
     barrier();
   } else {
     if constexpr (FOLD) {
@@ -1425,7 +1339,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, STAGE_AHEAD>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1618,7 +1532,6 @@ _SOURCE = r"""
       if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
     }
     warm_head();
-    stage_head();
     barrier();
   }
 
@@ -1632,7 +1545,7 @@ _SOURCE = r"""
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, STAGE_AHEAD>(
+  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
       h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
@@ -1725,8 +1638,6 @@ _SOURCE = r"""
   if (PREFETCH && tid == 0 && s + 1 < STEPS)  // the next step's fc
     prefetch_share(w_fc, (size_t)H * 2 * H * WB, PF_CAP);
   if (s + 1 < STEPS) warm(w_fc, H, 2 * H);
-  if constexpr (STAGE_AHEAD)  // (the last step's draw and the next step's input staging between)
-    if (s + 1 < STEPS) stage_ahead<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(H, 2 * H, gwarp, NW, fc_row);
   if (GREEDY && warp < B) {
     const int b = warp;
     float v = -SP_INF;
@@ -2059,7 +1970,7 @@ class LayerShape:
     def shared_bytes(self, vectors: int, rows: int, vocab: int, greedy: bool, blocks: int) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
-        sampling), then the warps' stages where STAGE_AHEAD is on."""
+        sampling)."""
         h = self.hidden
         mlp = (
             rows * self.intermediate
@@ -2075,8 +1986,7 @@ class LayerShape:
             rows * h + (0 if greedy else rows * chunk),
             BLOCK // 32 * rows * (self.experts + 1),  # FOLD: o_proj's warps' router sums
         )
-        # (STAGE_AHEAD: the warps' stages at the end)
-        return 4 * _align8(floats) + (STAGE_BYTES if STAGE_AHEAD else 0)
+        return 4 * floats
 
     def static_shared(self, rows: int, blocks: int) -> int:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
@@ -2589,7 +2499,6 @@ class FusedStep:
             ("WIDE_LOADS", WIDE_LOADS),
             ("STREAM_HINTS", STREAM_HINTS),
             ("EVICT_ALL", EVICT_ALL),
-            ("STAGE_AHEAD", STAGE_AHEAD),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("RADIX_SELECT", RADIX_SELECT),
