@@ -123,7 +123,6 @@ _SWITCHES = [
     ("evict-all", "EVICT_ALL", "L2 evict-first loads of every weight row (code stays in L2)"),
     ("row-prefetch", "ROW_PREFETCH", "each warp's next rows asked of L2 before a barrier"),
     ("fast-sincos", "FAST_SINCOS", "diagnostic: RoPE angles by __sincosf"),
-    ("radix-select", "RADIX_SELECT", "a sampled step's top-k by radix selection"),
     ("fold-router", "FOLD_ROUTER", "the MoE router folded into o_proj's phase"),
     ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),
     ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
@@ -182,7 +181,6 @@ def main() -> None:
         "evict_all": models.mtp_cuda.EVICT_ALL,
         "row_prefetch": models.mtp_cuda.ROW_PREFETCH,
         "fast_sincos": models.mtp_cuda.FAST_SINCOS,
-        "radix_select": models.mtp_cuda.RADIX_SELECT,
         "fold_router": models.mtp_cuda.FOLD_ROUTER,
         "rows": [],
     }

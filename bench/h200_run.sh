@@ -31,6 +31,9 @@
 #  --rows 1 --samplings qwen (segments); next: `setup-min switches`, the switches left off, on and off)
 # (fourteenth session, three leases: `setup-min switches`, `setup-min draw`, `setup-min tight` (its
 #  agreement run cut by the lease's end); next: the agreement run of `tight` with the defaults)
+# (fifteenth session, two leases: `setup-min switches` with SETS of EVICT_ALL / COMPACT_PRODUCT, then
+#  `pcsamp`; `setup-min switches` with STAGE_AHEAD / EVICT_ALL / FOLD_ROUTER, `agree` with
+#  PROBE_FLAGS="--draw-heads-k 2" and "--evict-all", SAMPLINGS=qwen ROWS=1,3)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -201,11 +204,10 @@ for step in "$@"; do
     ;;
   switches)  # the kernel's switches off (the defaults) and on: the drafts' agreement, then draft device time
     [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-300} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings greedy,qwen \
-        --agree-only --repeats 2 --radix-select --fold-router --out $OUT/fused-probe-next-switches-agree-h200.json \
+        --agree-only --repeats 2 --fold-router --out $OUT/fused-probe-next-switches-agree-h200.json \
         | grep -v '^agree' || echo "STEP FAILED: $?"
-    for sw in ${SETS:-none RADIX_SELECT FOLD_ROUTER RADIX_SELECT,FOLD_ROUTER}; do
+    for sw in ${SETS:-none FOLD_ROUTER}; do
       for sampling in ${SAMPLINGS:-greedy qwen}; do
-        [ "$sw" = RADIX_SELECT ] && [ $sampling = greedy ] && continue  # (sampled only)
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
             REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//,/-} bash $0 device
       done

@@ -164,16 +164,6 @@ DERIVED_INPUTS = True
 # depth 1) against 249.1 / 144.0 without, within the run's spread (H200,
 # `bench/draft_device.py --kernel-switches LEAN_SHARED`, twelfth session).
 LEAN_SHARED = False
-# Whether a sampled step picks each block's candidates and the draw's best
-# top-k by radix selection (the k-th largest logit in four 8-bit histogram
-# rounds over its bits, ties by the smallest ids, then one warp sorts the k)
-# instead of bitonic sorts and merges of runs of 32. The merges' draw cost
-# 12.8-13.6 us of a sampled step, the block's candidates 3-5 us (H200,
-# `bench/fused_probe.py --samplings qwen`, thirteenth session). Off: at
-# most ~1% faster on the H200 (depth 2: 488.5 / 262.4 -> 484.2 / 259.3 us,
-# full / FR, fourteenth session), the draw's cost being its code's fetch,
-# not its selection; its drafts not yet checked on a device.
-RADIX_SELECT = False
 # Whether a sampled step's draw first merges only each block's best DRAW_HEADS_K
 # candidates (512 of the 2,560 with 128 blocks), exactly: when no block has
 # all of those among the row's best top-k, no block's later candidates can be
@@ -588,137 +578,6 @@ __device__ __forceinline__ void merge_runs(float& v, int& i, float* sv, int* si)
   }
 }
 
-// A float as an unsigned key in the same order (the larger float, the larger
-// key; -0 as +0); 0, below every float's, for an empty slot (-inf) and NaN
-// (which the comparisons of the merging path never choose either).
-__device__ __forceinline__ unsigned int order_key(float v) {
-  if (v == -SP_INF || v != v) return 0u;
-  const unsigned int u = __float_as_uint(v == 0.0f ? 0.0f : v);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// One radix-selection round over the block's candidates: of those whose
-// value's bits above `d + 8` equal `prefix`'s (all when d + 8 == 32), the
-// 8-bit digit at `d` (from the top digit down, DESC; from the bottom up
-// otherwise) that holds the `want`-th, by a histogram in shared memory
-// (`hist`, 256). `sel` (shared) gets prefix | digit << d and the rank left
-// within the digit. Every thread calls it; `prefix` / `want` are read back.
-template <int N, bool DESC>
-__device__ __forceinline__ void radix_round(
-    const unsigned int (&x)[N], const bool (&live)[N], int d, unsigned int& prefix,
-    unsigned int& want, unsigned int* hist, unsigned int* sel) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < 256; i += SP_THREADS) hist[i] = 0u;
-  __syncthreads();
-  const unsigned int high = d + 8 >= 32 ? 0u : (0xFFFFFFFFu << (d + 8));
-#pragma unroll
-  for (int q = 0; q < N; ++q)
-    if (live[q] && (x[q] & high) == (prefix & high)) atomicAdd(&hist[(x[q] >> d) & 0xFFu], 1u);
-  __syncthreads();
-  if (warp == 0) {
-    // lane l: digits 8l .. 8l + 7 in selection order
-    unsigned int c[8], total = 0u;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      c[j] = hist[DESC ? 255 - 8 * lane - j : 8 * lane + j];
-      total += c[j];
-    }
-    unsigned int upto = total;  // inclusive prefix over lanes
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned int up = __shfl_up_sync(0xffffffffu, upto, o);
-      if (lane >= o) upto += up;
-    }
-    unsigned int seen = upto - total;
-    if (seen < want && want <= upto) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (seen + c[j] >= want) {
-          const unsigned int digit = DESC ? 255 - 8 * lane - j : 8 * lane + j;
-          sel[0] = prefix | (digit << d);
-          sel[1] = want - seen;
-          sel[2] = c[j];  // how many share the selected bits so far
-          break;
-        }
-        seen += c[j];
-      }
-    }
-  }
-  __syncthreads();
-  prefix = sel[0];
-  want = sel[1];
-}
-
-// The block's best `count` (<= 32) of its threads' N candidates each (v: -inf
-// for none; ids distinct among the real ones) by radix selection: the
-// count-th largest value in four 8-bit rounds over its bits, the smallest
-// ids among the candidates that hold it (four rounds over the ids, only when
-// more hold it than are taken), then warp 0 sorts the chosen: (ov, oi) in
-// warp 0 are the best first (lane j the j-th best; -inf past them). Shared:
-// hist 256, sel 4, sv / si 32. Every thread calls it.
-template <int N>
-__device__ __forceinline__ void block_select(
-    const float (&v)[N], const int (&id)[N], int count, unsigned int* hist,
-    unsigned int* sel, float* sv, int* si, float& ov, int& oi) {
-  const int lane = threadIdx.x & 31;
-  unsigned int key[N];
-  bool live[N];
-  int reals = 0;
-#pragma unroll
-  for (int q = 0; q < N; ++q) {
-    key[q] = order_key(v[q]);
-    live[q] = key[q] != 0u;
-    reals += live[q];
-  }
-  if (threadIdx.x == 0) sel[3] = 0u;
-  __syncthreads();
-  if (reals) atomicAdd(&sel[3], (unsigned int)reals);
-  __syncthreads();
-  const unsigned int total = sel[3];
-  unsigned int t = 0u, take_eq = 0u, eq = 0u;  // the threshold key; how many of it are taken / exist
-  bool all = total <= (unsigned int)count;
-  if (!all) {
-    unsigned int prefix = 0u, want = (unsigned int)count;
-#pragma unroll 1
-    for (int d = 24; d >= 0; d -= 8) radix_round<N, true>(key, live, d, prefix, want, hist, sel);
-    t = prefix;
-    take_eq = want;
-    eq = sel[2];
-  }
-  // the k smallest ids among the candidates holding t, where more hold it
-  unsigned int id_cut = 0xFFFFFFFFu;
-  if (!all && eq > take_eq) {
-    unsigned int ids[N];
-    bool tied[N];
-#pragma unroll
-    for (int q = 0; q < N; ++q) {
-      ids[q] = (unsigned int)id[q];
-      tied[q] = live[q] && key[q] == t;
-    }
-    unsigned int prefix = 0u, want = take_eq;
-#pragma unroll 1
-    for (int d = 24; d >= 0; d -= 8) radix_round<N, false>(ids, tied, d, prefix, want, hist, sel);
-    id_cut = prefix;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) sel[3] = 0u;
-  __syncthreads();
-#pragma unroll
-  for (int q = 0; q < N; ++q) {
-    const bool chosen = live[q] && (all || key[q] > t || (key[q] == t && (unsigned int)id[q] <= id_cut));
-    if (chosen) {
-      const unsigned int at = atomicAdd(&sel[3], 1u);
-      if (at < 32u) { sv[at] = v[q]; si[at] = id[q]; }
-    }
-  }
-  __syncthreads();
-  const int n = (int)min(sel[3], 32u);
-  ov = lane < n ? sv[lane] : -SP_INF;
-  oi = lane < n ? si[lane] : 0x7fffffff;
-  if ((threadIdx.x >> 5) == 0) warp_sort(ov, oi);
-  __syncthreads();  // (sv, si, sel, hist: a next call writes them)
-}
-
 __device__ __forceinline__ unsigned int mix32(unsigned int x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -848,7 +707,6 @@ _SOURCE = r"""
   __shared__ int s_topi[TOPN];
   __shared__ int s_tok[B];  // a step's tokens, drawn by every block
   __shared__ bool s_crowded;  // DRAW_HEADS: the blocks' heads not enough
-  __shared__ unsigned int s_hist[RADIX_SELECT && !GREEDY ? 256 : 1], s_sel[4];  // radix selection
   __shared__ int s_eid[B][KE > 0 ? KE : 1];
   __shared__ float s_split[2 * SPLITS];  // a combining block's split (max, sum)s, then weights
   __shared__ bool s_combines;
@@ -1585,25 +1443,6 @@ _SOURCE = r"""
       S[O_CV + (size_t)tid * NBLK + blk] = v;
       S[O_CI + (size_t)tid * NBLK + blk] = (float)id;
     }
-  } else if constexpr (RADIX_SELECT) {
-    __syncthreads();
-    // this block's best KC of each row, best first, by radix selection
-    const int n = hi - lo;
-    constexpr int NPT = (CHUNK + SP_THREADS - 1) / SP_THREADS;  // logits per thread
-    for (int b = 0; b < B; ++b) {
-      float v[NPT];
-      int id[NPT];
-#pragma unroll
-      for (int q = 0; q < NPT; ++q) {
-        const int p = tid + q * SP_THREADS;
-        v[q] = p < n ? lg[(size_t)b * CHUNK + p] : -SP_INF;
-        id[q] = p < n ? lo + p : 0x7fffffff;
-      }
-      float tv;
-      int ti;
-      block_select<NPT>(v, id, KC, s_hist, s_sel, s_topv, s_topi, tv, ti);
-      keep_candidates(b, tv, ti);
-    }
   } else {
     __syncthreads();
     // this block's best KC of each row, best first: every warp sorts its
@@ -1659,24 +1498,11 @@ _SOURCE = r"""
     // same token; the next step reads it from shared memory, no grid barrier
     // between): the best KC of the row's NBLK block lists (each best first),
     // warp w merging lists w, w + NWARP, ..., then warp 0 the warps' runs
-    // (RADIX_SELECT: the row's NBLK * KC candidates by radix selection)
     constexpr int LPW = (NBLK + NWARP - 1) / NWARP;
-    constexpr int NC = NBLK * KC;
-    constexpr int CPT = (NC + SP_THREADS - 1) / SP_THREADS;  // candidates per thread
     for (int b = 0; b < B; ++b) {
       float tv = -SP_INF;  // warp 0: the row's best 32, best first
       int ti = 0x7fffffff;
-      if constexpr (RADIX_SELECT) {
-        float cv[CPT];
-        int ci[CPT];
-#pragma unroll
-        for (int q = 0; q < CPT; ++q) {  // every candidate read once, all loads in flight
-          const int c = tid + q * SP_THREADS;
-          cv[q] = c < NC ? __ldcg(S + O_CV + (size_t)b * NC + c) : -SP_INF;
-          ci[q] = c < NC ? (int)__ldcg(S + O_CI + (size_t)b * NC + c) : 0x7fffffff;
-        }
-        block_select<CPT>(cv, ci, KC, s_hist, s_sel, s_topv, s_topi, tv, ti);
-      } else if constexpr (DIAG_NO_DRAW) {
+      if constexpr (DIAG_NO_DRAW) {
         if (warp == 0) {
           for (int c = lane; c < NBLK; c += 32) {
             const float ov = __ldcg(S + O_CV + ((size_t)b * NBLK + c) * KC);
@@ -1997,7 +1823,6 @@ class LayerShape:
         experts = max(self.top_experts, 1)
         return 4 * (
             warps * self.head_dim  # s_acc
-            + 256 + 4  # s_hist, s_sel
             + 2 * top  # s_topv, s_topi
             + 2 * rows * experts  # s_eid, s_ew
             + rows * (self.experts + 2)  # s_inv, s_rlog
@@ -2501,7 +2326,6 @@ class FusedStep:
             ("EVICT_ALL", EVICT_ALL),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
-            ("RADIX_SELECT", RADIX_SELECT),
             ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),
             ("HK", DRAW_HEADS_K),
             ("TIGHT_DRAW", TIGHT_DRAW),

@@ -422,12 +422,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # "NAME=N": the template constant as compiled (the router's top-k
         # past 128 experts takes its KE rounds of a warp argmax)
         ("moe", True, False, False, 1, 1, 1, ("E=512",)),
-        # a sampled step's top-k by radix selection, one row and three
-        ("moe", False, True, True, 1, 2, 3, ("RADIX_SELECT",)),
-        ("moe", False, False, False, 3, 1, 2, ("RADIX_SELECT",)),
         # the router folded into o_proj's phase (greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("FOLD_ROUTER",)),
-        ("moe", False, False, False, 3, 1, 2, ("FOLD_ROUTER", "RADIX_SELECT")),
+        ("moe", False, False, False, 3, 1, 2, ("FOLD_ROUTER",)),
         # the draw's whole-list merge without the blocks' heads first, and
         # unrolled sorts (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
