@@ -136,6 +136,15 @@ STREAM_HINTS = False
 # at depth 1, 647.5 / 324.6 -> 643.2 / 320.0 at depth 3). Drafts equal to the
 # switch's off arm's on the device (fifteenth session, bench/RESULTS.md).
 EVICT_ALL = True
+# Whether a product of one or two input vectors keeps 32 16-byte loads per
+# lane in flight (whole rows, as many as fill them: `Tile` in the kernel)
+# instead of 16, so that a warp's rows of a phase take fewer DRAM round
+# trips. A one-row step's layer waits on its loads (ncu's PC sampling: half
+# its stall samples, fifteenth session) in phases of one to five round
+# trips per warp; PAIR_ROWS, the last such doubling (8 -> 16), took an
+# FR-Spec step from 155 to 146 us (tenth session). Compile-checked only (no
+# spills); not yet measured.
+DEEP_LOADS = False
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -427,13 +436,22 @@ __device__ __forceinline__ uint4 load_w(const void* p) {
 }
 
 // A product's tile: R rows per warp at once, U 16-byte loads per lane and
-// weight row in flight (see `product`).
-template <int NV, int NDOT, bool PAIRS, bool WIDE>
+// weight row in flight (see `product`). KT > 0 (`DEEP_LOADS`, K known when
+// compiling): a product of one or two vectors keeps 32 loads per lane in
+// flight, a whole row's (up to 16 loads: a 4096-long row) for as many rows
+// as fill them, so that a warp's rows take fewer DRAM round trips (q/k/v's
+// 4.5 per warp at one row: 3; the chosen experts' 5: 3; fc's and o_proj's
+// 2: 1); the rows past the last are not loaded.
+template <int NV, int NDOT, bool PAIRS, bool WIDE, int KT = 0>
 struct Tile {
-  static constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
+  static constexpr bool DEEP = KT >= 256 && NV <= 2;
+  static constexpr int UD = KT / 256 < 1 ? 1 : (KT / 256 < 16 ? KT / 256 : 16);
+  static constexpr int RD = 32 / (UD * NDOT) < 1 ? 1 : (32 / (UD * NDOT) > 4 ? 4 : 32 / (UD * NDOT));
+  static constexpr int R = DEEP ? RD : ((PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1);
   // WIDE: a one-input product of one or two vectors keeps 16 loads per lane
   // in flight (a 4096-long row in one DRAM round trip instead of two)
-  static constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
+  static constexpr int U =
+      DEEP ? UD : ((WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4));
 };
 
 // Rows r = first, first + stride, ... of a product: NV input vectors times
@@ -443,10 +461,12 @@ struct Tile {
 // lane holds them). PAIRS: a warp takes two of its rows at once (their loads
 // in flight together: half the DRAM round trips where a warp has several
 // short rows), for one weight row of at most two inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF, typename XF, typename OF>
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, int KT = 0,
+          typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
-  constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
+  using T = Tile<NV, NDOT, PAIRS, WIDE, KT>;
+  constexpr int R = T::R, U = T::U;
   const int lane = threadIdx.x & 31;
   for (int r0 = first; r0 < rows; r0 += stride * R) {
     const W* wr[R][NDOT];
@@ -472,7 +492,7 @@ __device__ __forceinline__ void product(
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int j = 0; j < NDOT; ++j)
-            raw[q][u][j] = (k0 + u * 256 < K)
+            raw[q][u][j] = (k0 + u * 256 < K && (!T::DEEP || live[q]))
                 ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
                 : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
@@ -858,7 +878,7 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * 2 * H>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -871,7 +891,7 @@ _SOURCE = r"""
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
       QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1112,7 +1132,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * HQ * D>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
@@ -1159,7 +1179,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1172,7 +1192,7 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * IM>(
         H, IM, gwarp, NW, mlp1_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
         [&](int r, float (&acc)[B][1]) {
@@ -1197,7 +1217,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1302,7 +1322,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
+    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, DEEP_LOADS * H>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -1403,7 +1423,7 @@ _SOURCE = r"""
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL>(
+  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, DEEP_LOADS * H>(
       h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
@@ -2324,6 +2344,7 @@ class FusedStep:
             ("WIDE_LOADS", WIDE_LOADS),
             ("STREAM_HINTS", STREAM_HINTS),
             ("EVICT_ALL", EVICT_ALL),
+            ("DEEP_LOADS", DEEP_LOADS),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),

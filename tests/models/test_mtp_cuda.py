@@ -433,6 +433,11 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # weight rows without the L2 evict-first policy (EVICT_ALL's off arm)
         ("moe", True, True, True, 1, 2, 3, ("-EVICT_ALL",)),
         ("dense", False, False, False, 2, 1, 2, ("-EVICT_ALL",)),
+        # 32 loads per lane in flight in the products of one or two vectors
+        ("moe", True, True, True, 1, 2, 3, ("DEEP_LOADS",)),
+        ("moe", False, False, True, 2, 1, 2, ("DEEP_LOADS",)),
+        ("moe", False, True, False, 3, 1, 3, ("DEEP_LOADS", "FOLD_ROUTER")),
+        ("dense", True, True, False, 1, 2, 3, ("DEEP_LOADS",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
