@@ -132,8 +132,8 @@ STREAM_HINTS = False
 # launch at depths 1 / 2 / 3, Qwen's sampling 240.9 / 129.2, 467.6 / 244.3,
 # 696.0 / 362.9 -> 239.9 / 128.0, 460.8 / 237.4, 682.6 / 348.1 (cut 1.91x ->
 # 1.94x at depth 2, 1.92x -> 1.96x at depth 3: the sampled draw's code stays
-# in L2); greedy within ~1% (the next lease: 228.2 / 119.4 -> 226.8 / 119.6
-# at depth 1, 647.5 / 324.6 -> 643.2 / 320.0 at depth 3). Drafts equal to the
+# in L2); greedy ~1% faster (another lease: 228.2 / 119.4 -> 226.8 / 119.6 at
+# depth 1, 647.5 / 324.6 -> 643.2 / 320.0 at depth 3). Drafts equal to the
 # switch's off arm's on the device (fifteenth session, bench/RESULTS.md).
 EVICT_ALL = True
 # Whether a product of one or two input vectors keeps 32 16-byte loads per
@@ -1188,7 +1188,7 @@ _SOURCE = r"""
               S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
         });
     warm(mlp1, H, IM);
-      barrier();
+    barrier();
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
