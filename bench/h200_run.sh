@@ -213,6 +213,10 @@ for step in "$@"; do
       done
     done
     ;;
+  deep)  # DEEP_LOADS (32 loads per lane in flight): device time against the defaults, then its drafts
+    SETS="none DEEP_LOADS" SAMPLINGS="greedy qwen" NO_AGREE=1 bash $0 switches
+    SAMPLINGS=${AGREE_SAMPLINGS:-qwen} ROWS=1,3 PROBE_FLAGS=--deep-loads PROBE_TAG=-deep bash $0 agree
+    ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
         --agree-only --repeats 2 ${PROBE_FLAGS:-} --out $OUT/fused-probe-next${PROBE_TAG:-}-agree-h200.json \
