@@ -119,7 +119,6 @@ def segments(tables: list[list[list[float]]]) -> dict[str, list[float]]:
 _SWITCHES = [
     ("pair-rows", "PAIR_ROWS", "two rows per warp at once in one-input products"),
     ("prefetch", "PREFETCH_L2", "L2 bulk prefetch hints in the kernel"),
-    ("stream-hints", "STREAM_HINTS", "L2 evict-first loads of the rows a step reads once"),
     ("evict-all", "EVICT_ALL", "L2 evict-first loads of every weight row (code stays in L2)"),
     ("deep-loads", "DEEP_LOADS", "32 loads per lane in flight in products of one or two vectors"),
     ("row-prefetch", "ROW_PREFETCH", "each warp's next rows asked of L2 before a barrier"),
@@ -178,7 +177,6 @@ def main() -> None:
         "pair_rows": models.mtp_cuda.PAIR_ROWS,
         "prefetch": models.mtp_cuda.PREFETCH_L2,
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
-        "stream_hints": models.mtp_cuda.STREAM_HINTS,
         "evict_all": models.mtp_cuda.EVICT_ALL,
         "deep_loads": models.mtp_cuda.DEEP_LOADS,
         "row_prefetch": models.mtp_cuda.ROW_PREFETCH,

@@ -40,6 +40,7 @@ S=$HOME/stash
 R=/tmp/rand
 export PYTHONPATH=$HOME/site
 export SPECPIPE_CACHE=/tmp/spcache
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)  # Nsight Compute
 for step in "$@"; do
   case $step in
   setup|setup-min)
@@ -194,7 +195,6 @@ for step in "$@"; do
     done
     ;;
   device)  # the draft phase's device time per round (Nsight Compute), full head vs FR-Spec list
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for cc in ${CACHE:-all none}; do
       timeout ${LIMIT:-230} python3 bench/draft_device.py --ncu "${NCU:-ncu}" --depths ${DEPTHS:-1,2,3,5} \
           --rows ${ROWS:-1,3} --repeats ${REPEATS:-20} --cache-control $cc --context ${CONTEXT:-48} \
@@ -203,9 +203,8 @@ for step in "$@"; do
     done
     ;;
   switches)  # the kernel's switches off (the defaults) and on: the drafts' agreement, then draft device time
-    [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-300} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings greedy,qwen \
-        --agree-only --repeats 2 --fold-router --out $OUT/fused-probe-next-switches-agree-h200.json \
-        | grep -v '^agree' || echo "STEP FAILED: $?"
+    [ -n "${NO_AGREE:-}" ] || SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS=--fold-router PROBE_TAG=-switches \
+        LIMIT=${LIMIT:-300} bash $0 agree
     for sw in ${SETS:-none FOLD_ROUTER}; do
       for sampling in ${SAMPLINGS:-greedy qwen}; do
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
@@ -225,14 +224,11 @@ for step in "$@"; do
   draw)  # a sampled draw: its parts' cost (diagnostics, wrong drafts), the blocks' heads merged first
     SETS=${SETS:--DRAW_HEADS,-TIGHT_DRAW none DIAG_NO_DRAW DIAG_NO_SORT DIAG_NO_DRAW,DIAG_NO_SORT} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
     for k in ${HEADS_K:-2}; do  # 2: the fallback taken in most draws (two of a row's best 20 in one block)
-      timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings qwen \
-          --agree-only --repeats 2 --draw-heads-k $k --out $OUT/fused-probe-next-drawheads$k-agree-h200.json \
-          | grep -v '^agree' || echo "STEP FAILED: $?"
+      SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--draw-heads-k $k" PROBE_TAG=-drawheads$k bash $0 agree
     done
     ;;
   tight)  # compact sampled-draw code; where a step's warps stall (ncu's stall reasons, sampled and greedy)
     SETS=${SETS:--TIGHT_DRAW none -DRAW_HEADS} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for sampling in qwen greedy; do
       MLX_USE_CUDA_GRAPHS=0 timeout ${LIMIT:-150} "${NCU:-ncu}" --target-processes all --kernel-name regex:specpipe_mtp_step \
           --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum' \
@@ -241,12 +237,9 @@ for step in "$@"; do
           --repeats 3 --sampling $sampling ${SWITCHES:+--kernel-switches $SWITCHES} > $OUT/stalls-$sampling.csv 2> $OUT/stalls-$sampling.err \
           || echo "STEP FAILED: $?"; tail -c 600 $OUT/stalls-$sampling.err
     done
-    timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows 1,3 --samplings qwen \
-        --agree-only --repeats 2 --draw-heads-k 2 --out $OUT/fused-probe-next-tight-agree-h200.json \
-        | grep -v '^agree' || echo "STEP FAILED: $?"
+    SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--draw-heads-k 2" PROBE_TAG=-tight LIMIT=${LIMIT:-200} bash $0 agree
     ;;
   pcsamp)  # where a step's warps stall, per SASS instruction (ncu's PC sampling), FR head, depth 3
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     "${NCU:-ncu}" --version | tail -1
     for sampling in ${SAMPLINGS:-greedy qwen}; do
       MLX_USE_CUDA_GRAPHS=0 timeout ${LIMIT:-200} "${NCU:-ncu}" --target-processes all --kernel-name regex:specpipe_mtp_step \

@@ -119,13 +119,8 @@ WIDE_LOADS = True
 # prefetch hints while a latency-bound phase leaves DRAM idle): 181 / 274 us
 # against 155 / 275 without (`bench/fused_probe.py --prefetch`).
 PREFETCH_L2 = False
-# Whether the rows a step reads once (the projection's, the chosen experts')
-# load under an L2 evict-first policy, so that the layer's other weights,
-# which the next chained step reads again, stay in L2 longer: 157 / 274 us
-# (`--stream-hints`).
-STREAM_HINTS = False
 # Whether every weight row a step reads (each is read once per step) loads
-# under the L2 evict-first policy (STREAM_HINTS's, for all of them), so that
+# under the L2 evict-first policy, so that
 # what L2 keeps between a step's phases and between chained steps is the
 # kernel's code and the small activations, not the last megabytes of
 # weights. On: H200, one row, FR-Spec 32k, same lease, full / FR us per
@@ -135,6 +130,9 @@ STREAM_HINTS = False
 # in L2); greedy ~1% faster (another lease: 228.2 / 119.4 -> 226.8 / 119.6 at
 # depth 1, 647.5 / 324.6 -> 643.2 / 320.0 at depth 3). Drafts equal to the
 # switch's off arm's on the device (fifteenth session, bench/RESULTS.md).
+# (It replaces STREAM_HINTS, the policy for the projection's and the chosen
+# experts' rows alone: 157 / 274 us against 155 / 275 without, tenth
+# session.)
 EVICT_ALL = True
 # Whether a product of one or two input vectors keeps 32 16-byte loads per
 # lane in flight (whole rows, as many as fill them: `Tile` in the kernel)
@@ -415,10 +413,9 @@ __device__ __forceinline__ void stage_normed(
   __syncthreads();
 }
 
-// A 16-byte read-only weight load. STREAM: under an L2 evict-first policy
-// (rows read once per step: the projection's, the chosen experts'), so that
-// those lines leave L2 before the layer's other weights, which a chained
-// step reads again.
+// A 16-byte read-only weight load. STREAM (`EVICT_ALL`): under an L2
+// evict-first policy (every weight row is read once per step), so that L2
+// keeps the kernel's code and the small activations instead.
 template <bool STREAM>
 __device__ __forceinline__ uint4 load_w(const void* p) {
 #if __CUDA_ARCH__ >= 800
@@ -1322,7 +1319,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, DEEP_LOADS * H>(
+    product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -1361,7 +1358,7 @@ _SOURCE = r"""
         for (int c = 0; c < KE; ++c)
 #pragma unroll
           for (int q = 0; q < CH; ++q)
-            raw[c * CH + q] = load_w<STREAM_HINTS || EVICT_ALL>(
+            raw[c * CH + q] = load_w<EVICT_ALL>(
                 mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE + q * 256 + lane * 8);
 #pragma unroll
         for (int q = 0; q < SCH; ++q)
@@ -1423,7 +1420,7 @@ _SOURCE = r"""
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  product<W, B, 2, false, WIDE_LOADS, STREAM_HINTS || EVICT_ALL, DEEP_LOADS * H>(
+  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
       h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
@@ -2342,7 +2339,6 @@ class FusedStep:
             ("PREFETCH", PREFETCH_L2),
             ("KV_OUT", kv_out),
             ("WIDE_LOADS", WIDE_LOADS),
-            ("STREAM_HINTS", STREAM_HINTS),
             ("EVICT_ALL", EVICT_ALL),
             ("DEEP_LOADS", DEEP_LOADS),
             ("ROW_PREFETCH", ROW_PREFETCH),

@@ -417,8 +417,8 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         ("moe", False, True, True, 2, 2, 3, ()),  # a whole round: first step, two chained
         ("dense", True, True, False, 1, 4, 3, ()),
         # the tuning switches' other arms (bench/fused_probe.py's flags)
-        ("moe", True, True, True, 1, 2, 3, ("PREFETCH_L2", "STREAM_HINTS", "PAIR_ROWS", "ROW_PREFETCH", "FAST_SINCOS")),
-        ("dense", False, False, True, 2, 1, 2, ("PREFETCH_L2", "STREAM_HINTS", "ROW_PREFETCH", "-WIDE_LOADS")),
+        ("moe", True, True, True, 1, 2, 3, ("PREFETCH_L2", "PAIR_ROWS", "ROW_PREFETCH", "FAST_SINCOS")),
+        ("dense", False, False, True, 2, 1, 2, ("PREFETCH_L2", "-EVICT_ALL", "ROW_PREFETCH", "-WIDE_LOADS")),
         # "NAME=N": the template constant as compiled (the router's top-k
         # past 128 experts takes its KE rounds of a warp argmax)
         ("moe", True, False, False, 1, 1, 1, ("E=512",)),
