@@ -34,6 +34,10 @@
 # (fifteenth session, two leases: `setup-min switches` with SETS of EVICT_ALL / COMPACT_PRODUCT, then
 #  `pcsamp`; `setup-min switches` with STAGE_AHEAD / EVICT_ALL / FOLD_ROUTER, `agree` with
 #  PROBE_FLAGS="--draw-heads-k 2" and "--evict-all", SAMPLINGS=qwen ROWS=1,3)
+# (sixteenth session, one lease: `setup-min deep` (DEEP_LOADS timed, then `agree` with --deep-loads;
+#  the step removed with the switch), `agree` with PROBE_FLAGS=--fold-router PROBE_TAG=-fold
+#  SAMPLINGS=greedy,qwen ROWS=1,3, `SETS="none FOLD_ROUTER" NO_AGREE=1 DEPTHS=2,3 switches`, then
+#  `SAMPLINGS="greedy qwen" DEPTHS=1,2,3 REPEATS=20 interleave`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -202,19 +206,16 @@ for step in "$@"; do
           --out $OUT/draft-device-$cc${TAG:-}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
     done
     ;;
-  switches)  # the kernel's switches off (the defaults) and on: the drafts' agreement, then draft device time
-    [ -n "${NO_AGREE:-}" ] || SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS=--fold-router PROBE_TAG=-switches \
+  switches)  # kernel switch sets (none: the defaults; NAME on, -NAME off): the drafts' agreement under
+    # PROBE_FLAGS (fused_probe.py's flags), then each set's draft device time
+    [ -n "${NO_AGREE:-}" ] || SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_TAG=-switches \
         LIMIT=${LIMIT:-300} bash $0 agree
-    for sw in ${SETS:-none FOLD_ROUTER}; do
+    for sw in ${SETS:-none -FOLD_ROUTER}; do
       for sampling in ${SAMPLINGS:-greedy qwen}; do
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
             REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//,/-} bash $0 device
       done
     done
-    ;;
-  deep)  # DEEP_LOADS (32 loads per lane in flight): device time against the defaults, then its drafts
-    SETS="none DEEP_LOADS" SAMPLINGS="greedy qwen" NO_AGREE=1 bash $0 switches
-    SAMPLINGS=${AGREE_SAMPLINGS:-qwen} ROWS=1,3 PROBE_FLAGS=--deep-loads PROBE_TAG=-deep bash $0 agree
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \

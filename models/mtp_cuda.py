@@ -134,15 +134,6 @@ PREFETCH_L2 = False
 # experts' rows alone: 157 / 274 us against 155 / 275 without, tenth
 # session.)
 EVICT_ALL = True
-# Whether a product of one or two input vectors keeps 32 16-byte loads per
-# lane in flight (whole rows, as many as fill them: `Tile` in the kernel)
-# instead of 16, so that a warp's rows of a phase take fewer DRAM round
-# trips. A one-row step's layer waits on its loads (ncu's PC sampling: half
-# its stall samples, fifteenth session) in phases of one to five round
-# trips per warp; PAIR_ROWS, the last such doubling (8 -> 16), took an
-# FR-Spec step from 155 to 146 us (tenth session). Compile-checked only (no
-# spills); not yet measured.
-DEEP_LOADS = False
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -204,10 +195,14 @@ DIAG_NO_SORT = False
 # anyway, scaled by the norm; the shared expert's gate/up rows join the
 # chosen experts' product. One grid barrier and the router's product phase
 # fewer per step (the router's phase took ~3 us of a step on the H200, its
-# barrier ~1.2, its input staging ~1.4; eleventh session's segments). Off:
-# ~1 us per launch on the H200 (greedy depth 2: 442.8 / 222.4 -> 441.5 /
-# 222.1 us, fourteenth session); its drafts not yet checked on a device.
-FOLD_ROUTER = False
+# barrier ~1.2, its input staging ~1.4; eleventh session's segments). On:
+# ~1-4 us per launch on the H200, greedy (depth 2: 440.8 / 220.0 -> 438.0 /
+# 218.1 us, depth 3: 650.8 / 321.6 -> 648.5 / 317.6), sampled within the
+# spread (466.8 / 238.5 -> 466.6 / 238.2 at depth 2); drafts the same as the
+# off arm's, one and three rows, greedy and sampled, every launch form
+# (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
+# its limit: there the router keeps its phase.
+FOLD_ROUTER = True
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -433,37 +428,28 @@ __device__ __forceinline__ uint4 load_w(const void* p) {
 }
 
 // A product's tile: R rows per warp at once, U 16-byte loads per lane and
-// weight row in flight (see `product`). KT > 0 (`DEEP_LOADS`, K known when
-// compiling): a product of one or two vectors keeps 32 loads per lane in
-// flight, a whole row's (up to 16 loads: a 4096-long row) for as many rows
-// as fill them, so that a warp's rows take fewer DRAM round trips (q/k/v's
-// 4.5 per warp at one row: 3; the chosen experts' 5: 3; fc's and o_proj's
-// 2: 1); the rows past the last are not loaded.
-template <int NV, int NDOT, bool PAIRS, bool WIDE, int KT = 0>
+// weight row in flight (see `product`).
+template <int NV, int NDOT, bool PAIRS, bool WIDE>
 struct Tile {
-  static constexpr bool DEEP = KT >= 256 && NV <= 2;
-  static constexpr int UD = KT / 256 < 1 ? 1 : (KT / 256 < 16 ? KT / 256 : 16);
-  static constexpr int RD = 32 / (UD * NDOT) < 1 ? 1 : (32 / (UD * NDOT) > 4 ? 4 : 32 / (UD * NDOT));
-  static constexpr int R = DEEP ? RD : ((PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1);
+  static constexpr int R = (PAIRS && NDOT == 1 && NV <= 2) ? 2 : 1;
   // WIDE: a one-input product of one or two vectors keeps 16 loads per lane
   // in flight (a 4096-long row in one DRAM round trip instead of two)
-  static constexpr int U =
-      DEEP ? UD : ((WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4));
+  static constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
 };
 
 // Rows r = first, first + stride, ... of a product: NV input vectors times
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
-// elements k .. k + 7 (from shared memory); of(r, acc) gets the sums (every
-// lane holds them). PAIRS: a warp takes two of its rows at once (their loads
+// elements k .. k + 7 (from shared memory), r the first of the tile's R
+// rows: an xf whose input depends on r (the chosen experts') needs R == 1
+// (sixteenth session: a deeper tile there mixed rows' inputs); of(r, acc)
+// gets the sums (every lane holds them). PAIRS: a warp takes two of its rows at once (their loads
 // in flight together: half the DRAM round trips where a warp has several
 // short rows), for one weight row of at most two inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, int KT = 0,
-          typename RF, typename XF, typename OF>
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
-  using T = Tile<NV, NDOT, PAIRS, WIDE, KT>;
-  constexpr int R = T::R, U = T::U;
+  constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
   const int lane = threadIdx.x & 31;
   for (int r0 = first; r0 < rows; r0 += stride * R) {
     const W* wr[R][NDOT];
@@ -489,7 +475,7 @@ __device__ __forceinline__ void product(
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int j = 0; j < NDOT; ++j)
-            raw[q][u][j] = (k0 + u * 256 < K && (!T::DEEP || live[q]))
+            raw[q][u][j] = (k0 + u * 256 < K)
                 ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
                 : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
@@ -875,7 +861,7 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * 2 * H>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -888,7 +874,7 @@ _SOURCE = r"""
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1129,7 +1115,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * HQ * D>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
@@ -1176,7 +1162,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1189,7 +1175,7 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * IM>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW, mlp1_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
         [&](int r, float (&acc)[B][1]) {
@@ -1214,7 +1200,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1319,7 +1305,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
+    product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -1420,7 +1406,7 @@ _SOURCE = r"""
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, DEEP_LOADS * H>(
+  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
       h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
@@ -2340,7 +2326,6 @@ class FusedStep:
             ("KV_OUT", kv_out),
             ("WIDE_LOADS", WIDE_LOADS),
             ("EVICT_ALL", EVICT_ALL),
-            ("DEEP_LOADS", DEEP_LOADS),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),

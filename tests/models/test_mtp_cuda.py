@@ -422,9 +422,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # "NAME=N": the template constant as compiled (the router's top-k
         # past 128 experts takes its KE rounds of a warp argmax)
         ("moe", True, False, False, 1, 1, 1, ("E=512",)),
-        # the router folded into o_proj's phase (greedy and sampled)
-        ("moe", True, True, True, 1, 2, 3, ("FOLD_ROUTER",)),
-        ("moe", False, False, False, 3, 1, 2, ("FOLD_ROUTER",)),
+        # the router in a phase of its own (FOLD_ROUTER's off arm; greedy and sampled)
+        ("moe", True, True, True, 1, 2, 3, ("-FOLD_ROUTER",)),
+        ("moe", False, False, False, 3, 1, 2, ("-FOLD_ROUTER",)),
         # the draw's whole-list merge without the blocks' heads first, and
         # unrolled sorts (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
@@ -433,11 +433,6 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # weight rows without the L2 evict-first policy (EVICT_ALL's off arm)
         ("moe", True, True, True, 1, 2, 3, ("-EVICT_ALL",)),
         ("dense", False, False, False, 2, 1, 2, ("-EVICT_ALL",)),
-        # 32 loads per lane in flight in the products of one or two vectors
-        ("moe", True, True, True, 1, 2, 3, ("DEEP_LOADS",)),
-        ("moe", False, False, True, 2, 1, 2, ("DEEP_LOADS",)),
-        ("moe", False, True, False, 3, 1, 3, ("DEEP_LOADS", "FOLD_ROUTER")),
-        ("dense", True, True, False, 1, 2, 3, ("DEEP_LOADS",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
