@@ -217,6 +217,10 @@ for step in "$@"; do
       done
     done
     ;;
+  merge)  # a sampled step's merges: the warps' runs pairwise, the draw's ids loaded beside their logits
+    SETS=${SETS:-none TREE_MERGE EAGER_IDS TREE_MERGE,EAGER_IDS} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
+    SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--tree-merge --eager-ids" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
+    ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
         --agree-only --repeats 2 ${PROBE_FLAGS:-} --out $OUT/fused-probe-next${PROBE_TAG:-}-agree-h200.json \

@@ -181,6 +181,17 @@ DRAW_HEADS_K = 4
 # rolled loops take ~30 KB off). With DRAW_HEADS, H200: 248.7 -> 244.1 us
 # per FR depth-2 launch, 373.8 -> 362.9 at depth 3 (fourteenth session).
 TIGHT_DRAW = True
+# Whether a sampled step merges a block's eight warps' sorted runs pairwise
+# (three merges in a row, a block barrier between) instead of warp 0 taking
+# the seven others' in turn, in each block's candidates and in the draw's
+# heads-first merge (the rare whole-list merge keeps its form); and a warp's
+# first sorted run of the candidates is its list (not merged into an empty
+# one). The same candidates and draws. Not yet measured.
+TREE_MERGE = False
+# Whether a sampled draw loads the blocks' candidate ids beside their logits
+# (both L2 round trips at once) instead of after them (the id of an empty
+# slot was not read). The same draws. Not yet measured.
+EAGER_IDS = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -564,10 +575,32 @@ __device__ __forceinline__ void warp_merge(float& v, int& i, float bv, int bi) {
 
 // Warp 0's (v, i) becomes the best 32 of the block's warps' runs (each best
 // first): the runs through shared memory (sv / si, 32 per warp), merged in
-// warp order. Every thread calls it.
-template <int U = 32>
+// warp order, or (TREE) pairwise, half the warps taking the other half's
+// runs each level (three merges in a row instead of seven; the best 32 by
+// `ahead`, a total order, do not depend on the order of the merges). Every
+// thread calls it.
+template <int U = 32, bool TREE = false>
 __device__ __forceinline__ void merge_runs(float& v, int& i, float* sv, int* si) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if constexpr (TREE) {
+    // level `half`: warps [half, 2 half) publish, warps [0, half) merge them
+    // (each level's slots its own: no slot is written after a level read it)
+    auto level = [&](int half) {
+      if (warp >= half && warp < 2 * half) {
+        sv[warp * 32 + lane] = v;
+        si[warp * 32 + lane] = i;
+      }
+      __syncthreads();
+      if (warp < half) warp_merge<U>(v, i, sv[(warp + half) * 32 + lane], si[(warp + half) * 32 + lane]);
+    };
+    if constexpr (U == 1) {
+#pragma unroll 1
+      for (int half = SP_THREADS / 64; half > 0; half >>= 1) level(half);
+    } else {
+      for (int half = SP_THREADS / 64; half > 0; half >>= 1) level(half);
+    }
+    return;
+  }
   sv[warp * 32 + lane] = v;
   si[warp * 32 + lane] = i;
   __syncthreads();
@@ -609,6 +642,7 @@ _SOURCE = r"""
   constexpr int GROUP = HQ / HKV;
   constexpr int KC = GREEDY ? 1 : TOPK;
   constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
+  constexpr bool TREE = TREE_MERGE;
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -1464,9 +1498,14 @@ _SOURCE = r"""
         float v = p < n ? vals[p] : -SP_INF;
         int id = p < n ? lo + p : 0x7fffffff;
         warp_sort<SU>(v, id);
-        warp_merge<SU>(tv, ti, v, id);
+        if (TREE && p0 == warp * 32) {
+          tv = v;
+          ti = id;
+        } else {
+          warp_merge<SU>(tv, ti, v, id);
+        }
       }
-      merge_runs<SU>(tv, ti, s_topv, s_topi);
+      merge_runs<SU, TREE>(tv, ti, s_topv, s_topi);
       }
       keep_candidates(b, tv, ti);
       __syncthreads();
@@ -1528,7 +1567,12 @@ _SOURCE = r"""
             const int c = (warp * RUNS + r) * LPR + lane / HK;
             const size_t at = ((size_t)b * NBLK + c) * KC + lane % HK;
             rv[r] = c < NBLK ? __ldcg(S + O_CV + at) : -SP_INF;
-            ri[r] = (c < NBLK && rv[r] != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
+            if constexpr (EAGER_IDS) {  // both loads in flight at once
+              const int id = c < NBLK ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
+              ri[r] = rv[r] != -SP_INF ? id : 0x7fffffff;
+            } else {
+              ri[r] = (c < NBLK && rv[r] != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
+            }
           }
 #pragma unroll
           for (int r = 0; r < RUNS; ++r) warp_sort<SU>(rv[r], ri[r]);
@@ -1537,7 +1581,7 @@ _SOURCE = r"""
 #pragma unroll
           for (int r = 1; r < RUNS; ++r) warp_merge<SU>(tv, ti, rv[r], ri[r]);
           __syncthreads();  // (s_topv: the last row's merge read them)
-          merge_runs<SU>(tv, ti, s_topv, s_topi);
+          merge_runs<SU, TREE>(tv, ti, s_topv, s_topi);
           if (warp == 0) {
             // a block with all its HK heads among the best KC may hold more
             const bool in = lane < KC && tv != -SP_INF;
@@ -2331,6 +2375,8 @@ class FusedStep:
             ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),
             ("HK", DRAW_HEADS_K),
             ("TIGHT_DRAW", TIGHT_DRAW),
+            ("TREE_MERGE", TREE_MERGE),
+            ("EAGER_IDS", EAGER_IDS),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
