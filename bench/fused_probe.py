@@ -126,7 +126,6 @@ _SWITCHES = [
     ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),
     ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
-    ("eager-ids", "EAGER_IDS", "a sampled draw's candidate ids loaded beside their logits"),
 ]
 
 
@@ -183,7 +182,6 @@ def main() -> None:
         "fast_sincos": models.mtp_cuda.FAST_SINCOS,
         "fold_router": models.mtp_cuda.FOLD_ROUTER,
         "tree_merge": models.mtp_cuda.TREE_MERGE,
-        "eager_ids": models.mtp_cuda.EAGER_IDS,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

@@ -37,7 +37,9 @@
 # (sixteenth session, one lease: `setup-min deep` (DEEP_LOADS timed, then `agree` with --deep-loads;
 #  the step removed with the switch), `agree` with PROBE_FLAGS=--fold-router PROBE_TAG=-fold
 #  SAMPLINGS=greedy,qwen ROWS=1,3, `SETS="none FOLD_ROUTER" NO_AGREE=1 DEPTHS=2,3 switches`, then
-#  `SAMPLINGS="greedy qwen" DEPTHS=1,2,3 REPEATS=20 interleave`)
+#  `SAMPLINGS="greedy qwen" DEPTHS=1,2,3 REPEATS=20 interleave`; a second lease: `setup-min merge` with
+#  SETS "none TREE_MERGE EAGER_IDS TREE_MERGE,EAGER_IDS" and PROBE_FLAGS "--tree-merge --eager-ids",
+#  before TREE_MERGE went on and the eager id loads became the only form)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -217,9 +219,9 @@ for step in "$@"; do
       done
     done
     ;;
-  merge)  # a sampled step's merges: the warps' runs pairwise, the draw's ids loaded beside their logits
-    SETS=${SETS:-none TREE_MERGE EAGER_IDS TREE_MERGE,EAGER_IDS} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
-    SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--tree-merge --eager-ids" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
+  merge)  # a sampled step's merges, the warps' runs pairwise (TREE_MERGE, on) and in turn: time, drafts
+    SETS=${SETS:-none -TREE_MERGE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
+    SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \

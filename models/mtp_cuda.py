@@ -186,12 +186,11 @@ TIGHT_DRAW = True
 # the seven others' in turn, in each block's candidates and in the draw's
 # heads-first merge (the rare whole-list merge keeps its form); and a warp's
 # first sorted run of the candidates is its list (not merged into an empty
-# one). The same candidates and draws. Not yet measured.
-TREE_MERGE = False
-# Whether a sampled draw loads the blocks' candidate ids beside their logits
-# (both L2 round trips at once) instead of after them (the id of an empty
-# slot was not read). The same draws. Not yet measured.
-EAGER_IDS = False
+# one). H200, one row, Qwen's sampling: 465.8 / 237.0 -> 462.0 / 233.5 us
+# per depth-2 launch (full / FR-Spec), 689.9 / 347.5 -> 684.6 / 342.9 at
+# depth 3; the same drafts as without it, one and three rows, every launch
+# form (sixteenth session, bench/RESULTS.md).
+TREE_MERGE = True
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -1567,12 +1566,9 @@ _SOURCE = r"""
             const int c = (warp * RUNS + r) * LPR + lane / HK;
             const size_t at = ((size_t)b * NBLK + c) * KC + lane % HK;
             rv[r] = c < NBLK ? __ldcg(S + O_CV + at) : -SP_INF;
-            if constexpr (EAGER_IDS) {  // both loads in flight at once
-              const int id = c < NBLK ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
-              ri[r] = rv[r] != -SP_INF ? id : 0x7fffffff;
-            } else {
-              ri[r] = (c < NBLK && rv[r] != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
-            }
+            // (the id loaded beside its logit, both in flight at once)
+            const int id = c < NBLK ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
+            ri[r] = rv[r] != -SP_INF ? id : 0x7fffffff;
           }
 #pragma unroll
           for (int r = 0; r < RUNS; ++r) warp_sort<SU>(rv[r], ri[r]);
@@ -2376,7 +2372,6 @@ class FusedStep:
             ("HK", DRAW_HEADS_K),
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
-            ("EAGER_IDS", EAGER_IDS),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

@@ -430,11 +430,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
         ("moe", False, False, False, 3, 1, 2, ("-DRAW_HEADS",)),
         ("moe", False, True, True, 1, 2, 3, ("HK=2",)),
-        # the warps' runs merged pairwise (one row and three)
-        ("moe", False, True, True, 1, 2, 3, ("TREE_MERGE",)),
-        ("moe", False, False, False, 3, 1, 2, ("TREE_MERGE", "-DRAW_HEADS")),
-        # a sampled draw's candidate ids loaded beside their logits
-        ("moe", False, True, True, 3, 2, 3, ("EAGER_IDS", "TREE_MERGE")),
+        # the warps' runs merged in turn by warp 0 (TREE_MERGE's off arm; one row and three)
+        ("moe", False, True, True, 1, 2, 3, ("-TREE_MERGE",)),
+        ("moe", False, False, False, 3, 1, 2, ("-TREE_MERGE", "-DRAW_HEADS")),
         # weight rows without the L2 evict-first policy (EVICT_ALL's off arm)
         ("moe", True, True, True, 1, 2, 3, ("-EVICT_ALL",)),
         ("dense", False, False, False, 2, 1, 2, ("-EVICT_ALL",)),
