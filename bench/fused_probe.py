@@ -126,6 +126,7 @@ _SWITCHES = [
     ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),
     ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
+    ("tight-whole", "TIGHT_WHOLE", "the draw's whole-list merge in rolled loops"),
 ]
 
 
@@ -182,6 +183,7 @@ def main() -> None:
         "fast_sincos": models.mtp_cuda.FAST_SINCOS,
         "fold_router": models.mtp_cuda.FOLD_ROUTER,
         "tree_merge": models.mtp_cuda.TREE_MERGE,
+        "tight_whole": models.mtp_cuda.TIGHT_WHOLE,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

@@ -223,6 +223,11 @@ for step in "$@"; do
     SETS=${SETS:-none -TREE_MERGE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
     ;;
+  whole)  # the draw's whole-list merge rolled (TIGHT_WHOLE): time, then drafts with that merge run in most
+    # draws (DRAW_HEADS_K 2)
+    SETS=${SETS:-none TIGHT_WHOLE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
+    SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--tight-whole --draw-heads-k 2" PROBE_TAG=-whole LIMIT=${LIMIT:-170} bash $0 agree
+    ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
         --agree-only --repeats 2 ${PROBE_FLAGS:-} --out $OUT/fused-probe-next${PROBE_TAG:-}-agree-h200.json \

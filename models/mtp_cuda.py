@@ -191,6 +191,12 @@ TIGHT_DRAW = True
 # depth 3; the same drafts as without it, one and three rows, every launch
 # form (sixteenth session, bench/RESULTS.md).
 TREE_MERGE = True
+# Whether the sampled draw's whole-list merge (run when DRAW_HEADS' heads
+# are not enough: rare at DRAW_HEADS_K 4) keeps TIGHT_DRAW's rolled merges
+# (and TREE_MERGE's pairwise one) instead of unrolled ones: 13.6 KB less
+# code in the middle of the draw, which a sampled step fetches each step
+# (287 -> 274 KB at Qwen3-Next's shape). The same draws. Not yet measured.
+TIGHT_WHOLE = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -642,6 +648,7 @@ _SOURCE = r"""
   constexpr int KC = GREEDY ? 1 : TOPK;
   constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
   constexpr bool TREE = TREE_MERGE;
+  constexpr int WU = TIGHT_WHOLE ? SU : 32;  // the draw's whole-list merge: rolled, or unrolled
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -1588,7 +1595,7 @@ _SOURCE = r"""
           __syncthreads();
           whole = s_crowded;
         }
-        if (whole) {  // (rarely run: left unrolled, the form measured)
+        if (whole) {  // (rarely run; unrolled unless TIGHT_WHOLE)
         tv = -SP_INF;
         ti = 0x7fffffff;
         float pv[LPW];
@@ -1603,9 +1610,9 @@ _SOURCE = r"""
         tv = pv[0];
         ti = pi[0];
 #pragma unroll
-        for (int q = 1; q < LPW; ++q) warp_merge(tv, ti, pv[q], pi[q]);
+        for (int q = 1; q < LPW; ++q) warp_merge<WU>(tv, ti, pv[q], pi[q]);
         __syncthreads();  // (s_topv: the last row's merge read them)
-        merge_runs(tv, ti, s_topv, s_topi);
+        merge_runs<WU, TIGHT_WHOLE && TREE>(tv, ti, s_topv, s_topi);
         }
       }
       if (DIAG_NO_DRAW && warp == 0) {
@@ -2372,6 +2379,7 @@ class FusedStep:
             ("HK", DRAW_HEADS_K),
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
+            ("TIGHT_WHOLE", TIGHT_WHOLE),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

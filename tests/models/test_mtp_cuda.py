@@ -433,6 +433,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # the warps' runs merged in turn by warp 0 (TREE_MERGE's off arm; one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-TREE_MERGE",)),
         ("moe", False, False, False, 3, 1, 2, ("-TREE_MERGE", "-DRAW_HEADS")),
+        # the draw's whole-list merge rolled (one row and three)
+        ("moe", False, True, True, 1, 2, 3, ("TIGHT_WHOLE",)),
+        ("moe", False, False, True, 3, 1, 2, ("TIGHT_WHOLE", "HK=2")),
         # weight rows without the L2 evict-first policy (EVICT_ALL's off arm)
         ("moe", True, True, True, 1, 2, 3, ("-EVICT_ALL",)),
         ("dense", False, False, False, 2, 1, 2, ("-EVICT_ALL",)),
