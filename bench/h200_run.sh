@@ -39,7 +39,8 @@
 #  SAMPLINGS=greedy,qwen ROWS=1,3, `SETS="none FOLD_ROUTER" NO_AGREE=1 DEPTHS=2,3 switches`, then
 #  `SAMPLINGS="greedy qwen" DEPTHS=1,2,3 REPEATS=20 interleave`; a second lease: `setup-min merge` with
 #  SETS "none TREE_MERGE EAGER_IDS TREE_MERGE,EAGER_IDS" and PROBE_FLAGS "--tree-merge --eager-ids",
-#  before TREE_MERGE went on and the eager id loads became the only form)
+#  before TREE_MERGE went on and the eager id loads became the only form; a third lease: `setup-min whole`,
+#  its agreement run cut by the session's device time; next: that agreement run alone)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

@@ -195,7 +195,11 @@ TREE_MERGE = True
 # are not enough: rare at DRAW_HEADS_K 4) keeps TIGHT_DRAW's rolled merges
 # (and TREE_MERGE's pairwise one) instead of unrolled ones: 13.6 KB less
 # code in the middle of the draw, which a sampled step fetches each step
-# (287 -> 274 KB at Qwen3-Next's shape). The same draws. Not yet measured.
+# (287 -> 274 KB at Qwen3-Next's shape). The same draws. H200, one row,
+# Qwen's sampling: 462.2 / 232.9 -> 461.6 / 231.5 us per depth-2 launch,
+# 683.5 / 341.9 -> 682.3 / 338.9 at depth 3 (sixteenth session); off until
+# its drafts are checked on a device (`bash bench/h200_run.sh whole`'s
+# agreement run, DRAW_HEADS_K 2 so that this merge runs in most draws).
 TIGHT_WHOLE = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
