@@ -175,15 +175,10 @@ def main() -> None:
         "config": config,
         "vocab": args.vocab,
         "fr_size": args.fr_size,
-        "pair_rows": models.mtp_cuda.PAIR_ROWS,
-        "prefetch": models.mtp_cuda.PREFETCH_L2,
+        # the kernel's switches as run (every flag's, then the two without one)
+        **{flag.replace("-", "_"): getattr(models.mtp_cuda, name) for flag, name, _ in _SWITCHES},
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
-        "evict_all": models.mtp_cuda.EVICT_ALL,
-        "row_prefetch": models.mtp_cuda.ROW_PREFETCH,
-        "fast_sincos": models.mtp_cuda.FAST_SINCOS,
-        "fold_router": models.mtp_cuda.FOLD_ROUTER,
-        "tree_merge": models.mtp_cuda.TREE_MERGE,
-        "tight_whole": models.mtp_cuda.TIGHT_WHOLE,
+        "draw_heads_k": models.mtp_cuda.DRAW_HEADS_K,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size
