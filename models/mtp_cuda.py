@@ -22,14 +22,16 @@ wrong output):
    its positions split over the blocks (each split's max, sum and weighted
    values); the window's keys and values are returned to be stored in the
    head's cache;
-4. the splits combined, times sigmoid(gate), then o_proj plus the residual;
+4. the splits combined, times sigmoid(gate), then o_proj plus the residual
+   (with `FOLD_ROUTER`, the default for up to 127 experts, each block's share
+   of the router's logits too: the router's phase and barrier are saved);
 5-6. the MLP (dense SwiGLU), or the sparse MoE block (router softmax top-k,
    the chosen experts' SwiGLU, the sigmoid-gated shared expert), plus the
    residual;
 7. the head's norm, the projection onto the full vocabulary or the FR-Spec
    rows (each block a contiguous chunk of rows), each block's best (greedy)
    or top-k candidates (sampled: its warps sort runs of 32 logits by bitonic
-   networks of shuffles and merge them);
+   networks of shuffles and merge them, pairwise with `TREE_MERGE`);
 8. the draw, by every block for every row (the candidates merged the same
    way, the blocks' best four first, their whole lists only when one block
    holds four of the row's best top-k): the argmax, or Qwen-style
