@@ -127,6 +127,7 @@ _SWITCHES = [
     ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
     ("tight-whole", "TIGHT_WHOLE", "the draw's whole-list merge in rolled loops"),
+    ("early-weights", "EARLY_WEIGHTS", "the norms' weights loaded before their reductions"),
 ]
 
 

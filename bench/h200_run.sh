@@ -40,7 +40,8 @@
 #  `SAMPLINGS="greedy qwen" DEPTHS=1,2,3 REPEATS=20 interleave`; a second lease: `setup-min merge` with
 #  SETS "none TREE_MERGE EAGER_IDS TREE_MERGE,EAGER_IDS" and PROBE_FLAGS "--tree-merge --eager-ids",
 #  before TREE_MERGE went on and the eager id loads became the only form; a third lease: `setup-min whole`,
-#  its agreement run cut by the session's device time; next: that agreement run alone)
+#  its agreement run cut by the session's device time; next: `setup-min early` (EARLY_WEIGHTS and
+#  TIGHT_WHOLE timed, then their drafts; ~7 min), in a call of its own)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -223,6 +224,12 @@ for step in "$@"; do
   merge)  # a sampled step's merges, the warps' runs pairwise (TREE_MERGE, on) and in turn: time, drafts
     SETS=${SETS:-none -TREE_MERGE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
+    ;;
+  early)  # the norms' weights loaded before their reductions (EARLY_WEIGHTS), with TIGHT_WHOLE too: time,
+    # then drafts (DRAW_HEADS_K 2 so that TIGHT_WHOLE's merge runs in most draws)
+    SETS=${SETS:-none EARLY_WEIGHTS TIGHT_WHOLE,EARLY_WEIGHTS} SAMPLINGS="greedy qwen" NO_AGREE=1 bash $0 switches
+    SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS="--early-weights --tight-whole --draw-heads-k 2" PROBE_TAG=-early \
+        LIMIT=${LIMIT:-280} bash $0 agree
     ;;
   whole)  # the draw's whole-list merge rolled (TIGHT_WHOLE): time, then drafts with that merge run in most
     # draws (DRAW_HEADS_K 2)

@@ -203,6 +203,16 @@ TREE_MERGE = True
 # its drafts are checked on a device (`bash bench/h200_run.sh whole`'s
 # agreement run, DRAW_HEADS_K 2 so that this merge runs in most draws).
 TIGHT_WHOLE = False
+# Whether a step's RMS norms load their weights before their inputs' block
+# reduction instead of after it (a load does not cross the reduction's block
+# barrier): fc's two input norms and the q/k/v, MLP and head inputs' norms,
+# one L2 round trip less each per step, and a DRAM one on a launch's first
+# step (its norm weights are not in L2 after a verify forward). The same
+# arithmetic. A candidate for the ~17 us a launch costs beyond its steps;
+# compile-checked only (Qwen3-Next's shape: 168 / 172 registers greedy /
+# sampled, 168 without), not yet measured. Hidden sizes over 2048 keep the
+# weights' loads where they were (Qwen3.5-27B's 5120 spilled).
+EARLY_WEIGHTS = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -393,11 +403,21 @@ __device__ __forceinline__ void stage_l2(float* to, const float* from, int n) {
 // (16-byte loads, all in flight together); `copy`, when given, also gets
 // them in the weights' dtype; `inv`, when given (shared), each vector's
 // rsqrt(mean(x^2) + eps).
-template <typename W, int N>
+// EARLY: the weights loaded first, beside the inputs (not after the
+// reduction's block barrier, which loads do not cross).
+template <typename W, int N, bool EARLY = false>
 __device__ __forceinline__ void stage_normed(
     float* to, const float* from, int count, const W* w, float eps, float* red, W* copy,
     float* inv = nullptr) {
   constexpr int NG = groups8(N);
+  float w0[EARLY ? NG : 1][8];
+  if constexpr (EARLY) {
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      const int k = (threadIdx.x + g * SP_THREADS) * 8;
+      if (k < N) load_n<W, 8, true>(w + k, w0[g]);  // (coherent: not hoisted out of the step loop)
+    }
+  }
   for (int m = 0; m < count; ++m) {
     float x[NG][8];
     float s = 0.0f;
@@ -417,7 +437,12 @@ __device__ __forceinline__ void stage_normed(
       const int k = (threadIdx.x + g * SP_THREADS) * 8;
       if (k < N) {
         float wv[8];
-        load8(w + k, wv);
+        if constexpr (EARLY) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) wv[i] = w0[g][i];
+        } else {
+          load8(w + k, wv);
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const float v = x[g][i] * iv * wv[i];
@@ -655,6 +680,9 @@ _SOURCE = r"""
   constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
   constexpr bool TREE = TREE_MERGE;
   constexpr int WU = TIGHT_WHOLE ? SU : 32;  // the draw's whole-list merge: rolled, or unrolled
+  // EARLY_WEIGHTS where a thread's share of a norm's weights is eight values
+  // (hidden <= 2048: wider ones took Qwen3.5-27B's dense step to spills)
+  constexpr bool EARLY_W = EARLY_WEIGHTS && groups8(H) == 1;
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -839,6 +867,23 @@ _SOURCE = r"""
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
+  // EARLY_WEIGHTS: the head's two input norms' weights loaded before the
+  // positions' inputs (then beside them, not after the reductions' block
+  // barriers; the target's final norm's, on a round's first step only, keeps
+  // its place: loaded early too, it took the step to 254 registers)
+  float w_e0[EARLY_W ? NGH : 1][8], w_h0[EARLY_W ? NGH : 1][8];
+  if constexpr (EARLY_W) {
+#pragma unroll
+    for (int g = 0; g < NGH; ++g) {
+      const int k = (tid + g * SP_THREADS) * 8;
+      if (k < H) {
+        // (coherent loads: not hoisted out of the step loop, where their
+        // registers would stay taken through every product)
+        load_n<W, 8, true>(w_norm_e + k, w_e0[g]);
+        load_n<W, 8, true>(w_norm_h + k, w_h0[g]);
+      }
+    }
+  }
   for (int m = 0; m < M; ++m) {
     // (a later step's window positions all take the row's one pair: their
     // duplicate products cost no extra weight reads)
@@ -880,8 +925,13 @@ _SOURCE = r"""
       const int k = (tid + g * SP_THREADS) * 8;
       if (k < H) {
         float we[8], wh[8];
-        load8(w_norm_e + k, we);
-        load8(w_norm_h + k, wh);
+        if constexpr (EARLY_W) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) { we[i] = w_e0[g][i]; wh[i] = w_h0[g][i]; }
+        } else {
+          load8(w_norm_e + k, we);
+          load8(w_norm_h + k, wh);
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           xs[(size_t)m * 2 * H + k + i] = ev[g][i] * ie * we[i];
@@ -918,7 +968,7 @@ _SOURCE = r"""
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
-  stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
+  stage_normed<W, H, EARLY_W>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       QKVN, H, gwarp, NW, qkv_row,
@@ -1206,7 +1256,7 @@ _SOURCE = r"""
     if (DENSE) prefetch_share(mlp1, (size_t)H * IM * WB, PF_CAP);
     else prefetch_share(mlp6, (size_t)H * IS * WB, PF_CAP);
   }
-  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
+  stage_normed<W, H, EARLY_W>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
@@ -1445,7 +1495,7 @@ _SOURCE = r"""
   // ---- 7. the head's norm, the projection, each block's candidates -------
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
-  stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
+  stage_normed<W, H, EARLY_W>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
   mark(7);
   const int lo = h_lo, hi = h_hi;
   float best_v[B];
@@ -2386,6 +2436,7 @@ class FusedStep:
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
             ("TIGHT_WHOLE", TIGHT_WHOLE),
+            ("EARLY_WEIGHTS", EARLY_WEIGHTS),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

@@ -433,6 +433,10 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # the warps' runs merged in turn by warp 0 (TREE_MERGE's off arm; one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-TREE_MERGE",)),
         ("moe", False, False, False, 3, 1, 2, ("-TREE_MERGE", "-DRAW_HEADS")),
+        # the norms' weights loaded before their reductions (greedy and sampled, dense too)
+        ("moe", True, True, True, 1, 2, 3, ("EARLY_WEIGHTS",)),
+        ("moe", False, False, True, 3, 1, 2, ("EARLY_WEIGHTS",)),
+        ("dense", False, True, False, 2, 2, 3, ("EARLY_WEIGHTS",)),
         # the draw's whole-list merge rolled (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("TIGHT_WHOLE",)),
         ("moe", False, False, True, 3, 1, 2, ("TIGHT_WHOLE", "HK=2")),
