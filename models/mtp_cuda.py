@@ -415,7 +415,7 @@ __device__ __forceinline__ void stage_normed(
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
       const int k = (threadIdx.x + g * SP_THREADS) * 8;
-      if (k < N) load_n<W, 8, true>(w + k, w0[g]);  // (coherent: not hoisted out of the step loop)
+      if (k < N) load8(w + k, w0[g]);
     }
   }
   for (int m = 0; m < count; ++m) {
@@ -490,9 +490,10 @@ struct Tile {
 // elements k .. k + 7 (from shared memory), r the first of the tile's R
 // rows: an xf whose input depends on r (the chosen experts') needs R == 1
 // (sixteenth session: a deeper tile there mixed rows' inputs); of(r, acc)
-// gets the sums (every lane holds them). PAIRS: a warp takes two of its rows at once (their loads
-// in flight together: half the DRAM round trips where a warp has several
-// short rows), for one weight row of at most two inputs.
+// gets the sums (every lane holds them). PAIRS: a warp takes two of its
+// rows at once (their loads in flight together: half the DRAM round trips
+// where a warp has several short rows), for one weight row of at most two
+// inputs.
 template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
@@ -877,10 +878,8 @@ _SOURCE = r"""
     for (int g = 0; g < NGH; ++g) {
       const int k = (tid + g * SP_THREADS) * 8;
       if (k < H) {
-        // (coherent loads: not hoisted out of the step loop, where their
-        // registers would stay taken through every product)
-        load_n<W, 8, true>(w_norm_e + k, w_e0[g]);
-        load_n<W, 8, true>(w_norm_h + k, w_h0[g]);
+        load8(w_norm_e + k, w_e0[g]);
+        load8(w_norm_h + k, w_h0[g]);
       }
     }
   }
