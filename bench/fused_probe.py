@@ -128,6 +128,7 @@ _SWITCHES = [
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
     ("tight-whole", "TIGHT_WHOLE", "the draw's whole-list merge in rolled loops"),
     ("early-weights", "EARLY_WEIGHTS", "the norms' weights loaded before their reductions"),
+    ("copy-around", "COPY_AROUND", "a round's KV copy loaded before fc's product, stored after"),
 ]
 
 

@@ -225,11 +225,13 @@ for step in "$@"; do
     SETS=${SETS:-none -TREE_MERGE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
     ;;
-  early)  # the norms' weights loaded before their reductions (EARLY_WEIGHTS), with TIGHT_WHOLE too: time,
-    # then drafts (DRAW_HEADS_K 2 so that TIGHT_WHOLE's merge runs in most draws)
-    SETS=${SETS:-none EARLY_WEIGHTS TIGHT_WHOLE,EARLY_WEIGHTS} SAMPLINGS="greedy qwen" NO_AGREE=1 bash $0 switches
-    SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS="--early-weights --tight-whole --draw-heads-k 2" PROBE_TAG=-early \
-        LIMIT=${LIMIT:-280} bash $0 agree
+  early)  # a launch's fixed cost: the norms' weights loaded before their reductions (EARLY_WEIGHTS), the
+    # KV copy around fc's product (COPY_AROUND), with TIGHT_WHOLE too: time, then drafts and KV buffers
+    # (DRAW_HEADS_K 2 so that TIGHT_WHOLE's merge runs in most draws)
+    SETS=${SETS:-none EARLY_WEIGHTS COPY_AROUND TIGHT_WHOLE,EARLY_WEIGHTS,COPY_AROUND} SAMPLINGS="greedy qwen" \
+        NO_AGREE=1 DEPTHS=${DEPTHS:-1,2} bash $0 switches
+    SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS="--early-weights --copy-around --tight-whole --draw-heads-k 2" \
+        PROBE_TAG=-early LIMIT=${LIMIT:-280} bash $0 agree
     ;;
   whole)  # the draw's whole-list merge rolled (TIGHT_WHOLE): time, then drafts with that merge run in most
     # draws (DRAW_HEADS_K 2)

@@ -213,6 +213,13 @@ TIGHT_WHOLE = False
 # sampled, 168 without), not yet measured. Hidden sizes over 2048 keep the
 # weights' loads where they were (Qwen3.5-27B's 5120 spilled).
 EARLY_WEIGHTS = False
+# Whether a round's launch, copying the head's KV cache into its new whole
+# buffers on the first step, loads each thread's first 16-byte vectors
+# before fc's product and stores them after it (the copy's DRAM round trip
+# then overlaps the product's instead of delaying its start; at a
+# 256-position buffer one vector per thread or none). The same buffers.
+# Compile-checked only, not yet measured.
+COPY_AROUND = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -941,7 +948,7 @@ _SOURCE = r"""
   }
   __syncthreads();
   mark(0);
-  if (KV_OUT && s == 0) {
+  if (!COPY_AROUND && KV_OUT && s == 0) {
     // KV_OUT: knew / vnew are the new whole buffers: the cache copied (the
     // window's slots are written after this phase's barrier)
     const size_t n = (size_t)B * HKV * C * D / 8;  // 16-byte vectors of 8 elements
@@ -956,6 +963,16 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
+  // COPY_AROUND: the same copy, a thread's first vectors loaded before fc's
+  // product and stored after it (their DRAM round trip inside the
+  // product's), the rest after it
+  const size_t n_copy = (COPY_AROUND && KV_OUT && s == 0) ? (size_t)B * HKV * C * D / 8 : 0;
+  const size_t i0 = (size_t)blk * SP_THREADS + tid;
+  uint4 ck = make_uint4(0u, 0u, 0u, 0u), cv = ck;
+  if (COPY_AROUND && i0 < n_copy) {
+    ck = __ldg(reinterpret_cast<const uint4*>(keys) + i0);
+    cv = __ldg(reinterpret_cast<const uint4*>(values) + i0);
+  }
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
@@ -963,6 +980,20 @@ _SOURCE = r"""
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       });
+  if (COPY_AROUND && i0 < n_copy) {
+    const uint4* ks = reinterpret_cast<const uint4*>(keys);
+    const uint4* vs = reinterpret_cast<const uint4*>(values);
+    uint4* kd = reinterpret_cast<uint4*>(knew);
+    uint4* vd = reinterpret_cast<uint4*>(vnew);
+    kd[i0] = ck;
+    vd[i0] = cv;
+#pragma unroll 1
+    for (size_t i = i0 + (size_t)NBLK * SP_THREADS; i < n_copy; i += (size_t)NBLK * SP_THREADS) {
+      const uint4 a = __ldg(ks + i), c = __ldg(vs + i);
+      kd[i] = a;
+      vd[i] = c;
+    }
+  }
   warm(w_qkv, QKVN, H);
   barrier();
 
@@ -2436,6 +2467,7 @@ class FusedStep:
             ("TREE_MERGE", TREE_MERGE),
             ("TIGHT_WHOLE", TIGHT_WHOLE),
             ("EARLY_WEIGHTS", EARLY_WEIGHTS),
+            ("COPY_AROUND", COPY_AROUND),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

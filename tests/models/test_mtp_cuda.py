@@ -437,6 +437,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         ("moe", True, True, True, 1, 2, 3, ("EARLY_WEIGHTS",)),
         ("moe", False, False, True, 3, 1, 2, ("EARLY_WEIGHTS",)),
         ("dense", False, True, False, 2, 2, 3, ("EARLY_WEIGHTS",)),
+        # the first step's KV copy around fc's product (one row and three; whole rounds)
+        ("moe", True, True, True, 1, 2, 3, ("COPY_AROUND",)),
+        ("moe", False, True, False, 3, 2, 2, ("COPY_AROUND", "EARLY_WEIGHTS", "TIGHT_WHOLE")),
         # the draw's whole-list merge rolled (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("TIGHT_WHOLE",)),
         ("moe", False, False, True, 3, 1, 2, ("TIGHT_WHOLE", "HK=2")),
