@@ -40,8 +40,9 @@
 #  `SAMPLINGS="greedy qwen" DEPTHS=1,2,3 REPEATS=20 interleave`; a second lease: `setup-min merge` with
 #  SETS "none TREE_MERGE EAGER_IDS TREE_MERGE,EAGER_IDS" and PROBE_FLAGS "--tree-merge --eager-ids",
 #  before TREE_MERGE went on and the eager id loads became the only form; a third lease: `setup-min whole`,
-#  its agreement run cut by the session's device time; next: `setup-min early` (EARLY_WEIGHTS and
-#  TIGHT_WHOLE timed, then their drafts; ~7 min), in a call of its own)
+#  its agreement run cut by the session's device time; next: `setup-min early` (EARLY_WEIGHTS,
+#  COPY_AROUND, PARALLEL_DERIVE and TIGHT_WHOLE timed, derived rounds checked; ~6 min), then
+#  `early-agree` (~5 min), each a call of its own)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -226,12 +227,21 @@ for step in "$@"; do
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
     ;;
   early)  # a launch's fixed cost: the norms' weights loaded before their reductions (EARLY_WEIGHTS), the
-    # KV copy around fc's product (COPY_AROUND), with TIGHT_WHOLE too: time, then drafts and KV buffers
-    # (DRAW_HEADS_K 2 so that TIGHT_WHOLE's merge runs in most draws)
-    SETS=${SETS:-none EARLY_WEIGHTS COPY_AROUND TIGHT_WHOLE,EARLY_WEIGHTS,COPY_AROUND} SAMPLINGS="greedy qwen" \
-        NO_AGREE=1 DEPTHS=${DEPTHS:-1,2} bash $0 switches
+    # KV copy around fc's product (COPY_AROUND), the rows' drafts compared at once (PARALLEL_DERIVE), with
+    # TIGHT_WHOLE too: time, then derived rounds against host-built ones (`early-agree`: the drafts and
+    # KV buffers against the MLX step's)
+    SETS=${SETS:-none EARLY_WEIGHTS COPY_AROUND,PARALLEL_DERIVE TIGHT_WHOLE,EARLY_WEIGHTS,COPY_AROUND,PARALLEL_DERIVE} \
+        SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=${DEPTHS:-1,2} bash $0 switches
+    for sampling in greedy qwen; do
+      timeout ${LIMIT:-150} python3 bench/draft_device.py --check --rows 1,3 --depths 1,3 --sampling $sampling \
+          --kernel-switches PARALLEL_DERIVE,COPY_AROUND,EARLY_WEIGHTS,TIGHT_WHOLE \
+          > $OUT/draft-device-check-early-$sampling-h200.txt 2>&1 || echo "STEP FAILED: $?"
+      grep -c '"equal": true' $OUT/draft-device-check-early-$sampling-h200.txt
+    done
+    ;;
+  early-agree)  # the drafts of `early`'s switches (DRAW_HEADS_K 2 so that TIGHT_WHOLE's merge runs in most draws)
     SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS="--early-weights --copy-around --tight-whole --draw-heads-k 2" \
-        PROBE_TAG=-early LIMIT=${LIMIT:-280} bash $0 agree
+        PROBE_TAG=-early LIMIT=${LIMIT:-300} bash $0 agree
     ;;
   whole)  # the draw's whole-list merge rolled (TIGHT_WHOLE): time, then drafts with that merge run in most
     # draws (DRAW_HEADS_K 2)

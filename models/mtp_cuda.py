@@ -220,6 +220,14 @@ EARLY_WEIGHTS = False
 # 256-position buffer one vector per thread or none). The same buffers.
 # Compile-checked only, not yet measured.
 COPY_AROUND = False
+# Whether a round's launch that derives its inputs on the device
+# (DERIVED_INPUTS) compares each row's drafts with the verify window's draws
+# all at once (a warp per row, a lane per draft, a ballot), instead of one
+# pair per iteration until the first that differs (a dependent round trip
+# per accepted draft, at a launch's start). The same inputs. Compile-checked
+# only, not yet measured (`bash bench/h200_run.sh early` checks it: derived
+# rounds against host-built ones).
+PARALLEL_DERIVE = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -705,7 +713,7 @@ _SOURCE = r"""
   // bonus token, padded with it), the start one past the last round's tail,
   // the step key moved by the tokens the round emitted
   if (DERIVE) {
-    if (threadIdx.x < B) {
+    if (!PARALLEL_DERIVE && threadIdx.x < B) {
       const int b = threadIdx.x, dp = drafts_shape[1], sw = samples_shape[1];
       int a = 0;
       while (a < dp && (int)drafts[b * dp + a] == (int)samples[b * sw + a]) ++a;
@@ -713,6 +721,29 @@ _SOURCE = r"""
       s_in_start[b] = (int)(prev[b * 4] + prev[b * 4 + 1] + 1u);
       s_in_step[b] = prev[b * 4 + 2] + (unsigned int)a + 1u;
       s_in_seed[b] = prev[b * 4 + 3];
+    }
+    // PARALLEL_DERIVE: warp b compares row b's drafts with its draws, lane j
+    // the j-th (all loads in flight at once, not one pair per iteration);
+    // the accepted count is the first lane that differs or has no draft
+    if constexpr (PARALLEL_DERIVE) {
+      if ((int)(threadIdx.x >> 5) < B) {
+        const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
+        const int dp = drafts_shape[1], sw = samples_shape[1];
+        int a = 0;
+        if (dp <= 32) {
+          const bool same = j < dp && (int)drafts[b * dp + j] == (int)samples[b * sw + j];
+          const unsigned int stop = __ballot_sync(0xffffffffu, !same);
+          a = stop == 0u ? 32 : __ffs(stop) - 1;
+        } else {
+          while (a < dp && (int)drafts[b * dp + a] == (int)samples[b * sw + a]) ++a;
+        }
+        if (j == 0) {
+          s_in_last[b] = a;
+          s_in_start[b] = (int)(prev[b * 4] + prev[b * 4 + 1] + 1u);
+          s_in_step[b] = prev[b * 4 + 2] + (unsigned int)a + 1u;
+          s_in_seed[b] = prev[b * 4 + 3];
+        }
+      }
     }
     __syncthreads();
     if (threadIdx.x < M) {
@@ -2472,6 +2503,7 @@ class FusedStep:
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
             ("DERIVE", derive is not None),
+            ("PARALLEL_DERIVE", PARALLEL_DERIVE),
         ]
         window = (
             keys.shape

@@ -519,7 +519,16 @@ def test_the_step_kernel_compiles_without_spills(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
-@pytest.mark.parametrize(("rows", "width", "greedy"), [(1, 1, True), (3, 2, False)])
+@pytest.mark.parametrize(
+    ("rows", "width", "greedy", "switches"),
+    [
+        (1, 1, True, ()),
+        (3, 2, False, ()),
+        # the rows' drafts compared all at once; the launch's other fixed-cost switches
+        (1, 1, True, ("PARALLEL_DERIVE",)),
+        (3, 2, False, ("PARALLEL_DERIVE", "COPY_AROUND", "EARLY_WEIGHTS")),
+    ],
+)
 def test_the_derived_round_compiles_and_reads_no_host_input(
     moe: tuple[Any, MtpHead],
     monkeypatch: pytest.MonkeyPatch,
@@ -527,11 +536,14 @@ def test_the_derived_round_compiles_and_reads_no_host_input(
     rows: int,
     width: int,
     greedy: bool,
+    switches: tuple[str, ...],
 ) -> None:
     """The whole round that derives its per-row inputs on the device: the
     last round's draws, drafts and launch state go in, the kernel's state
     comes out, and the compiled form neither spills nor reads the host-built
     inputs (the placeholders it is given are the device arrays)."""
+    for switch in switches:
+        monkeypatch.setattr(mtp_cuda, switch, True)
     target, head = moe
     weights = fused_weights(target, head, 0)
     assert weights is not None
