@@ -230,11 +230,12 @@ for step in "$@"; do
     # KV copy around fc's product (COPY_AROUND), the rows' drafts compared at once (PARALLEL_DERIVE), with
     # TIGHT_WHOLE too: time, then derived rounds against host-built ones (`early-agree`: the drafts and
     # KV buffers against the MLX step's)
-    SETS=${SETS:-none EARLY_WEIGHTS COPY_AROUND,PARALLEL_DERIVE TIGHT_WHOLE,EARLY_WEIGHTS,COPY_AROUND,PARALLEL_DERIVE} \
+    all=TIGHT_WHOLE,EARLY_WEIGHTS,COPY_AROUND,PARALLEL_DERIVE
+    SETS=${SETS:-none EARLY_WEIGHTS COPY_AROUND,PARALLEL_DERIVE $all} \
         SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=${DEPTHS:-1,2} bash $0 switches
     for sampling in greedy qwen; do
       timeout ${LIMIT:-150} python3 bench/draft_device.py --check --rows 1,3 --depths 1,3 --sampling $sampling \
-          --kernel-switches PARALLEL_DERIVE,COPY_AROUND,EARLY_WEIGHTS,TIGHT_WHOLE \
+          --kernel-switches $all \
           > $OUT/draft-device-check-early-$sampling-h200.txt 2>&1 || echo "STEP FAILED: $?"
       grep -c '"equal": true' $OUT/draft-device-check-early-$sampling-h200.txt
     done
