@@ -126,9 +126,6 @@ _SWITCHES = [
     ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),
     ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
-    ("tight-whole", "TIGHT_WHOLE", "the draw's whole-list merge in rolled loops"),
-    ("early-weights", "EARLY_WEIGHTS", "the norms' weights loaded before their reductions"),
-    ("copy-around", "COPY_AROUND", "a round's KV copy loaded before fc's product, stored after"),
 ]
 
 

@@ -40,9 +40,11 @@
 #  `SAMPLINGS="greedy qwen" DEPTHS=1,2,3 REPEATS=20 interleave`; a second lease: `setup-min merge` with
 #  SETS "none TREE_MERGE EAGER_IDS TREE_MERGE,EAGER_IDS" and PROBE_FLAGS "--tree-merge --eager-ids",
 #  before TREE_MERGE went on and the eager id loads became the only form; a third lease: `setup-min whole`,
-#  its agreement run cut by the session's device time; next: `setup-min early` (EARLY_WEIGHTS,
-#  COPY_AROUND, PARALLEL_DERIVE and TIGHT_WHOLE timed, derived rounds checked; ~6 min), then
-#  `early-agree` (~5 min), each a call of its own)
+#  its agreement run cut by the session's device time)
+# (seventeenth session, one lease: `setup-min early` (EARLY_WEIGHTS, COPY_AROUND, PARALLEL_DERIVE and
+#  TIGHT_WHOLE timed, derived rounds with all four checked against host-built ones; no gain, the
+#  switches and the `early`, `early-agree` and `whole` steps removed), then draft_device.py
+#  --depths 2 --sampling greedy by hand on this tree and on e3c51bb's in turn, and with --cache-control none)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -225,29 +227,6 @@ for step in "$@"; do
   merge)  # a sampled step's merges, the warps' runs pairwise (TREE_MERGE, on) and in turn: time, drafts
     SETS=${SETS:-none -TREE_MERGE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
-    ;;
-  early)  # a launch's fixed cost: the norms' weights loaded before their reductions (EARLY_WEIGHTS), the
-    # KV copy around fc's product (COPY_AROUND), the rows' drafts compared at once (PARALLEL_DERIVE), with
-    # TIGHT_WHOLE too: time, then derived rounds against host-built ones (`early-agree`: the drafts and
-    # KV buffers against the MLX step's)
-    all=TIGHT_WHOLE,EARLY_WEIGHTS,COPY_AROUND,PARALLEL_DERIVE
-    SETS=${SETS:-none EARLY_WEIGHTS COPY_AROUND,PARALLEL_DERIVE $all} \
-        SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=${DEPTHS:-1,2} bash $0 switches
-    for sampling in greedy qwen; do
-      timeout ${LIMIT:-150} python3 bench/draft_device.py --check --rows 1,3 --depths 1,3 --sampling $sampling \
-          --kernel-switches $all \
-          > $OUT/draft-device-check-early-$sampling-h200.txt 2>&1 || echo "STEP FAILED: $?"
-      grep -c '"equal": true' $OUT/draft-device-check-early-$sampling-h200.txt
-    done
-    ;;
-  early-agree)  # the drafts of `early`'s switches (DRAW_HEADS_K 2 so that TIGHT_WHOLE's merge runs in most draws)
-    SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS="--early-weights --copy-around --tight-whole --draw-heads-k 2" \
-        PROBE_TAG=-early LIMIT=${LIMIT:-300} bash $0 agree
-    ;;
-  whole)  # the draw's whole-list merge rolled (TIGHT_WHOLE): time, then drafts with that merge run in most
-    # draws (DRAW_HEADS_K 2)
-    SETS=${SETS:-none TIGHT_WHOLE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
-    SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--tight-whole --draw-heads-k 2" PROBE_TAG=-whole LIMIT=${LIMIT:-170} bash $0 agree
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \

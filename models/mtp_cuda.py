@@ -192,41 +192,6 @@ TIGHT_DRAW = True
 # depth 3; the same drafts as without it, one and three rows, every launch
 # form (sixteenth session, bench/RESULTS.md).
 TREE_MERGE = True
-# Whether the sampled draw's whole-list merge (run when DRAW_HEADS' heads
-# are not enough: rare at DRAW_HEADS_K 4) keeps TIGHT_DRAW's rolled merges
-# (and TREE_MERGE's pairwise one) instead of unrolled ones: 13.6 KB less
-# code in the middle of the draw, which a sampled step fetches each step
-# (287 -> 274 KB at Qwen3-Next's shape). The same draws. H200, one row,
-# Qwen's sampling: 462.2 / 232.9 -> 461.6 / 231.5 us per depth-2 launch,
-# 683.5 / 341.9 -> 682.3 / 338.9 at depth 3 (sixteenth session); off until
-# its drafts are checked on a device (`bash bench/h200_run.sh whole`'s
-# agreement run, DRAW_HEADS_K 2 so that this merge runs in most draws).
-TIGHT_WHOLE = False
-# Whether a step's RMS norms load their weights before their inputs' block
-# reduction instead of after it (a load does not cross the reduction's block
-# barrier): fc's two input norms and the q/k/v, MLP and head inputs' norms,
-# one L2 round trip less each per step, and a DRAM one on a launch's first
-# step (its norm weights are not in L2 after a verify forward). The same
-# arithmetic. A candidate for the ~17 us a launch costs beyond its steps;
-# compile-checked only (Qwen3-Next's shape: 168 / 172 registers greedy /
-# sampled, 168 without), not yet measured. Hidden sizes over 2048 keep the
-# weights' loads where they were (Qwen3.5-27B's 5120 spilled).
-EARLY_WEIGHTS = False
-# Whether a round's launch, copying the head's KV cache into its new whole
-# buffers on the first step, loads each thread's first 16-byte vectors
-# before fc's product and stores them after it (the copy's DRAM round trip
-# then overlaps the product's instead of delaying its start; at a
-# 256-position buffer one vector per thread or none). The same buffers.
-# Compile-checked only, not yet measured.
-COPY_AROUND = False
-# Whether a round's launch that derives its inputs on the device
-# (DERIVED_INPUTS) compares each row's drafts with the verify window's draws
-# all at once (a warp per row, a lane per draft, a ballot), instead of one
-# pair per iteration until the first that differs (a dependent round trip
-# per accepted draft, at a launch's start). The same inputs. Compile-checked
-# only, not yet measured (`bash bench/h200_run.sh early` checks it: derived
-# rounds against host-built ones).
-PARALLEL_DERIVE = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -417,21 +382,11 @@ __device__ __forceinline__ void stage_l2(float* to, const float* from, int n) {
 // (16-byte loads, all in flight together); `copy`, when given, also gets
 // them in the weights' dtype; `inv`, when given (shared), each vector's
 // rsqrt(mean(x^2) + eps).
-// EARLY: the weights loaded first, beside the inputs (not after the
-// reduction's block barrier, which loads do not cross).
-template <typename W, int N, bool EARLY = false>
+template <typename W, int N>
 __device__ __forceinline__ void stage_normed(
     float* to, const float* from, int count, const W* w, float eps, float* red, W* copy,
     float* inv = nullptr) {
   constexpr int NG = groups8(N);
-  float w0[EARLY ? NG : 1][8];
-  if constexpr (EARLY) {
-#pragma unroll
-    for (int g = 0; g < NG; ++g) {
-      const int k = (threadIdx.x + g * SP_THREADS) * 8;
-      if (k < N) load8(w + k, w0[g]);
-    }
-  }
   for (int m = 0; m < count; ++m) {
     float x[NG][8];
     float s = 0.0f;
@@ -451,12 +406,7 @@ __device__ __forceinline__ void stage_normed(
       const int k = (threadIdx.x + g * SP_THREADS) * 8;
       if (k < N) {
         float wv[8];
-        if constexpr (EARLY) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) wv[i] = w0[g][i];
-        } else {
-          load8(w + k, wv);
-        }
+        load8(w + k, wv);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const float v = x[g][i] * iv * wv[i];
@@ -694,10 +644,6 @@ _SOURCE = r"""
   constexpr int KC = GREEDY ? 1 : TOPK;
   constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
   constexpr bool TREE = TREE_MERGE;
-  constexpr int WU = TIGHT_WHOLE ? SU : 32;  // the draw's whole-list merge: rolled, or unrolled
-  // EARLY_WEIGHTS where a thread's share of a norm's weights is eight values
-  // (hidden <= 2048: wider ones took Qwen3.5-27B's dense step to spills)
-  constexpr bool EARLY_W = EARLY_WEIGHTS && groups8(H) == 1;
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -712,7 +658,7 @@ _SOURCE = r"""
   // bonus token, padded with it), the start one past the last round's tail,
   // the step key moved by the tokens the round emitted
   if (DERIVE) {
-    if (!PARALLEL_DERIVE && threadIdx.x < B) {
+    if (threadIdx.x < B) {
       const int b = threadIdx.x, dp = drafts_shape[1], sw = samples_shape[1];
       int a = 0;
       while (a < dp && (int)drafts[b * dp + a] == (int)samples[b * sw + a]) ++a;
@@ -720,29 +666,6 @@ _SOURCE = r"""
       s_in_start[b] = (int)(prev[b * 4] + prev[b * 4 + 1] + 1u);
       s_in_step[b] = prev[b * 4 + 2] + (unsigned int)a + 1u;
       s_in_seed[b] = prev[b * 4 + 3];
-    }
-    // PARALLEL_DERIVE: warp b compares row b's drafts with its draws, lane j
-    // the j-th (all loads in flight at once, not one pair per iteration);
-    // the accepted count is the first lane that differs or has no draft
-    if constexpr (PARALLEL_DERIVE) {
-      if ((int)(threadIdx.x >> 5) < B) {
-        const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
-        const int dp = drafts_shape[1], sw = samples_shape[1];
-        int a = 0;
-        if (dp <= 32) {
-          const bool same = j < dp && (int)drafts[b * dp + j] == (int)samples[b * sw + j];
-          const unsigned int stop = __ballot_sync(0xffffffffu, !same);
-          a = stop == 0u ? 32 : __ffs(stop) - 1;
-        } else {
-          while (a < dp && (int)drafts[b * dp + a] == (int)samples[b * sw + a]) ++a;
-        }
-        if (j == 0) {
-          s_in_last[b] = a;
-          s_in_start[b] = (int)(prev[b * 4] + prev[b * 4 + 1] + 1u);
-          s_in_step[b] = prev[b * 4 + 2] + (unsigned int)a + 1u;
-          s_in_seed[b] = prev[b * 4 + 3];
-        }
-      }
     }
     __syncthreads();
     if (threadIdx.x < M) {
@@ -905,21 +828,6 @@ _SOURCE = r"""
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
-  // EARLY_WEIGHTS: the head's two input norms' weights loaded before the
-  // positions' inputs (then beside them, not after the reductions' block
-  // barriers; the target's final norm's, on a round's first step only, keeps
-  // its place: loaded early too, it took the step to 254 registers)
-  float w_e0[EARLY_W ? NGH : 1][8], w_h0[EARLY_W ? NGH : 1][8];
-  if constexpr (EARLY_W) {
-#pragma unroll
-    for (int g = 0; g < NGH; ++g) {
-      const int k = (tid + g * SP_THREADS) * 8;
-      if (k < H) {
-        load8(w_norm_e + k, w_e0[g]);
-        load8(w_norm_h + k, w_h0[g]);
-      }
-    }
-  }
   for (int m = 0; m < M; ++m) {
     // (a later step's window positions all take the row's one pair: their
     // duplicate products cost no extra weight reads)
@@ -961,13 +869,8 @@ _SOURCE = r"""
       const int k = (tid + g * SP_THREADS) * 8;
       if (k < H) {
         float we[8], wh[8];
-        if constexpr (EARLY_W) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) { we[i] = w_e0[g][i]; wh[i] = w_h0[g][i]; }
-        } else {
-          load8(w_norm_e + k, we);
-          load8(w_norm_h + k, wh);
-        }
+        load8(w_norm_e + k, we);
+        load8(w_norm_h + k, wh);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           xs[(size_t)m * 2 * H + k + i] = ev[g][i] * ie * we[i];
@@ -978,7 +881,7 @@ _SOURCE = r"""
   }
   __syncthreads();
   mark(0);
-  if (!COPY_AROUND && KV_OUT && s == 0) {
+  if (KV_OUT && s == 0) {
     // KV_OUT: knew / vnew are the new whole buffers: the cache copied (the
     // window's slots are written after this phase's barrier)
     const size_t n = (size_t)B * HKV * C * D / 8;  // 16-byte vectors of 8 elements
@@ -993,16 +896,6 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  // COPY_AROUND: the same copy, a thread's first vectors loaded before fc's
-  // product and stored after it (their DRAM round trip inside the
-  // product's), the rest after it
-  const size_t n_copy = (COPY_AROUND && KV_OUT && s == 0) ? (size_t)B * HKV * C * D / 8 : 0;
-  const size_t i0 = (size_t)blk * SP_THREADS + tid;
-  uint4 ck = make_uint4(0u, 0u, 0u, 0u), cv = ck;
-  if (COPY_AROUND && i0 < n_copy) {
-    ck = __ldg(reinterpret_cast<const uint4*>(keys) + i0);
-    cv = __ldg(reinterpret_cast<const uint4*>(values) + i0);
-  }
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
@@ -1010,25 +903,11 @@ _SOURCE = r"""
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       });
-  if (COPY_AROUND && i0 < n_copy) {
-    const uint4* ks = reinterpret_cast<const uint4*>(keys);
-    const uint4* vs = reinterpret_cast<const uint4*>(values);
-    uint4* kd = reinterpret_cast<uint4*>(knew);
-    uint4* vd = reinterpret_cast<uint4*>(vnew);
-    kd[i0] = ck;
-    vd[i0] = cv;
-#pragma unroll 1
-    for (size_t i = i0 + (size_t)NBLK * SP_THREADS; i < n_copy; i += (size_t)NBLK * SP_THREADS) {
-      const uint4 a = __ldg(ks + i), c = __ldg(vs + i);
-      kd[i] = a;
-      vd[i] = c;
-    }
-  }
   warm(w_qkv, QKVN, H);
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
-  stage_normed<W, H, EARLY_W>(xs, S + O_H0, M, w_in, eps, red, nullptr);
+  stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
       QKVN, H, gwarp, NW, qkv_row,
@@ -1316,7 +1195,7 @@ _SOURCE = r"""
     if (DENSE) prefetch_share(mlp1, (size_t)H * IM * WB, PF_CAP);
     else prefetch_share(mlp6, (size_t)H * IS * WB, PF_CAP);
   }
-  stage_normed<W, H, EARLY_W>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
+  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
@@ -1555,7 +1434,7 @@ _SOURCE = r"""
   // ---- 7. the head's norm, the projection, each block's candidates -------
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
-  stage_normed<W, H, EARLY_W>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
+  stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
   mark(7);
   const int lo = h_lo, hi = h_hi;
   float best_v[B];
@@ -1711,7 +1590,7 @@ _SOURCE = r"""
           __syncthreads();
           whole = s_crowded;
         }
-        if (whole) {  // (rarely run; unrolled unless TIGHT_WHOLE)
+        if (whole) {  // (rarely run; unrolled)
         tv = -SP_INF;
         ti = 0x7fffffff;
         float pv[LPW];
@@ -1726,9 +1605,9 @@ _SOURCE = r"""
         tv = pv[0];
         ti = pi[0];
 #pragma unroll
-        for (int q = 1; q < LPW; ++q) warp_merge<WU>(tv, ti, pv[q], pi[q]);
+        for (int q = 1; q < LPW; ++q) warp_merge<32>(tv, ti, pv[q], pi[q]);
         __syncthreads();  // (s_topv: the last row's merge read them)
-        merge_runs<WU, TIGHT_WHOLE && TREE>(tv, ti, s_topv, s_topi);
+        merge_runs<32, false>(tv, ti, s_topv, s_topi);
         }
       }
       if (DIAG_NO_DRAW && warp == 0) {
@@ -2495,14 +2374,10 @@ class FusedStep:
             ("HK", DRAW_HEADS_K),
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
-            ("TIGHT_WHOLE", TIGHT_WHOLE),
-            ("EARLY_WEIGHTS", EARLY_WEIGHTS),
-            ("COPY_AROUND", COPY_AROUND),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
             ("DERIVE", derive is not None),
-            ("PARALLEL_DERIVE", PARALLEL_DERIVE),
         ]
         window = (
             keys.shape
