@@ -156,15 +156,40 @@ SAMPLINGS = {
 
 def generate(
     model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int,
-    sampling: SamplingParams = SAMPLINGS["greedy"],
+    sampling: SamplingParams = SAMPLINGS["greedy"], ahead: bool = False,
 ) -> tuple[list[int], Any, float]:
     sink = Sink()
     start = time.perf_counter()
     result = generate_rows(
-        model, [RowRequest(prompt, sampling, n, sink)], (), drafter, RoundOptions(depth=depth)
+        model, [RowRequest(prompt, sampling, n, sink)], (), drafter,
+        RoundOptions(depth=depth, draft_ahead=ahead),
     )[0]
     mx.synchronize()
     return sink.tokens, result, time.perf_counter() - start
+
+
+def ahead_pairs(
+    model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int,
+    sampling: SamplingParams, repeats: int,
+) -> dict[str, Any]:
+    """MTP decoding with the next round's drafts launched before the host
+    read (`RoundOptions.draft_ahead`) and without, in alternation: the
+    median ms per round of each (over every round of every run) and whether
+    their tokens are the same."""
+    rounds: dict[bool, list[float]] = {False: [], True: []}
+    outputs: dict[bool, list[int]] = {}
+    generate(model, prompt, 4, drafter, depth, sampling, ahead=True)  # warm-up
+    for _ in range(repeats):
+        for ahead in (False, True):
+            tokens, result, _ = generate(model, prompt, n, drafter, depth, sampling, ahead)
+            rounds[ahead].extend(result.round_ms[1:])  # (the first: the prompt's tail)
+            outputs.setdefault(ahead, tokens)
+            if outputs[ahead] != tokens:
+                outputs[ahead] = []  # not reproducible run to run
+    off, on = statistics.median(rounds[False]), statistics.median(rounds[True])
+    return {"depth": depth, "off_ms_per_round": off, "ahead_ms_per_round": on,
+            "cut": off / on, "rounds": len(rounds[True]),
+            "same_tokens": outputs[False] == outputs[True] != []}  # fmt: skip
 
 
 def opened_rows(
@@ -370,6 +395,9 @@ def main() -> None:
     parser.add_argument("--no-window-kernel", action="store_true",
                         help="run the hybrid layers' recurrence as MLX operations on a GPU "
                              "(models.gated_delta.WINDOW_KERNEL_ON_GPU)")
+    parser.add_argument("--draft-ahead", action="store_true",
+                        help="only MTP rounds with the next round's drafts launched before the host "
+                             "read and without, in alternation (RoundOptions.draft_ahead)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.top_k_stages == "one":
@@ -415,6 +443,23 @@ def main() -> None:
     vocab = fr_list(args.vocab, args.fr_size)
     modes = args.steps.split(",")
     report["steps"] = modes
+    if args.draft_ahead:
+        import models.mtp_cuda
+
+        report["ahead"] = []
+        for mode in modes:
+            models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
+            set_switches(args)
+            for name, listed in (("full", None), (f"fr{args.fr_size}", vocab)):
+                drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
+                for depth in [int(d) for d in args.depths.split(",")]:
+                    entry = ahead_pairs(model, prompt, args.tokens, drafter, depth, sampling,
+                                        args.repeats)  # fmt: skip
+                    report["ahead"].append({"steps": mode, "vocab": name, **entry})
+                    print("AHEAD", json.dumps(report["ahead"][-1]), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        return
     if args.interleave:
         import models.mtp_cuda
 

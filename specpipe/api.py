@@ -132,6 +132,7 @@ class Pipeline:
     registry: DraftRegistry = field(factory=default_registry)
     adaptive: AdaptivePolicy | None = None
     phase_timing: bool = False  # evaluate between phases to time them (slower)
+    draft_ahead: bool = False  # see RoundOptions.draft_ahead
 
     @property
     def draft_kind(self) -> str:
@@ -272,6 +273,7 @@ class Pipeline:
             device_round=self.device_round,
             adaptive=self.adaptive if self.draft is not None else None,
             phase_timing=self.phase_timing,
+            draft_ahead=self.draft_ahead,
         )
         return Success(_PreparedBatch(self, encoded, sinks, requests, options))
 
@@ -337,6 +339,7 @@ def load(
     adaptive: bool | CostModel | None = None,
     phase_timing: bool = False,
     draft_dtype: str | None = None,
+    draft_ahead: bool = False,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -348,7 +351,9 @@ def load(
     calibration of this machine, measured on first use; a ready `CostModel`;
     False: every round drafts the full width). `draft_dtype`: a draft model's
     dtype when it differs from the target's (e.g. a bfloat16 draft for a
-    float32 target on a CPU, models/cpu_kernel.py); drafts change speed only."""
+    float32 target on a CPU, models/cpu_kernel.py); drafts change speed only.
+    `draft_ahead`: launch the next round's drafts before a round's host read
+    where the drafter can (`RoundOptions.draft_ahead`: an MTP head's rounds)."""
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
         return Failure(
@@ -360,7 +365,14 @@ def load(
     target = loaded.unwrap()
     if draft is None or draft == "none":
         return Success(
-            Pipeline(target, None, device_round, registry, phase_timing=phase_timing)
+            Pipeline(
+                target,
+                None,
+                device_round,
+                registry,
+                phase_timing=phase_timing,
+                draft_ahead=draft_ahead,
+            )
         )
     request = DraftLoadRequest(
         target=target,
@@ -388,7 +400,8 @@ def load(
         policy_adaptive = AdaptivePolicy(cost)
     return Success(
         Pipeline(
-            target, loaded_draft, device_round, registry, policy_adaptive, phase_timing
+            target, loaded_draft, device_round, registry, policy_adaptive, phase_timing,
+            draft_ahead,
         )
     )
 

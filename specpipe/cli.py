@@ -106,6 +106,7 @@ def _generate(args: argparse.Namespace) -> None:
             draft_vocab=args.draft_vocab,
             adaptive=args.adaptive,
             phase_timing=args.phase_timing,
+            draft_ahead=args.draft_ahead,
         )
     )
     streaming = not args.json and not args.prompts_file
@@ -231,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build the verify graph before reading drafts back (one host read "
         "per round; measured slower on an H200, so off by default)",
+    )
+    gen.add_argument(
+        "--draft-ahead",
+        action="store_true",
+        help="launch the next round's drafts before a round's host read, from "
+        "device values only (an MTP head's rounds; 1.01-1.33x shorter rounds "
+        "at depths 1-2 on an H200, bench/RESULTS.md)",
     )
     gen.add_argument(
         "--phase-timing",

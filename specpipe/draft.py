@@ -10,7 +10,7 @@ prepared change of its own state.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 from attrs import frozen
@@ -24,7 +24,9 @@ from specpipe.transaction import Prepared
 class Proposal:
     depth: int
     host: tuple[tuple[int, ...], ...] | None = None  # per row, 0..depth ids
-    device: mx.array | None = None  # [B, depth] int32
+    # [B, depth] int32; with `host` too once the round read it first (then
+    # `host` is its copy, and the round does not read it again)
+    device: mx.array | None = None
     # A copying drafter's note to itself: per row, the index in the row's
     # tokens its host drafts were copied from (-1: none). Not read by the round.
     origins: tuple[int, ...] | None = None
@@ -76,6 +78,28 @@ class DraftRows(Protocol):
 
     def join(self, other: DraftRows) -> DraftRows:
         """These rows followed by `other`'s (opened by the same drafter)."""
+        ...
+
+
+@runtime_checkable
+class DraftsAhead(Protocol):
+    """Draft rows that can launch the next round's drafts before this round's
+    host read (`RoundOptions.draft_ahead`): from device arrays only, so the
+    launch is queued behind the verify window and runs while the host walks
+    and commits this round."""
+
+    def launch_ahead(
+        self,
+        rows: Sequence[RowState],
+        proposal: Proposal,
+        verified: ModelOutput,
+        depth: int,
+    ) -> DraftRows | None:
+        """These rows holding the next round's `depth` drafts, launched from
+        this round's `proposal` and `verified` (its draws set), before the
+        walk. Commit this round through the returned rows' `prepare_commit`;
+        their next `propose` of `depth` drafts for the same rows returns the
+        launched ones. None where it cannot launch so."""
         ...
 
 

@@ -19,7 +19,7 @@ from attrs import define, evolve, field, frozen
 from models.base import CausalLM, ModelOutput
 from schemas.request import SamplingParams
 from specpipe.adaptive import AdaptivePolicy, ObservedCosts, RowAdaptation
-from specpipe.draft import Drafter, DraftRows, Proposal
+from specpipe.draft import Drafter, DraftRows, DraftsAhead, Proposal
 from specpipe.metrics import PhaseTimes, RowMetrics
 from specpipe.output import Delivered, FinishReason, TokenSink, deliver
 from specpipe.prefill import prefill_rows
@@ -73,6 +73,12 @@ class RoundOptions:
     device_round: bool = False
     phase_timing: bool = False
     adaptive: AdaptivePolicy | None = None  # per-row depth from measured costs
+    # Drafters that can (`DraftsAhead`: the MTP head's one-layer rounds)
+    # launch the next round's drafts before this round's host read, from
+    # device arrays only: the launch runs behind the verify window while the
+    # host walks and commits, and the next round adopts it when it asks for
+    # the same depth of the same rows (else it is dropped, unread).
+    draft_ahead: bool = False
 
 
 @define
@@ -418,8 +424,10 @@ def _speculative_round(
             if proposal.device is not None and (
                 not options.device_round or phases is not None
             ):
+                # read first (host-first order); the device drafts and the
+                # drafter's note stay for the window and the next round
                 read = _ints(proposal.device.reshape(-1))
-                proposal = Proposal(proposal.depth, host=proposal.resolve(read))
+                proposal = evolve(proposal, host=proposal.resolve(read))
         except Exception as exc:
             batch.disable_draft(exc)
             proposal = Proposal.empty(len(rows))
@@ -434,22 +442,30 @@ def _speculative_round(
     B, W = samples.shape
     wants_logprobs = any(requests[s].logprobs for s in batch.slots)
     reads: list[mx.array] = []
-    if proposal.device is not None:
+    unread = proposal.device is not None and proposal.host is None
+    if unread:
+        assert proposal.device is not None
         reads.append(proposal.device.reshape(-1).astype(mx.int32))
     reads.append(samples.reshape(-1))
-    host = _ints(mx.concatenate(reads) if len(reads) > 1 else reads[0])
-    lps: list[float] | None = None
-    if wants_logprobs:
-        lps = _floats(
-            token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1))
-        )
+    flat = mx.concatenate(reads) if len(reads) > 1 else reads[0]
+    logprobs = (
+        token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1))
+        if wants_logprobs
+        else None
+    )
+    if isinstance(verified, ModelOutput):  # the draws, for drafters that derive from them
+        verified = evolve(verified, draws=samples)
+    if options.draft_ahead:
+        _launch_ahead(batch, proposal, depths, verified, [flat, logprobs])
+    host = _ints(flat)
+    lps = _floats(logprobs) if logprobs is not None else None
     drafted_flat = host[: len(host) - B * W]
     tokens = host[len(host) - B * W :]
     # A row asked for fewer drafts than the batch drafted uses their prefix.
     drafts = tuple(
         d[:limit]
         for d, limit in zip(
-            proposal.resolve(drafted_flat if proposal.device is not None else None),
+            proposal.resolve(drafted_flat if unread else None),
             depths,
             strict=True,
         )
@@ -475,8 +491,6 @@ def _speculative_round(
             deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled)
         )
         metrics[slot].record(len(drafts[b]), acc.accepted, delivered[-1].published)
-    if isinstance(verified, ModelOutput):  # the draws, for drafters that derive from them
-        verified = evolve(verified, draws=samples)
     _commit(batch, proposal, drafts, acceptances, delivered, verified)
     if phases is not None:
         phases.commit += lap()
@@ -484,6 +498,35 @@ def _speculative_round(
         (d, len(drafted), acc.accepted)
         for d, drafted, acc in zip(delivered, drafts, acceptances, strict=True)
     ]
+
+
+def _launch_ahead(
+    batch: _Batch,
+    proposal: Proposal,
+    depths: Sequence[int],
+    verified: Any,
+    reads: Sequence[mx.array | None],
+) -> None:
+    """The next round's drafts launched now (`RoundOptions.draft_ahead`),
+    where every row was offered every draft of a device proposal: the
+    round's reads are queued first, so that the host read waits for them
+    and not for the launch."""
+    draft = batch.draft
+    if (
+        not isinstance(draft, DraftsAhead)
+        or not isinstance(verified, ModelOutput)
+        or proposal.device is None
+        or any(d < proposal.depth for d in depths)
+    ):
+        return
+    _async_eval(*[a for a in reads if a is not None])
+    try:
+        ahead = draft.launch_ahead(batch.rows, proposal, verified, proposal.depth)
+    except Exception as exc:
+        batch.disable_draft(exc)
+        return
+    if ahead is not None:
+        batch.draft = ahead
 
 
 def _commit(

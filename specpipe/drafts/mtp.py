@@ -37,7 +37,10 @@ follows a whole-round launch in which every row was offered every draft
 derives its inputs on the device (`MtpRows.chain`, `HeadStep.derived`):
 from the last round's verify draws, drafts and launch state, so the launch
 reads no array made from host values (bench/draft_device.py: 17 us less per
-one-row launch, ~220 us less at three rows on an H200).
+one-row launch, ~220 us less at three rows on an H200). Reading nothing from
+the host, that launch can be queued before the last round's host read
+(`RoundOptions.draft_ahead`, `MtpRows.launch_ahead`): it then runs while the
+host walks and commits, and the next round adopts its drafts.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ from specpipe.sample_window import sample_window
 from specpipe.sampling import draw, draw_filters
 from specpipe.state import RowState
 from specpipe.transaction import Prepared
+
+_async_eval = cast(Callable[..., None], mx.async_eval)
 
 # The longest tail a compiled step pairs (padded up to a power of two).
 COMPILED_TAIL_MAX = 16
@@ -259,6 +264,40 @@ class HeadStep:
             return None
         return run
 
+    def ahead(self, filters: SamplingParams, depth: int) -> DerivedRound | None:
+        """A one-layer head's whole round that derives its per-row inputs from
+        the last round's device arrays, for a round launched before the last
+        one's host read (`MtpRows.launch_ahead`): the kernel's launch
+        (`derived`) where it takes the shape, else the round's compiled steps
+        (`round`) fed by `mtp_cuda.derive_inputs` in MLX operations. None for
+        a multi-layer head."""
+        whole = self.round(filters, depth)
+        if whole is None:
+            return None
+        kernel = self.derived(filters, depth)
+
+        def run(
+            samples: mx.array,
+            drafts: mx.array,
+            prev: mx.array,
+            hidden: mx.array,
+            keys: mx.array,
+            values: mx.array,
+        ) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+            if kernel is not None:
+                out = kernel(samples, drafts, prev, hidden, keys, values)
+                if out is not None:
+                    return out
+            ids, last, starts, seeds, steps = mtp_cuda.derive_inputs(
+                samples, drafts, prev, hidden.shape[1]
+            )
+            tokens, _, keys, values = whole(
+                ids, hidden, last, starts, keys, values, seeds, steps
+            )
+            return tokens, keys, values, mtp_cuda.state_of(last, starts, seeds, steps)
+
+        return run
+
     def draw(
         self,
         normed: mx.array,  # [B, H]
@@ -392,6 +431,20 @@ class DeviceChain:
     prev: mx.array  # [B, 4] uint32: the round's launch inputs (`mtp_cuda.state_of`)
 
 
+@frozen(eq=False)
+class AheadRound:
+    """A round's drafts launched before the last round's host read
+    (`MtpRows.launch_ahead`), adopted by the next `propose` that asks for
+    the same depth of the same rows."""
+
+    after: Proposal  # the round it follows (its proposal, by identity)
+    depth: int
+    tokens: mx.array  # [B, depth]
+    keys: mx.array  # the head's buffers after the launch
+    values: mx.array
+    state: mx.array  # [B, 4] uint32: the launch's inputs (`mtp_cuda.state_of`)
+
+
 @frozen
 class MtpRows:
     target: Any  # models.qwen3_next.Model: embed, final_norm, project shared
@@ -408,11 +461,19 @@ class MtpRows:
     # round some row did not take every draft of, after rows joined or left,
     # and where the launch was not the kernel's whole round.
     chain: DeviceChain | None = None
+    # The next round's drafts, launched before the last round's host read
+    # (`launch_ahead`); kept by `prepare_commit` only for the round it follows.
+    ahead: AheadRound | None = None
     needs_target_hidden: bool = field(default=True, init=False)
 
     def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
         if min(self.tail_lengths) == 0:
             return Proposal.empty(len(rows))  # a one-token prompt: no hidden yet
+        ahead = self.ahead
+        if ahead is not None and self.chain is not None and ahead.depth == depth:
+            # launched before the last round's host read, from the same chain
+            self.cache.keys[0], self.cache.values[0] = ahead.keys, ahead.values
+            return Proposal(depth, device=ahead.tokens, state=ahead.state)
         params = [self.policy.draft_params(row.sampling) for row in rows]
         filters = {draw_filters(p) for p in params}
         if (
@@ -530,6 +591,52 @@ class MtpRows:
         self.cache.reserve(max(self.lengths) + width + depth - 1)
         return tail
 
+    def launch_ahead(
+        self,
+        rows: Sequence[RowState],
+        proposal: Proposal,
+        verified: ModelOutput,
+        depth: int,
+    ) -> DraftRows | None:
+        """These rows with the next round's `depth` drafts launched (queued
+        for evaluation) now, before this round's host read (`specpipe.draft.DraftsAhead`): from
+        the device chain `prepare_commit` will leave when every row is offered
+        every draft, over the verify window's whole tail (padded to a power of
+        two: the positions past a row's accepted ones are scratch, as in any
+        padded tail). None where the round cannot be launched so: no chain to
+        derive from, rows with different draw filters, a multi-layer head or
+        the eager path."""
+        if (
+            not self.compiled
+            or depth < 1
+            or proposal.state is None
+            or proposal.device is None
+            or verified.draws is None
+            or verified.hidden is None
+        ):
+            return None
+        params = [self.policy.draft_params(row.sampling) for row in rows]
+        filters = {draw_filters(p) for p in params}
+        if len(filters) != 1:
+            return None
+        run = self.step.ahead(filters.pop(), depth)
+        if run is None:
+            return None
+        window = int(verified.hidden.shape[1])
+        width = 1 << (window - 1).bit_length()
+        tail = verified.hidden
+        if window < width:
+            tail = mx.pad(tail, [(0, 0), (0, width - window), (0, 0)])
+        lengths = [row.length for row in rows]  # the next round's committed pairs
+        self.cache.reserve(max(lengths) + width + depth - 1)
+        out = run(verified.draws, proposal.device, proposal.state, tail,
+                  self.cache.keys[0], self.cache.values[0])  # fmt: skip
+        if out is None:
+            return None
+        tokens, keys, values, state = out
+        _async_eval(tokens, keys, values, state)  # queued now, behind the verify window
+        return evolve(self, ahead=AheadRound(proposal, depth, tokens, keys, values, state))
+
     def prepare_commit(
         self,
         rows: Sequence[RowState],
@@ -549,6 +656,13 @@ class MtpRows:
             # every row was offered every draft: its accepted count is its
             # drafts' agreement with the draws, which the device can count
             chain = DeviceChain(verified.draws, proposal.device, proposal.state)
+        # a launch ahead is the next round's only when it derived from this
+        # round's chain
+        ahead = (
+            self.ahead
+            if chain is not None and self.ahead is not None and self.ahead.after is proposal
+            else None
+        )
         if proposal.depth > 0:
             # The tail was paired this round: the verify hidden states of the
             # kept positions are the next tail.
@@ -560,7 +674,7 @@ class MtpRows:
             kept = tuple(c + k for c, k in zip(self.tail_lengths, kept, strict=True))
         return Prepared(
             lambda: evolve(
-                self, lengths=lengths, tail=tail, tail_lengths=kept, chain=chain
+                self, lengths=lengths, tail=tail, tail_lengths=kept, chain=chain, ahead=ahead
             )
         )
 
@@ -577,6 +691,7 @@ class MtpRows:
         return evolve(
             self,
             chain=None,
+            ahead=None,
             cache=KVCache.concat_rows([self.cache, other.cache]),
             lengths=self.lengths + other.lengths,
             tail=mx.concatenate(tails, axis=0),
@@ -588,6 +703,7 @@ class MtpRows:
         return evolve(
             self,
             chain=None,
+            ahead=None,
             cache=self.cache.take_rows(keep),
             lengths=tuple(self.lengths[i] for i in keep),
             tail=mx.take(self.tail, index, axis=0),

@@ -115,6 +115,7 @@ def run(
     sinks: Sequence[Any] | None = None,
     logprobs: bool = False,
     cancelled: Sequence[Callable[[], bool] | None] | None = None,
+    draft_ahead: bool = False,
 ) -> tuple[list[list[int]], list[RowResult]]:
     """Generate every prompt as one batch; the tokens each sink saw, and results."""
     params = (
@@ -133,7 +134,7 @@ def run(
         requests,
         eos,
         drafter,
-        RoundOptions(depth=depth, device_round=device_round),
+        RoundOptions(depth=depth, device_round=device_round, draft_ahead=draft_ahead),
     )
     return [list(s.tokens) for s in sinks], results
 

@@ -137,3 +137,38 @@ def test_mtp_by_name_without_a_head(tmp_path: Path) -> None:
     plain = write_hybrid(tmp_path / "nohead", with_mtp=False)
     assert "carries no such head" in load(str(plain), draft="mtp").failure().message
     assert load(str(plain), draft="auto").unwrap().draft_kind == "ngram"
+
+
+def test_drafts_ahead_through_the_api_and_the_command_line(
+    hybrid: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`load(..., draft_ahead=True)` and `generate --draft-ahead` launch the
+    MTP head's next rounds before the host read (compiled steps here, on the
+    CPU), and the output is plain decoding's."""
+    from schemas.request import DraftPolicy
+    from specpipe.drafts.mtp import MtpRows
+
+    launched = {"n": 0}
+    launch = MtpRows.launch_ahead
+
+    def counting(self: MtpRows, *args: Any) -> Any:
+        out = launch(self, *args)
+        launched["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(MtpRows, "launch_ahead", counting)
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    plain = tokens(load(str(hybrid)).unwrap(), sampling)
+    ahead = load(str(hybrid), draft="auto", adaptive=False, draft_ahead=True,
+                 policy=DraftPolicy(compiled=True)).unwrap()  # fmt: skip
+    assert ahead.draft_ahead
+    assert tokens(ahead, sampling) == plain
+    assert launched["n"] > 0
+    launched["n"] = 0
+    capsys.readouterr()
+    main(["generate", PROMPTS[0], "--model", str(hybrid), "--draft", "auto", "--no-adaptive",
+          "--compiled-draft", "on", "--draft-ahead", "--max-tokens", "12", "--json",
+          "--temperature", "0.8", "--seed", "3"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert tuple(out["tokens"]) == plain[0]
+    assert launched["n"] > 0
