@@ -168,28 +168,47 @@ def generate(
     return sink.tokens, result, time.perf_counter() - start
 
 
+def generate_rows_of(
+    model: Any, prompts: list[tuple[int, ...]], n: int, drafter: Any, depth: int,
+    sampling: SamplingParams, ahead: bool,
+) -> tuple[list[list[int]], list[float]]:
+    """Every prompt as one batch of rows: each row's tokens, and the rounds' ms."""
+    sinks = [Sink() for _ in prompts]
+    results = generate_rows(
+        model, [RowRequest(p, sampling, n, sink) for p, sink in zip(prompts, sinks, strict=True)],
+        (), drafter, RoundOptions(depth=depth, draft_ahead=ahead),
+    )
+    mx.synchronize()
+    return [sink.tokens for sink in sinks], results[0].round_ms
+
+
 def ahead_pairs(
     model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int,
-    sampling: SamplingParams, repeats: int,
+    sampling: SamplingParams, repeats: int, rows: int = 1,
 ) -> dict[str, Any]:
-    """MTP decoding with the next round's drafts launched before the host
-    read (`RoundOptions.draft_ahead`) and without, in alternation: the
-    median ms per round of each (over every round of every run) and whether
-    their tokens are the same."""
+    """MTP decoding of `rows` rows (row b's prompt rotated by b) with the next
+    round's drafts launched before the host read (`RoundOptions.draft_ahead`)
+    and without, in alternation: the median ms per round of each (over every
+    round of every run but its first), whether their tokens are the same, and
+    whether they are plain decoding's."""
+    prompts = [prompt[b:] + prompt[:b] for b in range(rows)]
+    plain, _ = generate_rows_of(model, prompts, n, None, 0, sampling, False)
     rounds: dict[bool, list[float]] = {False: [], True: []}
-    outputs: dict[bool, list[int]] = {}
-    generate(model, prompt, 4, drafter, depth, sampling, ahead=True)  # warm-up
+    outputs: dict[bool, list[list[int]]] = {}
+    generate_rows_of(model, prompts, 4, drafter, depth, sampling, True)  # warm-up
     for _ in range(repeats):
         for ahead in (False, True):
-            tokens, result, _ = generate(model, prompt, n, drafter, depth, sampling, ahead)
-            rounds[ahead].extend(result.round_ms[1:])  # (the first: the prompt's tail)
+            tokens, ms = generate_rows_of(model, prompts, n, drafter, depth, sampling, ahead)
+            rounds[ahead].extend(ms[1:])  # (the first: the prompt's tail)
             outputs.setdefault(ahead, tokens)
             if outputs[ahead] != tokens:
                 outputs[ahead] = []  # not reproducible run to run
     off, on = statistics.median(rounds[False]), statistics.median(rounds[True])
-    return {"depth": depth, "off_ms_per_round": off, "ahead_ms_per_round": on,
+    return {"depth": depth, "rows": rows, "off_ms_per_round": off, "ahead_ms_per_round": on,
             "cut": off / on, "rounds": len(rounds[True]),
-            "same_tokens": outputs[False] == outputs[True] != []}  # fmt: skip
+            "same_tokens": outputs[False] == outputs[True] != [],
+            "ahead_equals_plain": outputs[True] == plain,
+            "off_equals_plain": outputs[False] == plain}  # fmt: skip
 
 
 def opened_rows(
@@ -397,7 +416,8 @@ def main() -> None:
                              "(models.gated_delta.WINDOW_KERNEL_ON_GPU)")
     parser.add_argument("--draft-ahead", action="store_true",
                         help="only MTP rounds with the next round's drafts launched before the host "
-                             "read and without, in alternation (RoundOptions.draft_ahead)")
+                             "read and without, in alternation (RoundOptions.draft_ahead), at each "
+                             "of --rows")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.top_k_stages == "one":
@@ -453,10 +473,11 @@ def main() -> None:
             for name, listed in (("full", None), (f"fr{args.fr_size}", vocab)):
                 drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
                 for depth in [int(d) for d in args.depths.split(",")]:
-                    entry = ahead_pairs(model, prompt, args.tokens, drafter, depth, sampling,
-                                        args.repeats)  # fmt: skip
-                    report["ahead"].append({"steps": mode, "vocab": name, **entry})
-                    print("AHEAD", json.dumps(report["ahead"][-1]), flush=True)
+                    for batch in [int(b) for b in args.rows.split(",")]:
+                        entry = ahead_pairs(model, prompt, args.tokens, drafter, depth, sampling,
+                                            args.repeats, batch)  # fmt: skip
+                        report["ahead"].append({"steps": mode, "vocab": name, **entry})
+                        print("AHEAD", json.dumps(report["ahead"][-1]), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
         return

@@ -13,6 +13,7 @@ from returns.result import Failure, Result, Success
 from bindings.capabilities import GraphCapabilities, NativeDraft
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
+from models.cache import on_gpu
 from schemas.errors import LoadError, RequestError, SpecpipeError
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.adaptive import AdaptivePolicy, CostModel
@@ -339,7 +340,7 @@ def load(
     adaptive: bool | CostModel | None = None,
     phase_timing: bool = False,
     draft_dtype: str | None = None,
-    draft_ahead: bool = False,
+    draft_ahead: bool | None = None,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -353,7 +354,10 @@ def load(
     dtype when it differs from the target's (e.g. a bfloat16 draft for a
     float32 target on a CPU, models/cpu_kernel.py); drafts change speed only.
     `draft_ahead`: launch the next round's drafts before a round's host read
-    where the drafter can (`RoundOptions.draft_ahead`: an MTP head's rounds)."""
+    where the drafter can (`RoundOptions.draft_ahead`: an MTP head's rounds;
+    None: on a GPU, where it measured faster, not on a CPU, where the launch
+    competes with the host for the cores)."""
+    ahead = on_gpu() if draft_ahead is None else draft_ahead
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
         return Failure(
@@ -371,7 +375,7 @@ def load(
                 device_round,
                 registry,
                 phase_timing=phase_timing,
-                draft_ahead=draft_ahead,
+                draft_ahead=ahead,
             )
         )
     request = DraftLoadRequest(
@@ -401,7 +405,7 @@ def load(
     return Success(
         Pipeline(
             target, loaded_draft, device_round, registry, policy_adaptive, phase_timing,
-            draft_ahead,
+            ahead,
         )
     )
 

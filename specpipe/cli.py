@@ -106,7 +106,7 @@ def _generate(args: argparse.Namespace) -> None:
             draft_vocab=args.draft_vocab,
             adaptive=args.adaptive,
             phase_timing=args.phase_timing,
-            draft_ahead=args.draft_ahead,
+            draft_ahead=_SWITCH[args.draft_ahead],
         )
     )
     streaming = not args.json and not args.prompts_file
@@ -235,10 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--draft-ahead",
-        action="store_true",
+        choices=tuple(_SWITCH),
+        default="auto",
         help="launch the next round's drafts before a round's host read, from "
-        "device values only (an MTP head's rounds; 1.01-1.33x shorter rounds "
-        "at depths 1-2 on an H200, bench/RESULTS.md)",
+        "device values only (an MTP head's rounds; auto: on a GPU, where rounds "
+        "measured 1.1-1.55x shorter, not on a CPU; bench/RESULTS.md)",
     )
     gen.add_argument(
         "--phase-timing",

@@ -276,18 +276,13 @@ class HeadStep:
             return None
         kernel = self.derived(filters, depth)
 
-        def run(
-            samples: mx.array,
-            drafts: mx.array,
-            prev: mx.array,
-            hidden: mx.array,
-            keys: mx.array,
-            values: mx.array,
-        ) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+        def run(*chain: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+            # (samples, drafts, prev, hidden, keys, values), as DerivedRound
             if kernel is not None:
-                out = kernel(samples, drafts, prev, hidden, keys, values)
+                out = kernel(*chain)
                 if out is not None:
                     return out
+            samples, drafts, prev, hidden, keys, values = chain
             ids, last, starts, seeds, steps = mtp_cuda.derive_inputs(
                 samples, drafts, prev, hidden.shape[1]
             )

@@ -145,6 +145,7 @@ def test_drafts_ahead_through_the_api_and_the_command_line(
     """`load(..., draft_ahead=True)` and `generate --draft-ahead` launch the
     MTP head's next rounds before the host read (compiled steps here, on the
     CPU), and the output is plain decoding's."""
+    from models.cache import on_gpu
     from schemas.request import DraftPolicy
     from specpipe.drafts.mtp import MtpRows
 
@@ -162,12 +163,15 @@ def test_drafts_ahead_through_the_api_and_the_command_line(
     ahead = load(str(hybrid), draft="auto", adaptive=False, draft_ahead=True,
                  policy=DraftPolicy(compiled=True)).unwrap()  # fmt: skip
     assert ahead.draft_ahead
+    # by default: on a GPU only
+    default = load(str(hybrid), draft="auto", adaptive=False).unwrap()
+    assert default.draft_ahead == on_gpu()
     assert tokens(ahead, sampling) == plain
     assert launched["n"] > 0
     launched["n"] = 0
     capsys.readouterr()
     main(["generate", PROMPTS[0], "--model", str(hybrid), "--draft", "auto", "--no-adaptive",
-          "--compiled-draft", "on", "--draft-ahead", "--max-tokens", "12", "--json",
+          "--compiled-draft", "on", "--draft-ahead", "on", "--max-tokens", "12", "--json",
           "--temperature", "0.8", "--seed", "3"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert tuple(out["tokens"]) == plain[0]
