@@ -44,7 +44,9 @@
 # (seventeenth session, one lease: `setup-min early` (EARLY_WEIGHTS, COPY_AROUND, PARALLEL_DERIVE and
 #  TIGHT_WHOLE timed, derived rounds with all four checked against host-built ones; no gain, the
 #  switches and the `early`, `early-agree` and `whole` steps removed), then draft_device.py
-#  --depths 2 --sampling greedy by hand on this tree and on e3c51bb's in turn, and with --cache-control none)
+#  --depths 2 --sampling greedy by hand on this tree and on e3c51bb's in turn, and with --cache-control none;
+#  two more leases: bench/mtp.py --draft-ahead by hand (greedy, qwen; --rows 1,3; float32);
+#  next: `SAMPLINGS=" " bash bench/h200_run.sh setup-min batched-f32` (the install alone, then the step))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -227,6 +229,16 @@ for step in "$@"; do
   merge)  # a sampled step's merges, the warps' runs pairwise (TREE_MERGE, on) and in turn: time, drafts
     SETS=${SETS:-none -TREE_MERGE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
+    ;;
+  batched-f32)  # float32 MTP rows against the rows decoded plainly as one batch, with and without the
+    # launch ahead, with and without the recurrent layers' window kernel (seventeenth session: three
+    # rows differed from plain, one row did not)
+    for flag in "" --no-window-kernel; do
+      timeout ${LIMIT:-200} python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 \
+          --fr-size 32768 --steps fused --draft-ahead --rows ${ROWS:-2,3} --depths 2 --dtype float32 --tokens 24 \
+          --sampling greedy --repeats 1 $flag --out $OUT/mtp-ahead-f32${flag:+-nowindow}-h200.json \
+          | grep AHEAD | cut -c1-330 || echo "STEP FAILED: $?"
+    done
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
