@@ -208,7 +208,16 @@ def ahead_pairs(
             "cut": off / on, "rounds": len(rounds[True]),
             "same_tokens": outputs[False] == outputs[True] != [],
             "ahead_equals_plain": outputs[True] == plain,
-            "off_equals_plain": outputs[False] == plain}  # fmt: skip
+            "off_equals_plain": outputs[False] == plain,
+            "first_difference": {name: [_first_difference(a, b) for a, b in zip(got, plain, strict=True)]
+                                 for name, got in (("off", outputs[False]), ("ahead", outputs[True]))
+                                 if got}}  # fmt: skip
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (None: equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))  # fmt: skip
 
 
 def opened_rows(
