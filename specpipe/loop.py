@@ -2,7 +2,9 @@
 
 It composes the stages of a round, draft -> verify -> sample_window -> (one
 host read) -> walk -> deliver -> commit, and drives rounds until every row
-finishes. Plain decoding (no drafter) is the same forward and the same sampler
+finishes. With `RoundOptions.draft_ahead` the next round's draft is launched
+from device values just before the host read, so it runs during the walk and
+commit. Plain decoding (no drafter) is the same forward and the same sampler
 at window width 1, pipelined: the next step's graph is built from the device
 token before the current one is read back.
 """
