@@ -156,30 +156,32 @@ SAMPLINGS = {
 
 def generate(
     model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int,
-    sampling: SamplingParams = SAMPLINGS["greedy"], ahead: bool = False,
+    sampling: SamplingParams = SAMPLINGS["greedy"],
 ) -> tuple[list[int], Any, float]:
-    sink = Sink()
-    start = time.perf_counter()
-    result = generate_rows(
-        model, [RowRequest(prompt, sampling, n, sink)], (), drafter,
-        RoundOptions(depth=depth, draft_ahead=ahead),
-    )[0]
-    mx.synchronize()
-    return sink.tokens, result, time.perf_counter() - start
+    """One row: its tokens, its result and the run's seconds."""
+    tokens, results, seconds = generate_rows_of(model, [prompt], n, drafter, depth, sampling)
+    return tokens[0], results[0], seconds
 
 
 def generate_rows_of(
     model: Any, prompts: list[tuple[int, ...]], n: int, drafter: Any, depth: int,
-    sampling: SamplingParams, ahead: bool,
-) -> tuple[list[list[int]], list[float]]:
-    """Every prompt as one batch of rows: each row's tokens, and the rounds' ms."""
+    sampling: SamplingParams, ahead: bool = False,
+) -> tuple[list[list[int]], list[Any], float]:
+    """Every prompt as one batch of rows: each row's tokens and result, and
+    the run's seconds."""
     sinks = [Sink() for _ in prompts]
+    start = time.perf_counter()
     results = generate_rows(
         model, [RowRequest(p, sampling, n, sink) for p, sink in zip(prompts, sinks, strict=True)],
         (), drafter, RoundOptions(depth=depth, draft_ahead=ahead),
     )
     mx.synchronize()
-    return [sink.tokens for sink in sinks], results[0].round_ms
+    return [sink.tokens for sink in sinks], results, time.perf_counter() - start
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
 
 
 def ahead_pairs(
@@ -192,14 +194,14 @@ def ahead_pairs(
     round of every run but its first), whether their tokens are the same, and
     whether they are plain decoding's."""
     prompts = [prompt[b:] + prompt[:b] for b in range(rows)]
-    plain, _ = generate_rows_of(model, prompts, n, None, 0, sampling, False)
+    plain, _, _ = generate_rows_of(model, prompts, n, None, 0, sampling)
     rounds: dict[bool, list[float]] = {False: [], True: []}
     outputs: dict[bool, list[list[int]]] = {}
     generate_rows_of(model, prompts, 4, drafter, depth, sampling, True)  # warm-up
     for _ in range(repeats):
         for ahead in (False, True):
-            tokens, ms = generate_rows_of(model, prompts, n, drafter, depth, sampling, ahead)
-            rounds[ahead].extend(ms[1:])  # (the first: the prompt's tail)
+            tokens, results, _ = generate_rows_of(model, prompts, n, drafter, depth, sampling, ahead)
+            rounds[ahead].extend(results[0].round_ms[1:])  # (the first: the prompt's tail)
             outputs.setdefault(ahead, tokens)
             if outputs[ahead] != tokens:
                 outputs[ahead] = []  # not reproducible run to run
@@ -487,8 +489,7 @@ def main() -> None:
                                             args.repeats, batch)  # fmt: skip
                         report["ahead"].append({"steps": mode, "vocab": name, **entry})
                         print("AHEAD", json.dumps(report["ahead"][-1]), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        write_report(report, args.out)
         return
     if args.interleave:
         import models.mtp_cuda
@@ -513,8 +514,7 @@ def main() -> None:
                         {"steps": mode, "rows": batch, **round_fit(entries)}
                     )
                     print("FIT", json.dumps(report["interleaved_fits"][-1]), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        write_report(report, args.out)
         return
     for depth, (name, listed), mode in (
         (d, v, m)
@@ -576,8 +576,7 @@ def main() -> None:
     ]
     for cut in report["cuts"]:
         print("CUT", json.dumps(cut), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_report(report, args.out)
     print(json.dumps(report["plain"]))
 
 

@@ -124,11 +124,11 @@ PREFETCH_L2 = False
 # Whether every weight row a step reads (each is read once per step) loads
 # under the L2 evict-first policy, so that what L2 keeps between a step's
 # phases and between chained steps is the kernel's code and the small
-# activations, not the last megabytes of weights. On: H200, one row, FR-Spec 32k, same lease, full / FR us per
-# launch at depths 1 / 2 / 3, Qwen's sampling 240.9 / 129.2, 467.6 / 244.3,
-# 696.0 / 362.9 -> 239.9 / 128.0, 460.8 / 237.4, 682.6 / 348.1 (cut 1.91x ->
-# 1.94x at depth 2, 1.92x -> 1.96x at depth 3: the sampled draw's code stays
-# in L2); greedy ~1% faster (another lease: 228.2 / 119.4 -> 226.8 / 119.6 at
+# activations, not the last megabytes of weights. On: H200, one row, FR-Spec
+# 32k, same lease, full / FR us per launch at depths 1 / 2 / 3, Qwen's
+# sampling 240.9 / 129.2, 467.6 / 244.3, 696.0 / 362.9 -> 239.9 / 128.0,
+# 460.8 / 237.4, 682.6 / 348.1 (cut 1.91x -> 1.94x at depth 2, 1.92x ->
+# 1.96x at depth 3: the sampled draw's code stays in L2); greedy ~1% faster (another lease: 228.2 / 119.4 -> 226.8 / 119.6 at
 # depth 1, 647.5 / 324.6 -> 643.2 / 320.0 at depth 3). Drafts equal to the
 # switch's off arm's on the device (fifteenth session, bench/RESULTS.md).
 # (It replaces STREAM_HINTS, the policy for the projection's and the chosen

@@ -578,12 +578,19 @@ class MtpRows:
         positions; the head's buffers given room for the round's slots (the
         window's, then the chained steps': one launch writes them all from
         the head's lengths on)."""
-        count = max(self.tail_lengths)
+        return self._with_room(self.tail, max(self.tail_lengths), self.lengths, depth)
+
+    def _with_room(
+        self, tail: mx.array, count: int, lengths: Sequence[int], depth: int
+    ) -> mx.array:
+        """`tail`'s first `count` positions padded to a power of two; the
+        head's buffers given room for a round of `depth` steps from `lengths`
+        (its committed pairs per row) on."""
         width = 1 << (count - 1).bit_length()
-        tail = self.tail[:, :width]
+        tail = tail[:, :width]
         if tail.shape[1] < width:
             tail = mx.pad(tail, [(0, 0), (0, width - tail.shape[1]), (0, 0)])
-        self.cache.reserve(max(self.lengths) + width + depth - 1)
+        self.cache.reserve(max(lengths) + width + depth - 1)
         return tail
 
     def launch_ahead(
@@ -594,11 +601,11 @@ class MtpRows:
         depth: int,
     ) -> DraftRows | None:
         """These rows with the next round's `depth` drafts launched (queued
-        for evaluation) now, before this round's host read (`specpipe.draft.DraftsAhead`): from
-        the device chain `prepare_commit` will leave when every row is offered
-        every draft, over the verify window's whole tail (padded to a power of
-        two: the positions past a row's accepted ones are scratch, as in any
-        padded tail). None where the round cannot be launched so: no chain to
+        for evaluation) now, before this round's host read
+        (`specpipe.draft.DraftsAhead`): from the device chain `prepare_commit`
+        will leave when every row is offered every draft, over the verify
+        window's whole tail (padded to a power of two: the positions past a
+        row's accepted ones are scratch, as in any padded tail). None where the round cannot be launched so: no chain to
         derive from, rows with different draw filters, a multi-layer head or
         the eager path."""
         if (
@@ -617,13 +624,9 @@ class MtpRows:
         run = self.step.ahead(filters.pop(), depth)
         if run is None:
             return None
-        window = int(verified.hidden.shape[1])
-        width = 1 << (window - 1).bit_length()
-        tail = verified.hidden
-        if window < width:
-            tail = mx.pad(tail, [(0, 0), (0, width - window), (0, 0)])
-        lengths = [row.length for row in rows]  # the next round's committed pairs
-        self.cache.reserve(max(lengths) + width + depth - 1)
+        # the whole window; the next round's committed pairs are the rows' lengths
+        tail = self._with_room(verified.hidden, int(verified.hidden.shape[1]),
+                               [row.length for row in rows], depth)  # fmt: skip
         out = run(verified.draws, proposal.device, proposal.state, tail,
                   self.cache.keys[0], self.cache.values[0])  # fmt: skip
         if out is None:

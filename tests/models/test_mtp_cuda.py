@@ -509,13 +509,7 @@ def test_the_step_kernel_compiles_without_spills(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
-@pytest.mark.parametrize(
-    ("rows", "width", "greedy"),
-    [
-        (1, 1, True),
-        (3, 2, False),
-    ],
-)
+@pytest.mark.parametrize(("rows", "width", "greedy"), [(1, 1, True), (3, 2, False)])
 def test_the_derived_round_compiles_and_reads_no_host_input(
     moe: tuple[Any, MtpHead],
     monkeypatch: pytest.MonkeyPatch,
