@@ -257,7 +257,10 @@ class SwitchGLU(nn.Module):
             return out.reshape(tokens, top_k, hidden).astype(dtype)
         flat = experts.reshape(-1)
         order = mx.argsort(flat)
-        rows = x[order // top_k][:, None, :]  # [N*k, 1, H]
+        # [N*k, 1, H] by reshape, not `[:, None, :]`: MLX 0.32's CUDA
+        # gather_mm with sorted indices misreads an lhs whose unit axis is
+        # an inserted view axis (wrong products, not rounding: bench/gather_probe.py)
+        rows = x[order // top_k].reshape(pairs, 1, hidden)
         out = self._expert_mlp(rows, flat[order], True, float32).reshape(-1, hidden)
         return out[mx.argsort(order)].reshape(tokens, top_k, hidden).astype(dtype)
 

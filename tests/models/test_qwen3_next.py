@@ -37,6 +37,7 @@ from models.qwen3_next import (
     Model,
     QuantizedSwitchLinear,
     SparseMoeBlock,
+    SwitchGLU,
     sanitize_weights,
 )
 from schemas.converter import hf as hf_converter
@@ -556,3 +557,20 @@ def test_fused_projections_equal_separate_products() -> None:
     fused, difference = support.fused_logit_difference(ours(make_hf()))
     assert fused > 0
     assert difference == 0.0
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 7, 48])
+def test_routed_experts_grouped_by_expert_equal_each_token_alone(tokens: int) -> None:
+    # from SwitchGLU.SORT_MIN (token, expert) pairs on (7 tokens of top-10,
+    # a 3-row verify window of 3, a prefill) the pairs are grouped by expert
+    # before MLX's sorted gather_mm; each token's output must be its own. (On
+    # MLX 0.32's CUDA backend an lhs whose unit axis was a view gave wrong
+    # products there: bench/gather_probe.py. The CPU pins the arithmetic.)
+    mx.random.seed(3)
+    glu = SwitchGLU(64, 32, 16)
+    x = mx.random.normal((tokens, 64))
+    experts = mx.argsort(mx.random.uniform(shape=(tokens, 16)), axis=-1)[:, :10].astype(mx.int32)
+    alone = mx.concatenate([glu(x[i : i + 1], experts[i : i + 1]) for i in range(tokens)])
+    together = glu(x, experts)
+    assert (tokens * 10 >= SwitchGLU.SORT_MIN) == (tokens >= 7)
+    np.testing.assert_allclose(np.asarray(together), np.asarray(alone), rtol=1e-5, atol=1e-6)
