@@ -28,6 +28,7 @@ from specpipe.loop import (
     generate_stepwise,
 )
 from specpipe.output import TextSink
+from specpipe.precision import notice_tf32
 
 Prompt = str | Sequence[int]
 
@@ -367,6 +368,7 @@ def load(
     if not isinstance(loaded, Success):
         return Failure(loaded.failure())
     target = loaded.unwrap()
+    notice_tf32(target.model)
     if draft is None or draft == "none":
         return Success(
             Pipeline(

@@ -16,6 +16,7 @@ from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.api import load
 from specpipe.load import DEFAULT_MODEL, save_folder
 from specpipe.load import load as load_model
+from specpipe.precision import prefer_exact_float32
 
 # An auto/on/off option's value: None leaves the choice to the device.
 _SWITCH: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
@@ -358,6 +359,7 @@ def _draft_vocab(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    prefer_exact_float32()  # before any product (specpipe/precision.py)
     args = build_parser().parse_args(argv)
     try:
         set_cpu_threads(args.cpu_threads)
