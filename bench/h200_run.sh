@@ -47,6 +47,8 @@
 #  --depths 2 --sampling greedy by hand on this tree and on e3c51bb's in turn, and with --cache-control none;
 #  two more leases: bench/mtp.py --draft-ahead by hand (greedy, qwen; --rows 1,3; float32);
 #  next: `SAMPLINGS=" " bash bench/h200_run.sh setup-min batched-f32` (the install alone, then the step))
+# (eighteenth session: `setup-min precision batched-f32` (MLX's TF32 float32 products on and off),
+#  then `keep` (KEEP_FC / KEEP_QKV / KEEP_O timed, greedy), then SAMPLINGS=qwen with the best set)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -204,14 +206,14 @@ for step in "$@"; do
     for sampling in ${SAMPLINGS:-greedy qwen}; do
       timeout 250 python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 --dtype bfloat16 \
           --tokens 32 --depths ${DEPTHS:-1,3} --fr-size 32768 --sampling $sampling --rows ${ROWS:-1,4,8} --repeats 10 \
-          --steps compiled,fused ${WHOLE:+--whole-round} ${SWITCHES:+--kernel-switches $SWITCHES} --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
+          --steps compiled,fused ${WHOLE:+--whole-round} ${SWITCHES:+--kernel-switches=$SWITCHES} --out $OUT/fused-mtp-next-$sampling-h200.json || echo "STEP FAILED: $?"
     done
     ;;
   device)  # the draft phase's device time per round (Nsight Compute), full head vs FR-Spec list
     for cc in ${CACHE:-all none}; do
       timeout ${LIMIT:-230} python3 bench/draft_device.py --ncu "${NCU:-ncu}" --depths ${DEPTHS:-1,2,3,5} \
           --rows ${ROWS:-1,3} --repeats ${REPEATS:-20} --cache-control $cc --context ${CONTEXT:-48} \
-          --sampling ${SAMPLING:-greedy} --inputs ${INPUTS:-library} ${SWITCHES:+--kernel-switches $SWITCHES} \
+          --sampling ${SAMPLING:-greedy} --inputs ${INPUTS:-library} ${SWITCHES:+--kernel-switches=$SWITCHES} \
           --out $OUT/draft-device-$cc${TAG:-}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
     done
     ;;
@@ -231,14 +233,24 @@ for step in "$@"; do
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--no-tree-merge" PROBE_TAG=-merge LIMIT=${LIMIT:-220} bash $0 agree
     ;;
   batched-f32)  # float32 MTP rows against the rows decoded plainly as one batch, with and without the
-    # launch ahead, with and without the recurrent layers' window kernel (seventeenth session: three
-    # rows differed from plain, one row did not)
-    for flag in "" --no-window-kernel; do
-      timeout ${LIMIT:-200} python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 \
-          --fr-size 32768 --steps fused --draft-ahead --rows ${ROWS:-2,3} --depths 2 --dtype float32 --tokens 24 \
-          --sampling greedy --repeats 1 $flag --out $OUT/mtp-ahead-f32${flag:+-nowindow}-h200.json \
+    # launch ahead, with MLX's TF32 float32 products (its default) and without (seventeenth session:
+    # three rows differed from plain, also without the window kernel; one row did not)
+    for tf32 in ${TF32S:-1 0}; do
+      MLX_ENABLE_TF32=$tf32 timeout ${LIMIT:-200} python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 \
+          --vocab 151936 --fr-size 32768 --steps fused --draft-ahead --rows ${ROWS:-2,3} --depths 2 --dtype float32 \
+          --tokens 24 --sampling greedy --repeats 1 --out $OUT/mtp-ahead-f32-tf32$tf32-h200.json \
           | grep AHEAD | cut -c1-330 || echo "STEP FAILED: $?"
     done
+    ;;
+  precision)  # a product's row computed in a window of M rows against the row alone, TF32 on and off
+    for tf32 in 1 0; do
+      MLX_ENABLE_TF32=$tf32 timeout ${LIMIT:-120} python3 bench/window_precision.py \
+          --out $OUT/window-precision-tf32$tf32-h200.json | grep PRECISION || echo "STEP FAILED: $?"
+    done
+    ;;
+  keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
+    SETS=${SETS:-none KEEP_FC,KEEP_O KEEP_QKV KEEP_FC,KEEP_QKV,KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
+        DEPTHS=${DEPTHS:-1,2,3} bash $0 switches
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
@@ -258,7 +270,7 @@ for step in "$@"; do
           --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum' \
           --cache-control all --clock-control none --csv --page raw \
           python3 bench/draft_device.py --worker --labels $OUT/stalls-$sampling-labels.json --depths 3 --rows 1 \
-          --repeats 3 --sampling $sampling ${SWITCHES:+--kernel-switches $SWITCHES} > $OUT/stalls-$sampling.csv 2> $OUT/stalls-$sampling.err \
+          --repeats 3 --sampling $sampling ${SWITCHES:+--kernel-switches=$SWITCHES} > $OUT/stalls-$sampling.csv 2> $OUT/stalls-$sampling.err \
           || echo "STEP FAILED: $?"; tail -c 600 $OUT/stalls-$sampling.err
     done
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--draw-heads-k 2" PROBE_TAG=-tight LIMIT=${LIMIT:-200} bash $0 agree
@@ -270,7 +282,7 @@ for step in "$@"; do
           --launch-skip ${SKIP:-6} --launch-count 1 --section SourceCounters --section WarpStateStats \
           --cache-control all --clock-control none -f -o /tmp/pc-$sampling \
           python3 bench/draft_device.py --worker --labels /tmp/pc-labels.json --heads ${HEADS:-fr} --depths ${DEPTHS:-3} \
-          --rows 1 --repeats 4 --sampling $sampling ${SWITCHES:+--kernel-switches $SWITCHES} > $OUT/pc-$sampling.log 2>&1 \
+          --rows 1 --repeats 4 --sampling $sampling ${SWITCHES:+--kernel-switches=$SWITCHES} > $OUT/pc-$sampling.log 2>&1 \
           || echo "STEP FAILED: $?"; tail -c 300 $OUT/pc-$sampling.log
       "${NCU:-ncu}" --import /tmp/pc-$sampling.ncu-rep --page source --csv --print-source sass > $OUT/pc-$sampling-sass.csv \
           2> $OUT/pc-$sampling.err || echo "STEP FAILED: $?"
@@ -283,7 +295,7 @@ for step in "$@"; do
       timeout ${LIMIT:-230} python3 bench/mtp.py --shape qwen3-next --layers 4 --experts 64 --vocab 151936 \
           --dtype bfloat16 --fr-size 32768 --rows ${ROWS:-1} --steps fused --interleave --tokens 8 \
           --sampling $sampling --depths ${DEPTHS:-1,3,5} --repeats ${REPEATS:-30} \
-          ${SWITCHES:+--kernel-switches $SWITCHES} --out $OUT/mtp-interleaved-$sampling-h200.json \
+          ${SWITCHES:+--kernel-switches=$SWITCHES} --out $OUT/mtp-interleaved-$sampling-h200.json \
           | grep INTERLEAVED || echo "STEP FAILED: $?"
     done
     ;;

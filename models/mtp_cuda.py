@@ -135,6 +135,22 @@ PREFETCH_L2 = False
 # experts' rows alone: 157 / 274 us against 155 / 275 without, tenth
 # session.)
 EVICT_ALL = True
+# Whether a chained launch's fc / q(+gate)-k-v / o_proj rows load under L2's
+# evict-last policy in every step but the last (with EVICT_ALL; the last
+# step's loads stay evict-first): those rows are read again by the launch's
+# next step, while the head's rows and the chosen experts' stream past under
+# evict-first, so the next step finds them in L2 (50 MB on an H200) instead
+# of DRAM. fc 16.8 MB, q/k/v 37.7 MB, o_proj 16.8 MB at Qwen3-Next's shape:
+# not all three fit. fc and o_proj on: H200, one row, full / FR-Spec 32k us
+# per launch, greedy depth 2 433.2 / 218.9 -> 430.1 / 214.1 (1.98x ->
+# 2.01x), depth 3 638.4 / 315.9 -> 633.4 / 309.2 (2.02x -> 2.05x); Qwen's
+# sampling depth 2 1.95x -> 1.97x, depth 3 1.97x -> 2.00x; depth 1 (no next
+# step) unchanged. q/k/v alone ~1 us less; all three slower at depth 3
+# (L2 overflows). Cache hints only: the same sums, the same drafts
+# (eighteenth session, `bench/h200_run.sh keep`, bench/RESULTS.md).
+KEEP_FC = True
+KEEP_QKV = False
+KEEP_O = True
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -422,13 +438,20 @@ __device__ __forceinline__ void stage_normed(
 // A 16-byte read-only weight load. STREAM (`EVICT_ALL`): under an L2
 // evict-first policy (every weight row is read once per step), so that L2
 // keeps the kernel's code and the small activations instead.
-template <bool STREAM>
-__device__ __forceinline__ uint4 load_w(const void* p) {
+// KEEP (`KEEP_FC`, `KEEP_QKV`, `KEEP_O`) with `keep` set: under evict-last
+// instead, for a row the launch's next chained step reads again.
+template <bool STREAM, bool KEEP = false>
+__device__ __forceinline__ uint4 load_w(const void* p, bool keep = false) {
 #if __CUDA_ARCH__ >= 800
   if constexpr (STREAM) {
     uint4 r;
     u64 policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    if constexpr (KEEP) {
+      if (keep) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+      else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    } else {
+      asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    }
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p), "l"(policy));
@@ -458,9 +481,10 @@ struct Tile {
 // rows at once (their loads in flight together: half the DRAM round trips
 // where a warp has several short rows), for one weight row of at most two
 // inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, typename RF, typename XF, typename OF>
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, bool KEEP = false,
+          typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
-    int rows, int K, int first, int stride, RF rowf, XF xf, OF of) {
+    int rows, int K, int first, int stride, RF rowf, XF xf, OF of, bool keep = false) {
   constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
   const int lane = threadIdx.x & 31;
   for (int r0 = first; r0 < rows; r0 += stride * R) {
@@ -488,7 +512,7 @@ __device__ __forceinline__ void product(
 #pragma unroll
           for (int j = 0; j < NDOT; ++j)
             raw[q][u][j] = (k0 + u * 256 < K)
-                ? load_w<STREAM>(wr[q][j] + k0 + u * 256)
+                ? load_w<STREAM, KEEP>(wr[q][j] + k0 + u * 256, keep)
                 : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -896,26 +920,28 @@ _SOURCE = r"""
       vd[i] = c;
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
-      });
+      },
+      KEEP_FC && s + 1 < STEPS);
   warm(w_qkv, QKVN, H);
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV>(
       QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
         if (lane == 0)
           for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
-      });
+      },
+      KEEP_QKV && s + 1 < STEPS);
   warm(w_o, H, HQ * D);  // (attention between: its phase leaves DRAM idle)
   barrier();
 
@@ -1150,7 +1176,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_O>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
@@ -1173,7 +1199,8 @@ _SOURCE = r"""
             S[O_R1 + (size_t)b * H + r] =
                 acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
         }
-      });
+      },
+      KEEP_O && s + 1 < STEPS);
   if constexpr (FOLD) {  // the block's share: its warps' sums in warp order
     __syncthreads();  // (xs: the product's input)
 #pragma unroll
@@ -2368,6 +2395,9 @@ class FusedStep:
             ("KV_OUT", kv_out),
             ("WIDE_LOADS", WIDE_LOADS),
             ("EVICT_ALL", EVICT_ALL),
+            ("KEEP_FC", KEEP_FC),
+            ("KEEP_QKV", KEEP_QKV),
+            ("KEEP_O", KEEP_O),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),

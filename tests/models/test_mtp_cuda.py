@@ -436,6 +436,10 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # weight rows without the L2 evict-first policy (EVICT_ALL's off arm)
         ("moe", True, True, True, 1, 2, 3, ("-EVICT_ALL",)),
         ("dense", False, False, False, 2, 1, 2, ("-EVICT_ALL",)),
+        # q/k/v's rows kept in L2 for the launch's next step too, and none of
+        # the layer's (KEEP_FC / KEEP_O's off arm; greedy and sampled)
+        ("moe", True, True, True, 1, 2, 3, ("KEEP_QKV",)),
+        ("moe", False, False, False, 3, 1, 2, ("-KEEP_FC", "-KEEP_O")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
