@@ -48,7 +48,9 @@
 #  two more leases: bench/mtp.py --draft-ahead by hand (greedy, qwen; --rows 1,3; float32);
 #  next: `SAMPLINGS=" " bash bench/h200_run.sh setup-min batched-f32` (the install alone, then the step))
 # (eighteenth session: `setup-min precision batched-f32` (MLX's TF32 float32 products on and off),
-#  then `keep` (KEEP_FC / KEEP_QKV / KEEP_O timed, greedy), then SAMPLINGS=qwen with the best set)
+#  then `keep` (KEEP_FC / KEEP_QKV / KEEP_O timed, greedy), then SAMPLINGS=qwen with the best set;
+#  bench/batch_probe.py and bench/gather_probe.py by hand (the MoE gather fault); a last lease ran
+#  bench/device_parity.py on three families at once and printed nothing in 160 s; next: `setup-min parity`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -246,6 +248,13 @@ for step in "$@"; do
     for tf32 in 1 0; do
       MLX_ENABLE_TF32=$tf32 timeout ${LIMIT:-120} python3 bench/window_precision.py \
           --out $OUT/window-precision-tf32$tf32-h200.json | grep PRECISION || echo "STEP FAILED: $?"
+    done
+    ;;
+  parity)  # the models on the GPU against the same float32 weights on the CPU (FAMILIES, one at a
+    # time: the eighteenth session's run of all three printed nothing in 160 s)
+    for fam in ${FAMILIES:-qwen2.5-0.5b qwen3-next qwen3.5-27b}; do
+      MLX_ENABLE_TF32=0 timeout ${LIMIT:-150} python3 bench/device_parity.py --families $fam \
+          --out $OUT/device-parity-$fam-h200.json | grep -E "stage|PARITY" | cut -c1-400 || echo "STEP FAILED: $?"
     done
     ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
-import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 from bench.common import machine_info
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
