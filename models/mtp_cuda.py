@@ -58,7 +58,10 @@ first read migrates.
 
 Products read each weight row once with 16-byte loads (one warp per output
 row, float32 sums; `PAIR_ROWS`: two rows per warp where rows are short)
-from inputs staged, normed, in shared memory. Only the rows' last positions go
+from inputs staged, normed, in shared memory, under L2's evict-first policy
+(`EVICT_ALL`) except fc's and o_proj's rows in a launch's non-final steps,
+which the next step reads again from L2 (`KEEP_FC`, `KEEP_O`: evict-last).
+Only the rows' last positions go
 through attention, the MLP and the projection (a one-layer head needs no
 other). The step is a draft: it
 rounds differently from the MLX step (float32 throughout instead of rounding
