@@ -565,7 +565,9 @@ def test_routed_experts_grouped_by_expert_equal_each_token_alone(tokens: int) ->
     # a 3-row verify window of 3, a prefill) the pairs are grouped by expert
     # before MLX's sorted gather_mm; each token's output must be its own. (On
     # MLX 0.32's CUDA backend an lhs whose unit axis was a view gave wrong
-    # products there: bench/gather_probe.py. The CPU pins the arithmetic.)
+    # products there, relative error ~1: bench/gather_probe.py. The CPU pins
+    # the arithmetic; on a GPU, MLX's TF32 float32 products of several rows
+    # leave ~1e-3.)
     mx.random.seed(3)
     glu = SwitchGLU(64, 32, 16)
     x = mx.random.normal((tokens, 64))
@@ -573,4 +575,5 @@ def test_routed_experts_grouped_by_expert_equal_each_token_alone(tokens: int) ->
     alone = mx.concatenate([glu(x[i : i + 1], experts[i : i + 1]) for i in range(tokens)])
     together = glu(x, experts)
     assert (tokens * 10 >= SwitchGLU.SORT_MIN) == (tokens >= 7)
-    np.testing.assert_allclose(np.asarray(together), np.asarray(alone), rtol=1e-5, atol=1e-6)
+    error = (mx.abs(together - alone).max() / mx.abs(alone).max()).item()
+    assert error <= (1e-5 if mx.default_device() == mx.cpu else 5e-3), error
