@@ -172,8 +172,7 @@ def main() -> None:
 
     import specpipe
     from models.tokenizer import Tokenizer
-    from specpipe.draft_vocab import DraftVocabulary
-    from specpipe.draft_vocab import SubsetHead
+    from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 
     data = json.loads(args.json.read_text())
     tokenizer = Tokenizer.from_folder(Path(data["target"])).unwrap()

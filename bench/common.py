@@ -35,6 +35,8 @@ if str(ROOT) not in sys.path:
 
 import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
 
+# isort: split
+
 import mlx.core as mx  # noqa: E402
 
 RESULTS = HERE / "results"

@@ -45,10 +45,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_map
 
-import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import models.mtp_cuda
 from bench.common import machine_info, median_ms, split_ms
 from bench.mtp import SAMPLINGS

@@ -24,6 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 from bench.common import PROMPTS, machine_info, model_folder, specpipe_run, write_json
 
 

@@ -28,6 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 
+# isort: split
+
 import mlx.core as mx
 
 from bench.common import machine_info, median_ms

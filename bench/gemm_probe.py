@@ -26,7 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 
 import mlx.core as mx
 

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import models  # noqa: E402,F401  before mlx: routes its BLAS (models/blas.py)
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 
 import mlx.core as mx
 

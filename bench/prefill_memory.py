@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 import mlx.core as mx
 
-import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 from bench.common import machine_info
 from bench.mtp import SHAPES
 from models.build import build_model

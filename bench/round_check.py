@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 import mlx.core as mx
 
-import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import models.mtp_cuda
 from bench.common import machine_info, median_ms
 from bench.fused_probe import float32_copy, launch_agreement
@@ -38,7 +40,7 @@ def main() -> None:
     parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy")
     args = parser.parse_args()
     models.mtp_cuda.FUSED_ON_GPU = False  # the reference: the compiled MLX steps
-    config, hybrid, target, head, subset = probe_head(args)
+    _config, hybrid, target, head, subset = probe_head(args)
     sub = subset if args.head == "fr" else None
     weights = fused_weights(target, head, 0)
     assert weights is not None, "this head is outside the fused kernel's scope"

@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 import mlx.core as mx
 
-import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 from bench.common import machine_info, split_ms, write_json
 from bench.mtp import (
     SAMPLINGS,

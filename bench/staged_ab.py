@@ -27,7 +27,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PROMPTS, RESULTS, machine_info, model_folder, specpipe_run, write_json
+from common import (
+    PROMPTS,
+    RESULTS,
+    machine_info,
+    model_folder,
+    specpipe_run,
+    write_json,
+)
 
 
 class CountingModel:

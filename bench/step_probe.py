@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
+
+# isort: split
 import mlx.core as mx
 
-import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 from bench.common import machine_info, median_ms, split_ms
 from bench.mtp import SAMPLINGS, SHAPES
 from models.build import build_model
