@@ -50,7 +50,8 @@
 # (eighteenth session: `setup-min precision batched-f32` (MLX's TF32 float32 products on and off),
 #  then `keep` (KEEP_FC / KEEP_QKV / KEEP_O timed, greedy), then SAMPLINGS=qwen with the best set;
 #  bench/batch_probe.py and bench/gather_probe.py by hand (the MoE gather fault); a last lease ran
-#  bench/device_parity.py on three families at once and printed nothing in 160 s; next: `setup-min parity`)
+#  bench/device_parity.py on three families at once and printed nothing in 160 s; next: `setup-min parity`,
+#  then `keep` (KEEP_HEAD against the defaults), with SAMPLINGS="greedy qwen")
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -258,7 +259,8 @@ for step in "$@"; do
     done
     ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
-    SETS=${SETS:-none KEEP_FC,KEEP_O KEEP_QKV KEEP_FC,KEEP_QKV,KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
+    # (defaults now: fc and o_proj kept; KEEP_HEAD: a share of the projection's rows too, unmeasured)
+    SETS=${SETS:-none KEEP_HEAD -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
         DEPTHS=${DEPTHS:-1,2,3} bash $0 switches
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
