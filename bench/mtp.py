@@ -40,6 +40,7 @@ from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.mtp import MtpDrafter
 from specpipe.loop import RoundOptions, RowRequest, generate_rows
+from specpipe.precision import prefer_exact_float32
 from specpipe.prefill import prefill_rows
 from specpipe.state import RowState
 
@@ -385,6 +386,9 @@ def apply_switches(text: str) -> None:
 
 
 def main() -> None:
+    # float32 outputs are checked against plain decoding: full-float32 products
+    # unless the environment chose (README "Exactness", specpipe/precision.py)
+    prefer_exact_float32()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-next",
                         help="qwen3-next: 64-expert MoE layers and MTP layer; qwen3.5-27b: "

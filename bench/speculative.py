@@ -45,6 +45,11 @@ def ints(text: str) -> list[int]:
 
 
 def main() -> None:
+    from specpipe.precision import prefer_exact_float32
+
+    # float32 outputs are checked against plain decoding: full-float32 products
+    # unless the environment chose (README "Exactness", specpipe/precision.py)
+    prefer_exact_float32()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
