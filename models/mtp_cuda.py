@@ -1888,7 +1888,9 @@ class LayerShape:
             parts.append(rows * (self.experts + 1) * blocks)
         return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
-    def shared_bytes(self, vectors: int, rows: int, vocab: int, greedy: bool, blocks: int) -> int:
+    def shared_bytes(
+        self, vectors: int, rows: int, vocab: int, greedy: bool, blocks: int
+    ) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
         sampling)."""
@@ -1905,7 +1907,10 @@ class LayerShape:
             rows * self.heads * self.head_dim,
             mlp,
             rows * h + (0 if greedy else rows * chunk),
-            BLOCK // 32 * rows * (self.experts + 1),  # FOLD: o_proj's warps' router sums
+            BLOCK
+            // 32
+            * rows
+            * (self.experts + 1),  # FOLD: o_proj's warps' router sums
         )
         return 4 * floats
 
@@ -1916,15 +1921,19 @@ class LayerShape:
         top = warps * max(rows, 32)
         splits = max(1, blocks // (rows * self.heads))
         experts = max(self.top_experts, 1)
-        return 4 * (
-            warps * self.head_dim  # s_acc
-            + 2 * top  # s_topv, s_topi
-            + 2 * rows * experts  # s_eid, s_ew
-            + rows * (self.experts + 2)  # s_inv, s_rlog
-            + 2 * splits
-            + 4 * MAX_VECTORS
-            + 6 * rows
-        ) + 1024
+        return (
+            4
+            * (
+                warps * self.head_dim  # s_acc
+                + 2 * top  # s_topv, s_topi
+                + 2 * rows * experts  # s_eid, s_ew
+                + rows * (self.experts + 2)  # s_inv, s_rlog
+                + 2 * splits
+                + 4 * MAX_VECTORS
+                + 6 * rows
+            )
+            + 1024
+        )
 
 
 def _align8(n: int) -> int:
@@ -2100,7 +2109,9 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
         mlp_arrays.append(mlp_arrays[0][:1, :8])
     router_t = None
     if shape.foldable:
-        gates = mx.concatenate([mlp_arrays[0], mlp_arrays[1]], axis=0).astype(mx.float32)
+        gates = mx.concatenate([mlp_arrays[0], mlp_arrays[1]], axis=0).astype(
+            mx.float32
+        )
         post = layer.post_attention_layernorm.weight.astype(mx.float32)
         router_t = mx.contiguous((gates * post[None, :]).T)
         mx.eval(router_t)
@@ -2435,9 +2446,7 @@ class FusedStep:
             ("DERIVE", derive is not None),
         ]
         window = (
-            keys.shape
-            if kv_out
-            else (rows, s.kv_heads, length + count - 1, s.head_dim)
+            keys.shape if kv_out else (rows, s.kv_heads, length + count - 1, s.head_dim)
         )
         sub_ids = self.subset_ids if self.subset_ids is not None else last
         outputs = _kernel(shared)(
@@ -2523,7 +2532,9 @@ class FusedStep:
         return FOLD_ROUTER and self.weights.router_t is not None
 
 
-def phases_of(table: list[list[float]], barriers: int) -> list[tuple[float, float, float, int]]:
+def phases_of(
+    table: list[list[float]], barriers: int
+) -> list[tuple[float, float, float, int]]:
     """`FusedStep.phase_times` of a `stamp_table` whose step has `barriers`
     grid barriers."""
     blocks = range(len(table))

@@ -406,7 +406,12 @@ def load(
         policy_adaptive = AdaptivePolicy(cost)
     return Success(
         Pipeline(
-            target, loaded_draft, device_round, registry, policy_adaptive, phase_timing,
+            target,
+            loaded_draft,
+            device_round,
+            registry,
+            policy_adaptive,
+            phase_timing,
             ahead,
         )
     )

@@ -455,7 +455,9 @@ def _speculative_round(
         if wants_logprobs
         else None
     )
-    if isinstance(verified, ModelOutput):  # the draws, for drafters that derive from them
+    if isinstance(
+        verified, ModelOutput
+    ):  # the draws, for drafters that derive from them
         verified = evolve(verified, draws=samples)
     if options.draft_ahead:
         _launch_ahead(batch, proposal, depths, verified, [flat, logprobs])

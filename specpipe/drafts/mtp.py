@@ -223,9 +223,21 @@ class HeadStep:
                     return token[:, None], normed, keys, values
                 length = starts + last + 1  # the row's: its chained steps' start
                 tokens, normed, keys, values = rest(
-                    token[:, None], normed, length, length, keys, values, seeds, steps + 1
+                    token[:, None],
+                    normed,
+                    length,
+                    length,
+                    keys,
+                    values,
+                    seeds,
+                    steps + 1,
                 )
-                return mx.concatenate([token[:, None], tokens], axis=1), normed, keys, values
+                return (
+                    mx.concatenate([token[:, None], tokens], axis=1),
+                    normed,
+                    keys,
+                    values,
+                )
 
             fused = self.fused_step(0) if mtp_cuda.WHOLE_ROUND else None
             run = first_then_chain
@@ -276,7 +288,9 @@ class HeadStep:
             return None
         kernel = self.derived(filters, depth)
 
-        def run(*chain: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+        def run(
+            *chain: mx.array,
+        ) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
             # (samples, drafts, prev, hidden, keys, values), as DerivedRound
             if kernel is not None:
                 out = kernel(*chain)
@@ -347,7 +361,9 @@ class HeadStep:
 DerivedRound = Callable[..., tuple[mx.array, mx.array, mx.array, mx.array] | None]
 
 
-def _derived_launch(fused: FusedStep, filters: SamplingParams, depth: int) -> DerivedRound:
+def _derived_launch(
+    fused: FusedStep, filters: SamplingParams, depth: int
+) -> DerivedRound:
     greedy = filters.greedy
     top_k = 0 if greedy else filters.top_k
     dist = mtp_cuda.draw_params(
@@ -536,7 +552,9 @@ class MtpRows:
                 else None
             )
             return Proposal(depth, device=tokens, state=state)
-        token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(*arrays)
+        token, normed, cache.keys[0], cache.values[0] = self.step(True, 0, filters)(
+            *arrays
+        )
         if depth == 1:
             return Proposal(depth, device=token[:, None])
         lengths = mx.array([row.length for row in rows], dtype=mx.int32)
@@ -633,7 +651,9 @@ class MtpRows:
             return None
         tokens, keys, values, state = out
         _async_eval(tokens, keys, values, state)  # queued now, behind the verify window
-        return evolve(self, ahead=AheadRound(proposal, depth, tokens, keys, values, state))
+        return evolve(
+            self, ahead=AheadRound(proposal, depth, tokens, keys, values, state)
+        )
 
     def prepare_commit(
         self,
@@ -658,7 +678,9 @@ class MtpRows:
         # round's chain
         ahead = (
             self.ahead
-            if chain is not None and self.ahead is not None and self.ahead.after is proposal
+            if chain is not None
+            and self.ahead is not None
+            and self.ahead.after is proposal
             else None
         )
         if proposal.depth > 0:
@@ -672,7 +694,12 @@ class MtpRows:
             kept = tuple(c + k for c, k in zip(self.tail_lengths, kept, strict=True))
         return Prepared(
             lambda: evolve(
-                self, lengths=lengths, tail=tail, tail_lengths=kept, chain=chain, ahead=ahead
+                self,
+                lengths=lengths,
+                tail=tail,
+                tail_lengths=kept,
+                chain=chain,
+                ahead=ahead,
             )
         )
 

@@ -116,8 +116,18 @@ def test_bf16_draft_for_a_float32_target(
     base = ["generate", "def fib", "--model", str(tiny_model), "--max-tokens", "12"]
     _, plain, _ = run(capsys, *base, "--json", "--dtype", "float32")
     code, out, _ = run(
-        capsys, *base, "--json", "--dtype", "float32", "--draft", str(tiny_model),
-        "--draft-dtype", "bfloat16", "--num-draft-tokens", "3", "--no-adaptive",
+        capsys,
+        *base,
+        "--json",
+        "--dtype",
+        "float32",
+        "--draft",
+        str(tiny_model),
+        "--draft-dtype",
+        "bfloat16",
+        "--num-draft-tokens",
+        "3",
+        "--no-adaptive",
     )
     assert code == 0
     result = json.loads(out)
@@ -380,17 +390,33 @@ def test_convert_roundtrip_and_no_half_written_output(
 def test_adaptive_is_the_default_and_no_adaptive_drafts_every_round(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["generate", "def fib", "--model", str(tiny_model), "--max-tokens", "12", "--json"]
+    base = [
+        "generate",
+        "def fib",
+        "--model",
+        str(tiny_model),
+        "--max-tokens",
+        "12",
+        "--json",
+    ]
     base += ["--draft", str(tiny_model), "--num-draft-tokens", "3"]
     _, default, _ = run(capsys, *base)
     _, fixed, _ = run(capsys, *base, "--no-adaptive")
     _, explicit, _ = run(capsys, *base, "--adaptive")
-    stats = {name: json.loads(out)["stats"] for name, out in
-             (("default", default), ("fixed", fixed), ("explicit", explicit))}
+    stats = {
+        name: json.loads(out)["stats"]
+        for name, out in (
+            ("default", default),
+            ("fixed", fixed),
+            ("explicit", explicit),
+        )
+    }
     # adaptive rows report the depths they chose; fixed-width rows do not
     assert stats["default"].get("depths") and stats["explicit"].get("depths")
     assert "depths" not in stats["fixed"]
     # fixed width: every round drafts 3 (the last rounds may be cut by the budget)
     assert stats["fixed"]["drafted"] >= 3 * (stats["fixed"]["rounds"] - 2)
-    tokens = {json.loads(out)["tokens"].__repr__() for out in (default, fixed, explicit)}
+    tokens = {
+        json.loads(out)["tokens"].__repr__() for out in (default, fixed, explicit)
+    }
     assert len(tokens) == 1  # the width never changes the output

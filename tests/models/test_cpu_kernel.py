@@ -139,17 +139,27 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path: Path) -> None:
     assert [p.suffix for p in (cache / "kernels").iterdir()] == [".so"]
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)]
+)
 def test_bf16_draft_for_a_float32_target_is_lossless(
     tmp_path: Path, sampling: SamplingParams
 ) -> None:
     target = write_tiny_model(tmp_path / "target")
     prompts = ["def fibonacci(n):", "Hello world! Hello world!"]
     limits = GenerationLimits(max_tokens=16)
-    plain = load(str(target), dtype="float32").unwrap().generate_batch(prompts, sampling, limits)
+    plain = (
+        load(str(target), dtype="float32")
+        .unwrap()
+        .generate_batch(prompts, sampling, limits)
+    )
     spec = load(
-        str(target), draft=str(target), num_draft_tokens=3, dtype="float32",
-        draft_dtype="bfloat16", adaptive=False,
+        str(target),
+        draft=str(target),
+        num_draft_tokens=3,
+        dtype="float32",
+        draft_dtype="bfloat16",
+        adaptive=False,
     ).unwrap()
     assert spec.draft is not None and spec.draft.model is not None
     assert spec.draft.model.model.embed_tokens.weight.dtype == mx.bfloat16  # type: ignore[attr-defined]
@@ -164,7 +174,11 @@ def test_bf16_target_speculates_losslessly(tmp_path: Path) -> None:
     prompts = ["def fibonacci(n):", "Hello world! Hello world!"]
     limits = GenerationLimits(max_tokens=16)
     sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=2)
-    plain = load(str(target), dtype="bfloat16").unwrap().generate_batch(prompts, sampling, limits)
+    plain = (
+        load(str(target), dtype="bfloat16")
+        .unwrap()
+        .generate_batch(prompts, sampling, limits)
+    )
     spec = load(
         str(target), draft="ngram", num_draft_tokens=4, dtype="bfloat16", adaptive=False
     ).unwrap()

@@ -289,8 +289,12 @@ def test_chained_steps_go_to_the_kernel_s_chain_in_one_launch() -> None:
     assert fake.calls == ["launch of 3", "compiled"]
 
 
-@pytest.mark.parametrize("filters", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5)])
-def test_a_chain_of_steps_is_the_chained_steps_one_by_one(filters: SamplingParams) -> None:
+@pytest.mark.parametrize(
+    "filters", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5)]
+)
+def test_a_chain_of_steps_is_the_chained_steps_one_by_one(
+    filters: SamplingParams,
+) -> None:
     """A one-layer head's chained steps as one call in the step signature
     (`HeadStep._chain`, what `round` runs after its first step: one launch on
     a GPU) draft, output and cache what as many `chained` calls do (float32:
@@ -319,7 +323,9 @@ def test_a_chain_of_steps_is_the_chained_steps_one_by_one(filters: SamplingParam
     one_by_one = []
     t, n = token, normed
     for i in range(count):
-        t, n = step.chained(caches[1], 1 + i, filters, t, n, starts + i, seeds, steps + i)
+        t, n = step.chained(
+            caches[1], 1 + i, filters, t, n, starts + i, seeds, steps + i
+        )
         one_by_one.append(t)
     assert tokens.shape == (rows, count)
     assert tokens.tolist() == mx.stack(one_by_one, axis=1).tolist()
@@ -351,12 +357,18 @@ def test_a_round_is_its_first_step_then_its_chained_steps() -> None:
     assert whole is not None
     single = step.round(filters, 1)  # a one-step round: the first step alone
     assert single is not None
-    alone = step(True, 0, filters)(ids, hidden, last, starts, keys, values, seeds, steps)
-    assert single(ids, hidden, last, starts, keys, values, seeds, steps)[0].tolist() == [
-        [t] for t in alone[0].tolist()
-    ]
-    tokens, normed, k1, v1 = whole(ids, hidden, last, starts, keys, values, seeds, steps)
-    token, n, k2, v2 = step(True, 0, filters)(ids, hidden, last, starts, keys, values, seeds, steps)
+    alone = step(True, 0, filters)(
+        ids, hidden, last, starts, keys, values, seeds, steps
+    )
+    assert single(ids, hidden, last, starts, keys, values, seeds, steps)[
+        0
+    ].tolist() == [[t] for t in alone[0].tolist()]
+    tokens, normed, k1, v1 = whole(
+        ids, hidden, last, starts, keys, values, seeds, steps
+    )
+    token, n, k2, v2 = step(True, 0, filters)(
+        ids, hidden, last, starts, keys, values, seeds, steps
+    )
     drafted = [token]
     for i in range(1, depth):
         at = starts + last + i
@@ -404,7 +416,9 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
     return seen
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
+)
 @pytest.mark.parametrize(
     ("kind", "greedy", "first", "listed", "rows", "length", "count", "switches"),
     [
@@ -414,11 +428,38 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         ("dense", False, False, False, 8, 1, 1, ()),
         ("dense", True, True, True, 1, 4, 1, ()),
         ("dense", True, False, False, 1, 1, 4, ()),
-        ("moe", False, True, True, 2, 2, 3, ()),  # a whole round: first step, two chained
+        (
+            "moe",
+            False,
+            True,
+            True,
+            2,
+            2,
+            3,
+            (),
+        ),  # a whole round: first step, two chained
         ("dense", True, True, False, 1, 4, 3, ()),
         # the tuning switches' other arms (bench/fused_probe.py's flags)
-        ("moe", True, True, True, 1, 2, 3, ("PREFETCH_L2", "PAIR_ROWS", "ROW_PREFETCH", "FAST_SINCOS")),
-        ("dense", False, False, True, 2, 1, 2, ("PREFETCH_L2", "-EVICT_ALL", "ROW_PREFETCH", "-WIDE_LOADS")),
+        (
+            "moe",
+            True,
+            True,
+            True,
+            1,
+            2,
+            3,
+            ("PREFETCH_L2", "PAIR_ROWS", "ROW_PREFETCH", "FAST_SINCOS"),
+        ),
+        (
+            "dense",
+            False,
+            False,
+            True,
+            2,
+            1,
+            2,
+            ("PREFETCH_L2", "-EVICT_ALL", "ROW_PREFETCH", "-WIDE_LOADS"),
+        ),
         # "NAME=N": the template constant as compiled (the router's top-k
         # past 128 experts takes its KE rounds of a warp argmax)
         ("moe", True, False, False, 1, 1, 1, ("E=512",)),
@@ -515,7 +556,9 @@ def test_the_step_kernel_compiles_without_spills(
     assert compiled.registers is not None and compiled.registers * 256 <= 65536
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
+)
 @pytest.mark.parametrize(("rows", "width", "greedy"), [(1, 1, True), (3, 2, False)])
 def test_the_derived_round_compiles_and_reads_no_host_input(
     moe: tuple[Any, MtpHead],
@@ -558,8 +601,17 @@ def test_the_derived_round_compiles_and_reads_no_host_input(
     assert template["DERIVE"] and template["KV_OUT"] and template["FIRST"]
     assert template["M"] == rows * width and template["TT"] == width
     named = dict(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True))
-    assert named["samples"] is samples and named["drafts"] is drafts and named["prev"] is prev
-    for host_built in ("last", "starts", "seeds", "steps"):  # placeholders: device arrays
+    assert (
+        named["samples"] is samples
+        and named["drafts"] is drafts
+        and named["prev"] is prev
+    )
+    for host_built in (
+        "last",
+        "starts",
+        "seeds",
+        "steps",
+    ):  # placeholders: device arrays
         assert named[host_built] is prev
     text = source(
         "mtp_step",
@@ -574,11 +626,16 @@ def test_the_derived_round_compiles_and_reads_no_host_input(
     assert compiled.spill_bytes == 0, compiled.log
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only")
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
+)
 @pytest.mark.parametrize("runtime_dims", [False, True])
 @pytest.mark.parametrize("per_position", [False, True])
 def test_the_window_kernel_compiles(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, runtime_dims: bool, per_position: bool
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    runtime_dims: bool,
+    per_position: bool,
 ) -> None:
     seen = captured_kernel(monkeypatch, gated_delta_cuda)
     b, length, hk, hv, dk, dv = 2, 3, 2, 4, 32, 32

@@ -571,8 +571,12 @@ def test_routed_experts_grouped_by_expert_equal_each_token_alone(tokens: int) ->
     mx.random.seed(3)
     glu = SwitchGLU(64, 32, 16)
     x = mx.random.normal((tokens, 64))
-    experts = mx.argsort(mx.random.uniform(shape=(tokens, 16)), axis=-1)[:, :10].astype(mx.int32)
-    alone = mx.concatenate([glu(x[i : i + 1], experts[i : i + 1]) for i in range(tokens)])
+    experts = mx.argsort(mx.random.uniform(shape=(tokens, 16)), axis=-1)[:, :10].astype(
+        mx.int32
+    )
+    alone = mx.concatenate(
+        [glu(x[i : i + 1], experts[i : i + 1]) for i in range(tokens)]
+    )
     together = glu(x, experts)
     assert (tokens * 10 >= SwitchGLU.SORT_MIN) == (tokens >= 7)
     error = (mx.abs(together - alone).max() / mx.abs(alone).max()).item()

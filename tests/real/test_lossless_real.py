@@ -45,7 +45,9 @@ def qwen_pair() -> Pipeline:
     "sampling", SAMPLINGS, ids=["greedy", "t0.7-topp-topk", "t1.0"]
 )
 def test_ngram_on_smollm2(smollm2: Pipeline, sampling: SamplingParams) -> None:
-    ngram = load(SMOLLM2, draft="ngram", num_draft_tokens=6, adaptive=False).unwrap().draft
+    ngram = (
+        load(SMOLLM2, draft="ngram", num_draft_tokens=6, adaptive=False).unwrap().draft
+    )
     spec = evolve(smollm2, draft=ngram)
     plain_batch = _tokens(smollm2, PROMPTS, sampling, 32)
     assert _tokens(spec, PROMPTS, sampling, 32) == plain_batch

@@ -480,5 +480,7 @@ def test_load_drafts_adaptively_by_default(tmp_path: Path) -> None:
     assert default.adaptive is not None
     assert default.adaptive.cost.verify_ms  # a calibration of this machine
     assert len(default.adaptive.cost.verify_ms) >= 5  # windows up to 1 + 4 drafts
-    fixed = load(str(target), draft="ngram", num_draft_tokens=4, adaptive=False).unwrap()
+    fixed = load(
+        str(target), draft="ngram", num_draft_tokens=4, adaptive=False
+    ).unwrap()
     assert fixed.adaptive is None

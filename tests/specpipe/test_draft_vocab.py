@@ -77,14 +77,20 @@ def test_two_model_with_draft_vocabulary_is_lossless(tmp_path: Path) -> None:
         sampling = SamplingParams(temperature=temperature, seed=11)
         plain = load(str(target)).unwrap().generate_batch(prompts, sampling).unwrap()
         off = load(
-            str(target), draft=str(draft), num_draft_tokens=3, draft_vocab="off", adaptive=False
+            str(target),
+            draft=str(draft),
+            num_draft_tokens=3,
+            draft_vocab="off",
+            adaptive=False,
         )
         unlisted = off.unwrap().generate_batch(prompts, sampling).unwrap()
         assert [r.tokens for r in unlisted] == [r.tokens for r in plain]
         assert sum(r.stats.accepted for r in unlisted) > 0
         # a list covering every id drafts exactly what the full head drafts
         DraftVocabulary.create(range(320), 320).unwrap().write(draft / DRAFT_VOCAB_FILE)
-        full = load(str(target), draft=str(draft), num_draft_tokens=3, adaptive=False).unwrap()
+        full = load(
+            str(target), draft=str(draft), num_draft_tokens=3, adaptive=False
+        ).unwrap()
         results = full.generate_batch(prompts, sampling).unwrap()
         assert [r.tokens for r in results] == [r.tokens for r in plain]
         assert [(r.stats.drafted, r.stats.accepted) for r in results] == [
@@ -94,7 +100,9 @@ def test_two_model_with_draft_vocabulary_is_lossless(tmp_path: Path) -> None:
         DraftVocabulary.create(range(0, 320, 3), 320).unwrap().write(
             draft / DRAFT_VOCAB_FILE
         )
-        small = load(str(target), draft=str(draft), num_draft_tokens=3, adaptive=False).unwrap()
+        small = load(
+            str(target), draft=str(draft), num_draft_tokens=3, adaptive=False
+        ).unwrap()
         assert [r.tokens for r in small.generate_batch(prompts, sampling).unwrap()] == [
             r.tokens for r in plain
         ]
@@ -147,11 +155,15 @@ def test_two_model_calibration_times_the_listed_head(
     monkeypatch.delenv("SPECPIPE_CALIBRATION_CACHE", raising=False)
     target = write_tiny_model(tmp_path / "target")
     draft = write_tiny_model(tmp_path / "draft", seed=1)
-    full = load(str(target), draft=str(draft), num_draft_tokens=2, adaptive=False).unwrap()
+    full = load(
+        str(target), draft=str(draft), num_draft_tokens=2, adaptive=False
+    ).unwrap()
     DraftVocabulary.create(range(0, 320, 4), 320).unwrap().write(
         draft / DRAFT_VOCAB_FILE
     )
-    listed = load(str(target), draft=str(draft), num_draft_tokens=2, adaptive=False).unwrap()
+    listed = load(
+        str(target), draft=str(draft), num_draft_tokens=2, adaptive=False
+    ).unwrap()
     assert full.draft is not None and listed.draft is not None
     assert full.draft.drafter.calibration_key == "two-model"  # type: ignore[attr-defined]
     assert listed.draft.drafter.calibration_key == "two-model/vocab=80"  # type: ignore[attr-defined]

@@ -51,7 +51,9 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.7-filters"])
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[:3]], ids=["B1", "B3"])
-@pytest.mark.parametrize("device_round", [True, False], ids=["device-first", "host-first"])
+@pytest.mark.parametrize(
+    "device_round", [True, False], ids=["device-first", "host-first"]
+)
 def test_drafts_launched_ahead_keep_the_output_and_the_drafts(
     monkeypatch: pytest.MonkeyPatch,
     mtp_target: Any,  # noqa: F811
@@ -94,7 +96,8 @@ def test_long_acceptances_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_rows_finishing_apart_and_joining_drop_the_launch(
-    monkeypatch: pytest.MonkeyPatch, mtp_target: Any  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    mtp_target: Any,  # noqa: F811
 ) -> None:
     """Rows with different budgets leave the batch in different rounds and a
     row joins between rounds: the launch made for the old rows is dropped."""
@@ -140,7 +143,8 @@ def test_a_launch_is_kept_for_its_own_round_only(mtp_target: Any) -> None:  # no
     proposal = opened.propose(states, 2)
     assert proposal.device is not None and proposal.state is not None
     window = mx.concatenate(
-        [mx.array([[s.pending] for s in states], dtype=mx.int32), proposal.device], axis=1
+        [mx.array([[s.pending] for s in states], dtype=mx.int32), proposal.device],
+        axis=1,
     )
     verified = mtp_target(window, cache, [s.length for s in states])
     draws = mx.argmax(verified.logits, axis=-1).astype(mx.int32)
@@ -158,15 +162,22 @@ def test_a_launch_is_kept_for_its_own_round_only(mtp_target: Any) -> None:  # no
                                     verified).commit()  # fmt: skip
     assert isinstance(short, MtpRows) and short.ahead is None
     # rows leaving or joining drop it
-    assert isinstance(kept.take_rows([1]), MtpRows) and kept.take_rows([1]).ahead is None
+    assert (
+        isinstance(kept.take_rows([1]), MtpRows) and kept.take_rows([1]).ahead is None
+    )
     joined = kept.join(opened)
     assert isinstance(joined, MtpRows) and joined.ahead is None
     # adopted at its depth only: the tokens are the launch's
-    moved = [s.advanced((int(t),)) for s, t in zip(states, draws[:, 0].tolist(), strict=True)]
+    moved = [
+        s.advanced((int(t),)) for s, t in zip(states, draws[:, 0].tolist(), strict=True)
+    ]
     assert kept.ahead is not None
     assert kept.propose(moved, 2).device is kept.ahead.tokens
     assert kept.propose(moved, 1).device is not kept.ahead.tokens
     # no draws, or the eager path: nothing launched
     bare = ModelOutput(verified.logits, verified.hidden)
     assert opened.launch_ahead(states, proposal, bare, 2) is None
-    assert evolve(opened, compiled=False).launch_ahead(states, proposal, verified, 2) is None
+    assert (
+        evolve(opened, compiled=False).launch_ahead(states, proposal, verified, 2)
+        is None
+    )

@@ -4,6 +4,7 @@ lossless."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,7 +54,7 @@ def test_mtp_calibration_times_the_head(hybrid: Path, cache: Path) -> None:
     # own times are measurements, not monotone on a loaded machine)
     shares = [mtp_cost.round_ms(d) - mtp_cost.verify(d + 1) for d in range(1, 5)]
     assert shares[0] == pytest.approx(mtp_cost.draft_ms + mtp_cost.draft_fixed_ms)
-    for before, after in zip(shares, shares[1:]):
+    for before, after in itertools.pairwise(shares):
         assert after - before == pytest.approx(mtp_cost.draft_ms)
     assert mtp_cost.plain_ms > 0.0 and none_cost.plain_ms > 0.0  # pipelined plain step
     assert len(mtp_cost.verify_ms) == 3

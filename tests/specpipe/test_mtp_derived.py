@@ -49,16 +49,19 @@ def derived_rounds(
             params = [self.policy.draft_params(row.sampling) for row in rows]
             host = self.round_arrays(rows, asked, params)
             width = host[0].shape[1]
-            derived = mtp_cuda.derive_inputs(chain.samples, chain.drafts, chain.prev, width)
+            derived = mtp_cuda.derive_inputs(
+                chain.samples, chain.drafts, chain.prev, width
+            )
             wanted = (host[0], host[2], host[3], host[6], host[7])
             for name, got, want in zip(("ids", "last", "starts", "seeds", "steps"),
                                        derived, wanted, strict=True):  # fmt: skip
                 assert got.dtype == want.dtype, name
                 assert got.tolist() == want.tolist(), name
             # the launch's state, as the kernel writes it, is what the next derives from
-            assert mtp_cuda.state_of(*derived[1:]).tolist() == mtp_cuda.state_of(
-                host[2], host[3], host[6], host[7]
-            ).tolist()
+            assert (
+                mtp_cuda.state_of(*derived[1:]).tolist()
+                == mtp_cuda.state_of(host[2], host[3], host[6], host[7]).tolist()
+            )
             seen.append(tuple(n - 1 for n in self.tail_lengths))
         return propose(self, rows, asked)
 
@@ -73,9 +76,13 @@ def derived_rounds(
 
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.7-filters"])
 def test_random_head_rounds_derive_the_host_inputs(
-    monkeypatch: pytest.MonkeyPatch, mtp_target: Any, sampling: SamplingParams  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    mtp_target: Any,  # noqa: F811
+    sampling: SamplingParams,
 ) -> None:
-    seen = derived_rounds(monkeypatch, mtp_target, random_head(3), PROMPTS[:3], sampling, 3)
+    seen = derived_rounds(
+        monkeypatch, mtp_target, random_head(3), PROMPTS[:3], sampling, 3
+    )
     assert len(seen) >= 3
 
 
@@ -90,7 +97,8 @@ def test_rounds_accepting_every_draft_derive_the_host_inputs(
 
 
 def test_rounds_accepting_some_drafts_derive_the_host_inputs(
-    monkeypatch: pytest.MonkeyPatch, mtp_target: Any  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    mtp_target: Any,  # noqa: F811
 ) -> None:
     seen = derived_rounds(monkeypatch, mtp_target, copy_head(mtp_target), PROMPTS[:3],
                           SamplingParams(), 2)  # fmt: skip
@@ -109,7 +117,8 @@ def _opened(model: Any, rows: int) -> tuple[MtpRows, list[RowState]]:
         proposal = opened.propose(states, 2)
         assert proposal.device is not None
         window = mx.concatenate(
-            [mx.array([[s.pending] for s in states], dtype=mx.int32), proposal.device], axis=1
+            [mx.array([[s.pending] for s in states], dtype=mx.int32), proposal.device],
+            axis=1,
         )
         verified = model(window, cache, [s.length for s in states])
         draws = mx.argmax(verified.logits, axis=-1).astype(mx.int32)
@@ -122,7 +131,10 @@ def _opened(model: Any, rows: int) -> tuple[MtpRows, list[RowState]]:
         opened = committed
         if verified.delta is not None:
             verified.delta.commit([1] * rows)
-        states = [s.advanced((int(t),)) for s, t in zip(states, draws[:, 0].tolist(), strict=True)]
+        states = [
+            s.advanced((int(t),))
+            for s, t in zip(states, draws[:, 0].tolist(), strict=True)
+        ]
     return opened, states
 
 
@@ -156,7 +168,8 @@ def test_rows_not_offered_every_draft_leave_no_chain(mtp_target: Any) -> None:  
 
 
 def test_without_derived_inputs_no_state_is_kept(
-    monkeypatch: pytest.MonkeyPatch, mtp_target: Any  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    mtp_target: Any,  # noqa: F811
 ) -> None:
     monkeypatch.setattr(mtp_cuda, "DERIVED_INPUTS", False)
     opened, states = _opened(mtp_target, 1)

@@ -104,7 +104,9 @@ def test_quantized_companion_drafts_losslessly(
     _, out = converted
     plain = tokens(load(str(out)).unwrap(), sampling)
     for draft in ("auto", "mtp", str(out / "mtp")):
-        pipeline = load(str(out), draft=draft, num_draft_tokens=3, adaptive=False).unwrap()
+        pipeline = load(
+            str(out), draft=draft, num_draft_tokens=3, adaptive=False
+        ).unwrap()
         assert pipeline.draft_kind == "mtp" and pipeline.draft is not None
         head = pipeline.draft.drafter.head  # type: ignore[attr-defined]
         assert isinstance(head.fc, nn.QuantizedLinear)

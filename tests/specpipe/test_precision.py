@@ -12,7 +12,15 @@ from specpipe.cli import main
 
 
 @pytest.mark.parametrize(
-    ("value", "on"), [(None, True), ("1", True), ("0", False), (" 0 ", False), ("2", True), ("no", True)]
+    ("value", "on"),
+    [
+        (None, True),
+        ("1", True),
+        ("0", False),
+        (" 0 ", False),
+        ("2", True),
+        ("no", True),
+    ],
 )
 def test_tf32_is_on_unless_the_variable_is_the_integer_zero(
     monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool
@@ -31,7 +39,9 @@ def _model(dtype: mx.Dtype) -> nn.Module:
     return model
 
 
-def test_the_notice_names_tf32_for_float32_weights_on_a_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_notice_names_tf32_for_float32_weights_on_a_gpu_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(precision.ENV, raising=False)
     assert precision.tf32_notice(_model(mx.float32)) is None  # the CPU
     monkeypatch.setattr(precision.mx, "default_device", lambda: mx.Device(mx.gpu))
@@ -45,7 +55,9 @@ def test_the_notice_names_tf32_for_float32_weights_on_a_gpu_only(monkeypatch: py
     assert precision.tf32_notice(_model(mx.float32)) is None
 
 
-def test_the_command_turns_tf32_off_unless_the_environment_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_command_turns_tf32_off_unless_the_environment_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(precision.ENV, raising=False)
     with pytest.raises(SystemExit):
         main(["--help"])

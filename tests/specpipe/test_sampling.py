@@ -456,7 +456,9 @@ def test_window_history_matches_plain_decoding_history() -> None:
     ],
     ids=["qwen", "top-p", "top-k", "min-p", "plain"],
 )
-def test_the_compiled_draw_gives_the_eager_draw_s_tokens(params: SamplingParams) -> None:
+def test_the_compiled_draw_gives_the_eager_draw_s_tokens(
+    params: SamplingParams,
+) -> None:
     """A GPU samples through `compiled_draw`; run here on the CPU, it must
     pick exactly the tokens of the eager draw (for every row and key)."""
     from specpipe.sampling import _draw, compiled_draw
@@ -474,8 +476,12 @@ def test_the_compiled_draw_gives_the_eager_draw_s_tokens(params: SamplingParams)
 # --- blockwise top-k (the GPU's path for long rows) -----------------------------------
 
 
-@pytest.mark.parametrize(("vocab", "k", "block"), [(5000, 20, 512), (4096, 7, 1024), (300, 20, 16)])
-def test_blockwise_top_k_keeps_what_one_partition_keeps(vocab: int, k: int, block: int) -> None:
+@pytest.mark.parametrize(
+    ("vocab", "k", "block"), [(5000, 20, 512), (4096, 7, 1024), (300, 20, 16)]
+)
+def test_blockwise_top_k_keeps_what_one_partition_keeps(
+    vocab: int, k: int, block: int
+) -> None:
     rng = np.random.default_rng(vocab + k)
     scores = rng.normal(size=(3, vocab)).astype(np.float32)
     # ties across blocks at the k-th value, and a row of mostly equal scores
@@ -486,10 +492,14 @@ def test_blockwise_top_k_keeps_what_one_partition_keeps(vocab: int, k: int, bloc
     want = np.array(mx.argpartition(-x, k - 1, axis=-1)[:, :k])
     for row in range(3):
         assert len(set(got[row].tolist())) == k  # k distinct ids
-        assert np.array_equal(np.sort(scores[row, got[row]]), np.sort(scores[row, want[row]]))
+        assert np.array_equal(
+            np.sort(scores[row, got[row]]), np.sort(scores[row, want[row]])
+        )
 
 
-def test_filters_over_blockwise_top_k_equal_one_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filters_over_blockwise_top_k_equal_one_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     rng = np.random.default_rng(3)
     logits = mx.array(rng.normal(size=(4, 40_000)).astype(np.float32) * 3.0)
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
