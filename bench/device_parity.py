@@ -33,6 +33,7 @@ import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 # isort: split
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_map
 
 from bench.common import machine_info
@@ -89,9 +90,21 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--lengths", default="20,17,12", help="the rows' prompt lengths")
     parser.add_argument("--devices", default="gpu,cpu", help="the device checked, then the reference")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="a config value of every family (e.g. tie_word_embeddings=false)")
+    parser.add_argument("--fresh-reference", action="store_true",
+                        help="the reference pass on copies of the weights made on its device")
+    parser.add_argument("--split-threads", type=int, default=None,
+                        help="split the CPU products over N streams even with MLX's CUDA backend "
+                             "(which models/parallel.py refuses: reproduces its failures)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     checked, reference = (getattr(mx, d) for d in args.devices.split(","))
+    if args.split_threads is not None:
+        import models.parallel
+
+        models.parallel._cuda_backend = lambda: False  # type: ignore[assignment]
+        models.parallel.set_cpu_threads(args.split_threads)
     mx.random.seed(1)
     lengths = [int(n) for n in args.lengths.split(",")]
     prompts = [tuple(mx.random.randint(0, args.vocab, (n,)).tolist()) for n in lengths]
@@ -104,7 +117,7 @@ def main() -> None:
     }
     shapes = families(args.layers, args.vocab)
     for name in args.families.split(","):
-        config = shapes[name]
+        config = {**shapes[name], **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)}}
         mx.set_default_device(checked)
         mx.random.seed(0)
         model: Any = build_model(args_from_config(config, name).unwrap()).unwrap()
@@ -116,6 +129,9 @@ def main() -> None:
         logits = {}
         for device in (checked, reference):
             mx.set_default_device(device)
+            if device == reference and args.fresh_reference:
+                model.update(tree_map(lambda p: mx.array(np.array(p, copy=True)), model.parameters()))
+                mx.eval(model.parameters())
             for stepwise in (False, True):
                 start = time.perf_counter()
                 logits[(str(device), stepwise)] = decode(model, prompts, tokens, stepwise)

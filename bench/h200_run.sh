@@ -52,6 +52,10 @@
 #  bench/batch_probe.py and bench/gather_probe.py by hand (the MoE gather fault); a last lease ran
 #  bench/device_parity.py on three families at once and printed nothing in 160 s; next: `setup-min parity`,
 #  then `keep` (KEEP_HEAD against the defaults), with SAMPLINGS="greedy qwen")
+# (twentieth session: `SETS="none KEEP_HEAD KEEP_HEAD,KEEP_HEAD_MB=36,-KEEP_FC,-KEEP_O" SAMPLINGS="greedy
+#  qwen" DEPTHS=2,3 setup-min keep`, then `SETS="none BLOCKS=132" ... keep` and `parity` (no gain: KEEP_HEAD
+#  removed; the dense family's CPU leg crashed); then bench/cpu_streams_probe.py and device_parity.py by hand
+#  with SPECPIPE_CPU_THREADS=1 / 16, --devices cpu,gpu, --fresh-reference, --set tie_word_embeddings=false)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -227,7 +231,7 @@ for step in "$@"; do
     for sw in ${SETS:-none -FOLD_ROUTER}; do
       for sampling in ${SAMPLINGS:-greedy qwen}; do
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
-            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//,/-} bash $0 device
+            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//[,=]/-} bash $0 device
       done
     done
     ;;
@@ -258,9 +262,19 @@ for step in "$@"; do
           --out $OUT/device-parity-$fam-h200.json | grep -E "stage|PARITY" | cut -c1-400 || echo "STEP FAILED: $?"
     done
     ;;
+  streams)  # CPU products split over several streams after the GPU computed the arrays (models/parallel.py
+    # refuses the split with MLX's CUDA backend): MLX alone, then the dense family split and not
+    timeout ${LIMIT:-200} python3 bench/cpu_streams_probe.py --timeout 30 --out $OUT/cpu-streams-probe-h200.json \
+        || echo "STEP FAILED: $?"
+    for threads in 16 1; do
+      MLX_ENABLE_TF32=0 timeout 60 python3 -X faulthandler bench/device_parity.py --families qwen2.5-0.5b \
+          --split-threads $threads --out $OUT/device-parity-split$threads-h200.json 2>&1 \
+          | grep -E "stage|PARITY|File|Fatal" | cut -c1-300; echo "rc ${PIPESTATUS[0]}"
+    done
+    ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
-    # (defaults now: fc and o_proj kept; KEEP_HEAD: a share of the projection's rows too, unmeasured)
-    SETS=${SETS:-none KEEP_HEAD -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
+    # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)
+    SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
         DEPTHS=${DEPTHS:-1,2,3} bash $0 switches
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches

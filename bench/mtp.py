@@ -376,10 +376,17 @@ def set_switches(args: argparse.Namespace) -> None:
 
 
 def apply_switches(text: str) -> None:
-    """models.mtp_cuda's switches from comma-separated NAME (on) / -NAME (off)."""
+    """models.mtp_cuda's switches from comma-separated NAME (on) / -NAME (off),
+    and its integer settings from NAME=VALUE (BLOCKS=132, DRAW_HEADS_K=2)."""
     import models.mtp_cuda
 
     for switch in filter(None, text.split(",")):
+        name, _, value = switch.partition("=")
+        if value:
+            current = getattr(models.mtp_cuda, name, None)
+            assert type(current) is int, f"no integer setting {name}"
+            setattr(models.mtp_cuda, name, int(value))
+            continue
         name = switch.lstrip("-")
         assert isinstance(getattr(models.mtp_cuda, name, None), bool), f"no switch {name}"
         setattr(models.mtp_cuda, name, not switch.startswith("-"))

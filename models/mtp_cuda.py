@@ -154,16 +154,6 @@ EVICT_ALL = True
 KEEP_FC = True
 KEEP_QKV = False
 KEEP_O = True
-# Whether a chained launch's projection loads KEEP_HEAD_MB of its rows'
-# bytes (a fraction of its lines that L2 picks) under evict-last in every
-# step but the last, the rest evict-first, for the next step to find in L2:
-# fc's and o_proj's 33.6 MB leave ~12 MB of a 50 MB L2, 9 % of the FR-Spec
-# 32k head's 134 MB and 2 % of the full head's 622 MB: the same bytes off
-# both heads' next step. Off until measured: prepared in the eighteenth
-# session without device time left (`SETS="none KEEP_HEAD" bash
-# bench/h200_run.sh keep`).
-KEEP_HEAD = False
-KEEP_HEAD_MB = 12
 # Whether each warp asks L2, before a grid barrier, for the first weight rows
 # of the product it runs after it (a DRAM round trip hidden behind the
 # barrier and the input staging per phase), the o_proj rows during
@@ -451,22 +441,15 @@ __device__ __forceinline__ void stage_normed(
 // A 16-byte read-only weight load. STREAM (`EVICT_ALL`): under an L2
 // evict-first policy (every weight row is read once per step), so that L2
 // keeps the kernel's code and the small activations instead.
-// KEEP 1 (`KEEP_FC`, `KEEP_QKV`, `KEEP_O`) with `keep` set: under evict-last
-// instead, for a row the launch's next chained step reads again; KEEP 2
-// (`KEEP_HEAD`): evict-last for the fraction `part` of the lines (L2 picks
-// them), evict-first for the rest.
-template <bool STREAM, int KEEP = 0>
-__device__ __forceinline__ uint4 load_w(const void* p, bool keep = false, float part = 1.0f) {
+// KEEP (`KEEP_FC`, `KEEP_QKV`, `KEEP_O`) with `keep` set: under evict-last
+// instead, for a row the launch's next chained step reads again.
+template <bool STREAM, bool KEEP = false>
+__device__ __forceinline__ uint4 load_w(const void* p, bool keep = false) {
 #if __CUDA_ARCH__ >= 800
   if constexpr (STREAM) {
     uint4 r;
     u64 policy;
-    if constexpr (KEEP == 2) {
-      if (keep)
-        asm("createpolicy.fractional.L2::evict_last.L2::evict_first.b64 %0, %1;"
-            : "=l"(policy) : "f"(part));
-      else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    } else if constexpr (KEEP == 1) {
+    if constexpr (KEEP) {
       if (keep) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
       else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     } else {
@@ -501,11 +484,10 @@ struct Tile {
 // rows at once (their loads in flight together: half the DRAM round trips
 // where a warp has several short rows), for one weight row of at most two
 // inputs.
-template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, int KEEP = 0,
+template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, bool KEEP = false,
           typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
-    int rows, int K, int first, int stride, RF rowf, XF xf, OF of, bool keep = false,
-    float part = 1.0f) {
+    int rows, int K, int first, int stride, RF rowf, XF xf, OF of, bool keep = false) {
   constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
   const int lane = threadIdx.x & 31;
   for (int r0 = first; r0 < rows; r0 += stride * R) {
@@ -533,7 +515,7 @@ __device__ __forceinline__ void product(
 #pragma unroll
           for (int j = 0; j < NDOT; ++j)
             raw[q][u][j] = (k0 + u * 256 < K)
-                ? load_w<STREAM, KEEP>(wr[q][j] + k0 + u * 256, keep, part)
+                ? load_w<STREAM, KEEP>(wr[q][j] + k0 + u * 256, keep)
                 : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -1489,7 +1471,7 @@ _SOURCE = r"""
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, KEEP_HEAD ? 2 : 0>(
+  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
       h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
@@ -1506,9 +1488,7 @@ _SOURCE = r"""
             }
           }
         }
-      },
-      KEEP_HEAD && s + 1 < STEPS,
-      fminf(1.0f, KEEP_HEAD_MB * 1048576.0f / ((float)V * H * sizeof(W))));
+      });
   // sampled: warp 0's best KC of row b (best first) as this block's candidates
   auto keep_candidates = [&](int b, float tv, int ti) {
     if (warp == 0 && lane < KC) {
@@ -2432,8 +2412,6 @@ class FusedStep:
             ("KEEP_FC", KEEP_FC),
             ("KEEP_QKV", KEEP_QKV),
             ("KEEP_O", KEEP_O),
-            ("KEEP_HEAD", KEEP_HEAD),
-            ("KEEP_HEAD_MB", KEEP_HEAD_MB),
             ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),

@@ -16,12 +16,23 @@ is split. bfloat16 weights on the CPU go to `models/cpu_kernel.py` instead
 (Linux; 1 on macOS, whose Accelerate BLAS threads its own products); the
 environment variable `SPECPIPE_CPU_THREADS` or `set_cpu_threads` overrides it
 (1 turns the split off).
+
+Where MLX has its CUDA backend the count is 1 whatever is asked (with a
+warning when more was): on an H200 (mlx-cuda 0.32.4), decoding a model on
+the GPU and then the same weights on the CPU in one process, with the CPU
+products split over 16 streams, crashed, hung or gave wrong logits (a
+relative error of 1.4e-2) in each of six runs, and was right in every run
+without the split or with the weights copied into CPU-made arrays first
+(bench/RESULTS.md, twentieth session). MLX's operations alone, split the
+same way over GPU-made arrays, did not fail (bench/cpu_streams_probe.py),
+so the trigger is not pinned down; the CPU is a fallback on such a machine.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import warnings
 from functools import cache
 
 import mlx.core as mx
@@ -36,10 +47,11 @@ MIN_SPLIT_WEIGHTS = 1 << 19
 
 _ENV = "SPECPIPE_CPU_THREADS"
 _threads: int | None = None
+_warned = False  # the CUDA backend's one-thread warning given
 
 
 def _detected_threads() -> int:
-    if platform.system() == "Darwin":
+    if platform.system() == "Darwin" or _cuda_backend():
         return 1
     affinity = getattr(os, "sched_getaffinity", None)
     count = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
@@ -62,11 +74,29 @@ def _env_threads() -> int | None:
     return value
 
 
+def _cuda_backend() -> bool:
+    """Whether this MLX has its CUDA backend and a device for it."""
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and bool(cuda.is_available())
+
+
 def cpu_threads() -> int:
     """The number of CPU threads a product is split over."""
-    global _threads
+    global _threads, _warned
     if _threads is None:
         _threads = _env_threads() or _detected_threads()
+    if _threads > 1 and _cuda_backend():
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                f"{_threads} CPU threads were asked for (SPECPIPE_CPU_THREADS or "
+                "set_cpu_threads), but CPU products are not split where MLX has its "
+                "CUDA backend (split products of GPU-made arrays went wrong there: "
+                "models/parallel.py); using 1",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return 1
     return _threads
 
 

@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="CPU threads each weight product is split over when running on the CPU "
-        "(default: $SPECPIPE_CPU_THREADS, else every CPU this process may use; 1 = no split)",
+        "(default: $SPECPIPE_CPU_THREADS, else every CPU this process may use; 1 = no split; "
+        "always 1 with MLX's CUDA backend)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -61,6 +61,7 @@ class Compiled:
     log: str
     registers: int | None
     spill_bytes: int | None
+    cubin: bytes = b""  # the machine code (comparing two sources' instructions)
 
 
 def _cuda_root() -> Path:
@@ -137,6 +138,12 @@ def compile_source(text: str, workdir: Path, arch: str = "sm_90") -> Compiled:
         nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
         buffer = ctypes.create_string_buffer(size.value)
         nvrtc.nvrtcGetProgramLog(program, buffer)
+        cubin = b""
+        if result == 0:
+            nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
+            code = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetCUBIN(program, code)
+            cubin = code.raw
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
     log = buffer.value.decode(errors="replace")
@@ -147,4 +154,5 @@ def compile_source(text: str, workdir: Path, arch: str = "sm_90") -> Compiled:
         log,
         int(registers.group(1)) if registers else None,
         int(spills.group(1)) if spills else None,
+        cubin,
     )

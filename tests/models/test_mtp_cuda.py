@@ -481,9 +481,6 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
         # the layer's (KEEP_FC / KEEP_O's off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("KEEP_QKV",)),
         ("moe", False, False, False, 3, 1, 2, ("-KEEP_FC", "-KEEP_O")),
-        # a share of the projection's rows kept too (greedy and sampled, full and FR)
-        ("moe", True, True, False, 1, 2, 3, ("KEEP_HEAD",)),
-        ("moe", False, False, True, 3, 1, 2, ("KEEP_HEAD",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],

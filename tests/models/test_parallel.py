@@ -163,3 +163,24 @@ def test_thread_count_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     parallel.set_cpu_threads(None)
     monkeypatch.delenv("SPECPIPE_CPU_THREADS")
     assert parallel.cpu_threads() >= 1
+
+
+def test_no_split_where_mlx_has_its_cuda_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On MLX's CUDA build CPU products stay whole (split products of GPU-made
+    arrays went wrong on an H200): by default, and with a warning when more
+    threads are asked for."""
+    monkeypatch.setattr(parallel, "_cuda_backend", lambda: True)
+    monkeypatch.setattr(parallel, "_warned", False)
+    monkeypatch.delenv("SPECPIPE_CPU_THREADS", raising=False)
+    parallel.set_cpu_threads(None)
+    assert parallel.cpu_threads() == 1
+    assert parallel._blocks(mx.zeros((1, 64)), 1000) == 1
+    parallel.set_cpu_threads(4)
+    with pytest.warns(RuntimeWarning, match="4 CPU threads were asked for.*using 1"):
+        assert parallel.cpu_threads() == 1
+    assert parallel._blocks(mx.zeros((1, 64)), 1000) == 1
+    monkeypatch.setattr(parallel, "_cuda_backend", lambda: False)
+    assert parallel.cpu_threads() == 4
+    assert parallel._blocks(mx.zeros((1, 64)), 1000) == 4
