@@ -30,12 +30,7 @@ import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 
 # isort: split
 
-import mlx.core as mx
 import pytest
-
-from models import mtp_cuda
-from models.mtp_cuda import FusedStep, fused_weights
-from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 
 
 def default_cases(test_module: Any) -> list[tuple[Any, ...]]:
@@ -46,51 +41,16 @@ def default_cases(test_module: Any) -> list[tuple[Any, ...]]:
 
 
 def digest(test_module: Any, fixtures: dict[str, Any], case: tuple[Any, ...]) -> str:
-    from nvrtc_support import compile_source, source
+    from nvrtc_support import compile_source
 
     kind, greedy, first, listed, rows, length, count, _ = case
     target, head = fixtures[kind]
-    weights = fused_weights(target, head, 0)
-    assert weights is not None
-    vocab = test_module.VOCAB
-    if listed:
-        ids = list(range(0, vocab, 3))
-        subset = SubsetHead.of(target, DraftVocabulary.create(ids, vocab).unwrap())
-        step = FusedStep.make(weights, subset.weights.weight, subset.ids, blocks=96)
-    else:
-        step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
-    assert step is not None
     patch = pytest.MonkeyPatch()
     try:
-        seen = test_module.captured_kernel(patch, mtp_cuda)
-        cache = head.make_cache(rows)
-        cache.reserve(64)
-        step(
-            first,
-            greedy,
-            0 if greedy else 20,
-            mtp_cuda.draw_params(1e-6, 0.7, 0.8, 0.05),
-            mx.zeros((rows, length), dtype=mx.int32),
-            mx.zeros((rows, length, weights.shape.hidden), dtype=mx.bfloat16),
-            mx.zeros((rows,), dtype=mx.int32),
-            mx.zeros((rows,), dtype=mx.int32),
-            cache.keys[0],
-            cache.values[0],
-            mx.zeros((rows,), dtype=mx.uint32),
-            mx.zeros((rows,), dtype=mx.uint32),
-            count=count,
-            kv_out=first and count > 1,
-        )
+        shape = (greedy, first, listed, rows, length, count)
+        _, text = test_module.step_kernel_source(patch, target, head, shape, {})
     finally:
         patch.undo()
-    text = source(
-        "mtp_step",
-        mtp_cuda._COMPACT_HEADER,
-        mtp_cuda._COMPACT_SOURCE,
-        list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
-        list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
-        list(seen["template"]),
-    )
     with tempfile.TemporaryDirectory() as work:
         compiled = compile_source(text, Path(work))
     assert compiled.ok, compiled.log[:4000]

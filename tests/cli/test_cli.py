@@ -86,18 +86,23 @@ def test_streaming_text_equals_json_text(
     assert streamed == json.loads(out)["text"] + "\n"
 
 
-def test_draft_stats_and_same_tokens(
-    tiny_model: Path, tiny_draft: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    base = [
+def fib_json(model: Path) -> list[str]:
+    """`generate` of a short code prompt, 12 tokens, as JSON."""
+    return [
         "generate",
         "def fib",
         "--model",
-        str(tiny_model),
+        str(model),
         "--max-tokens",
         "12",
         "--json",
     ]
+
+
+def test_draft_stats_and_same_tokens(
+    tiny_model: Path, tiny_draft: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = fib_json(tiny_model)
     _, plain, _ = run(capsys, *base)
     for draft in (str(tiny_draft), str(tiny_model), "ngram"):
         code, out, _ = run(capsys, *base, "--draft", draft, "--num-draft-tokens", "3")
@@ -390,15 +395,7 @@ def test_convert_roundtrip_and_no_half_written_output(
 def test_adaptive_is_the_default_and_no_adaptive_drafts_every_round(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = [
-        "generate",
-        "def fib",
-        "--model",
-        str(tiny_model),
-        "--max-tokens",
-        "12",
-        "--json",
-    ]
+    base = fib_json(tiny_model)
     base += ["--draft", str(tiny_model), "--num-draft-tokens", "3"]
     _, default, _ = run(capsys, *base)
     _, fixed, _ = run(capsys, *base, "--no-adaptive")

@@ -416,6 +416,62 @@ def captured_kernel(monkeypatch: pytest.MonkeyPatch, module: Any) -> dict[str, A
     return seen
 
 
+def step_kernel_source(
+    monkeypatch: pytest.MonkeyPatch,
+    target: Any,
+    head: MtpHead,
+    shape: tuple[
+        bool, bool, bool, int, int, int
+    ],  # greedy, first, listed, rows, length, count
+    constants: dict[str, str],
+    profile: bool = False,
+) -> tuple[list[mx.array], str]:
+    """The step's outputs (the kernel replaced by zeros of its output shapes)
+    and the CUDA translation unit MLX is given for it: the full head's or a
+    FR-Spec list's (every third id) step, `rows` x `length` positions,
+    `count` steps in one launch, template constants overridden by `constants`
+    (NAME -> value). Also bench/cubin_digest.py's."""
+    greedy, first, listed, rows, length, count = shape
+    weights = fused_weights(target, head, 0)
+    assert weights is not None
+    if listed:
+        ids = list(range(0, VOCAB, 3))
+        subset = SubsetHead.of(target, DraftVocabulary.create(ids, VOCAB).unwrap())
+        step = FusedStep.make(weights, subset.weights.weight, subset.ids, blocks=96)
+    else:
+        step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
+    assert step is not None
+    seen = captured_kernel(monkeypatch, mtp_cuda)
+    cache = head.make_cache(rows)
+    cache.reserve(64)
+    outputs = step(
+        first,
+        greedy,
+        0 if greedy else 20,
+        mtp_cuda.draw_params(1e-6, 0.7, 0.8, 0.05),
+        mx.zeros((rows, length), dtype=mx.int32),
+        mx.zeros((rows, length, weights.shape.hidden), dtype=mx.bfloat16),
+        mx.zeros((rows,), dtype=mx.int32),
+        mx.zeros((rows,), dtype=mx.int32),
+        cache.keys[0],
+        cache.values[0],
+        mx.zeros((rows,), dtype=mx.uint32),
+        mx.zeros((rows,), dtype=mx.uint32),
+        count=count,
+        kv_out=first and count > 1,  # as HeadStep.round launches a whole round
+        profile=profile,
+    )
+    text = source(
+        "mtp_step",
+        mtp_cuda._COMPACT_HEADER,  # the text MLX is given
+        mtp_cuda._COMPACT_SOURCE,
+        list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
+        list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
+        [(k, int(constants[k]) if k in constants else v) for k, v in seen["template"]],
+    )
+    return list(outputs), text
+
+
 @pytest.mark.skipif(
     sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
 )
@@ -503,49 +559,20 @@ def test_the_step_kernel_compiles_without_spills(
         monkeypatch.setattr(mtp_cuda, switch.lstrip("-"), not switch.startswith("-"))
     target, head = request.getfixturevalue(kind)
     whole_round = first and count > 1  # as HeadStep.round launches it
-    weights = fused_weights(target, head, 0)
-    assert weights is not None
-    if listed:
-        ids = list(range(0, VOCAB, 3))
-        subset = SubsetHead.of(target, DraftVocabulary.create(ids, VOCAB).unwrap())
-        step = FusedStep.make(weights, subset.weights.weight, subset.ids, blocks=96)
-    else:
-        step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
-    assert step is not None
-    seen = captured_kernel(monkeypatch, mtp_cuda)
-    cache = head.make_cache(rows)
-    cache.reserve(64)
-    hidden = weights.shape.hidden
-    tokens, normed, knew, vnew = step(
-        first,
-        greedy,
-        0 if greedy else 20,
-        mtp_cuda.draw_params(1e-6, 0.7, 0.8, 0.05),
-        mx.zeros((rows, length), dtype=mx.int32),
-        mx.zeros((rows, length, hidden), dtype=mx.bfloat16),
-        mx.zeros((rows,), dtype=mx.int32),
-        mx.zeros((rows,), dtype=mx.int32),
-        cache.keys[0],
-        cache.values[0],
-        mx.zeros((rows,), dtype=mx.uint32),
-        mx.zeros((rows,), dtype=mx.uint32),
-        count=count,
-        kv_out=whole_round,
-        profile=rows == 2,  # the phase stamps compile too
+    shape = (greedy, first, listed, rows, length, count)
+    # (rows == 2: the phase stamps compile too)
+    outputs, text = step_kernel_source(
+        monkeypatch, target, head, shape, constants, rows == 2
     )
+    tokens, normed, knew, vnew = outputs
+    hidden = head.args.hidden_size
     assert tokens.shape == (rows, count) and normed.shape == (rows, 1, hidden)
-    if whole_round:  # the new whole KV buffers
+    if whole_round:  # the new whole KV buffers (of a cache as the helper's)
+        cache = head.make_cache(rows)
+        cache.reserve(64)
         assert knew.shape == vnew.shape == cache.keys[0].shape
     else:  # the window, to scatter
         assert knew.shape == vnew.shape == (rows, 2, length + count - 1, 64)
-    text = source(
-        "mtp_step",
-        mtp_cuda._COMPACT_HEADER,  # the text MLX is given
-        mtp_cuda._COMPACT_SOURCE,
-        list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
-        list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
-        [(k, int(constants[k]) if k in constants else v) for k, v in seen["template"]],
-    )
     compiled = compile_source(text, tmp_path)
     assert compiled.ok, compiled.log[:4000]
     assert compiled.spill_bytes == 0, compiled.log
