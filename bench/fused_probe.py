@@ -128,6 +128,7 @@ _SWITCHES = [
     ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),
     ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
+    ("acq-rel-barrier", "ACQ_REL_BARRIER", "the grid barrier by release / acquire operations"),
 ]
 
 

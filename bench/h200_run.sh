@@ -55,7 +55,9 @@
 # (twentieth session: `SETS="none KEEP_HEAD KEEP_HEAD,KEEP_HEAD_MB=36,-KEEP_FC,-KEEP_O" SAMPLINGS="greedy
 #  qwen" DEPTHS=2,3 setup-min keep`, then `SETS="none BLOCKS=132" ... keep` and `parity` (no gain: KEEP_HEAD
 #  removed; the dense family's CPU leg crashed); then bench/cpu_streams_probe.py and device_parity.py by hand
-#  with SPECPIPE_CPU_THREADS=1 / 16, --devices cpu,gpu, --fresh-reference, --set tie_word_embeddings=false)
+#  with SPECPIPE_CPU_THREADS=1 / 16, --devices cpu,gpu, --fresh-reference, --set tie_word_embeddings=false;
+#  `setup-min streams`; a last lease `setup-min barrier` (its agreement run past its limit: fused_probe.py
+#  --agree-only --acq-rel-barrier by hand, --rows 1 then --rows 3))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -271,6 +273,12 @@ for step in "$@"; do
           --split-threads $threads --out $OUT/device-parity-split$threads-h200.json 2>&1 \
           | grep -E "stage|PARITY|File|Fatal" | cut -c1-300; echo "rc ${PIPESTATUS[0]}"
     done
+    ;;
+  barrier)  # the grid barrier by release / acquire operations (ACQ_REL_BARRIER): time, then the drafts
+    SETS=${SETS:-none ACQ_REL_BARRIER} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} \
+        bash $0 switches
+    SAMPLINGS=greedy,qwen ROWS=${AGREE_ROWS:-1,3} PROBE_FLAGS="--acq-rel-barrier" PROBE_TAG=-barrier \
+        LIMIT=${LIMIT:-200} bash $0 agree
     ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)

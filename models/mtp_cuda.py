@@ -211,6 +211,20 @@ TIGHT_DRAW = True
 # depth 3; the same drafts as without it, one and three rows, every launch
 # form (sixteenth session, bench/RESULTS.md).
 TREE_MERGE = True
+# Whether the grid barrier (~1.1-1.5 us, nine or ten a step) arrives by a
+# release reduction and waits by acquire loads instead of a sequentially
+# consistent fence (`__threadfence`) before the arrival and after the wait
+# (the ordering a barrier needs and no more; CUTLASS's grid barrier has the
+# same form). Off: H200, one row, full / FR-Spec 32k us per depth-2 launch,
+# greedy 435.5 / 215.1 -> 431.8 / 212.2, Qwen's sampling 462.6 / 231.6 ->
+# 460.2 / 230.2 (~1 %); one row's drafts and three rows' whole rounds equal
+# the float32 MLX step's, but three rows' chained steps without the whole-KV
+# write (not a form the library launches by default) drafted other tokens
+# than the defaults' kernel (the FR head's sampled chain 6/9 against the
+# float32 step, 9/9 by default), so the default barrier's fences hide an
+# ordering dependency in that path, not yet found (twentieth session,
+# bench/RESULTS.md). Kept as the arm that shows it.
+ACQ_REL_BARRIER = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -315,15 +329,29 @@ __device__ __forceinline__ u64 now_ns() {
 
 // Every block's threads arrive; thread 0 counts the block in and waits for
 // all. `goal` (thread 0 only) advances by the grid size per barrier.
+// ACQ_REL (`ACQ_REL_BARRIER`): the arrival a release reduction and the
+// wait acquire loads (the PTX memory model's release / acquire patterns, as
+// CUTLASS's grid barrier has them) instead of two sequentially consistent
+// fences (`__threadfence`) around a relaxed reduction and volatile loads.
+template <bool ACQ_REL = false>
 __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
   __syncthreads();
   if (threadIdx.x == 0) {
     goal += gridDim.x;
-    __threadfence();
-    atomicAdd(bar, 1ULL);
+    if constexpr (ACQ_REL) {
+      asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(bar) : "memory");
+    } else {
+      __threadfence();
+      atomicAdd(bar, 1ULL);
+    }
     if (!gave_up) {
       const u64 t0 = now_ns();
-      while (*(volatile u64*)bar < goal) {
+      while (true) {
+        u64 seen;
+        if constexpr (ACQ_REL)
+          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(bar) : "memory");
+        else seen = *(volatile u64*)bar;
+        if (seen >= goal) break;
         if (now_ns() - t0 > 200000000ULL) {
           gave_up = true;
           atomicAdd(bar + 1, 1ULL);
@@ -331,7 +359,7 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
         }
       }
     }
-    __threadfence();
+    if constexpr (!ACQ_REL) __threadfence();
   }
   __syncthreads();
 }
@@ -801,7 +829,7 @@ _SOURCE = r"""
   };
   auto barrier = [&]() {
     stamp();
-    grid_sync(bar, goal, gave_up);
+    grid_sync<ACQ_REL_BARRIER>(bar, goal, gave_up);
     stamp();
   };
   // PROFILE, the last step: stamp k (< INNER_STAMPS) of points within the
@@ -2418,6 +2446,7 @@ class FusedStep:
             ("HK", DRAW_HEADS_K),
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
+            ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
