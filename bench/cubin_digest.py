@@ -9,7 +9,7 @@ prints the cubin's size, registers and SHA-256. Two trees whose digests are
 equal run the same instructions, so a change that should not touch the
 measured kernel (removing a switch that is off, a comment, a refactor) is
 checked without device time: run it before and after and compare.
-`--switches` compiles another arm (`NAME` on, `-NAME` off).
+`--switches=SET` compiles another arm (`NAME` on, `-NAME` off; the `=` form, since an off arm starts with a dash).
 
     python bench/cubin_digest.py > /tmp/before.txt   # then after the change:
     python bench/cubin_digest.py | diff /tmp/before.txt - && echo same code
