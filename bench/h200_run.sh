@@ -280,6 +280,17 @@ for step in "$@"; do
     SAMPLINGS=greedy,qwen ROWS=${AGREE_ROWS:-1,3} PROBE_FLAGS="--acq-rel-barrier" PROBE_TAG=-barrier \
         LIMIT=${LIMIT:-200} bash $0 agree
     ;;
+  barrier-bisect)  # which barrier's fences three rows' chained launches depend on (ACQ_REL_BARRIER
+    # with BARRIER_FENCES: bit k keeps a step's k-th barrier fenced; all set should give the defaults' drafts)
+    for mask in ${MASKS:-0x3FF 0x1F 0x3E0}; do
+      timeout ${LIMIT:-150} python3 bench/fused_probe.py --shape qwen3-next --rows 3 --samplings greedy,qwen \
+          --agree-only --repeats 2 --acq-rel-barrier --barrier-fences $mask \
+          --out $OUT/fused-probe-next-fences$mask-agree-h200.json > /dev/null 2>&1 || echo "STEP FAILED: $?"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['rows'][0]; print('FENCES', sys.argv[2], \
+          {k: {f: v[f]['tokens_equal'] for f in ('chain3', 'chain3_vs_float32', 'round3_vs_float32')} \
+           for k, v in r.items() if k.startswith('agree')})" $OUT/fused-probe-next-fences$mask-agree-h200.json $mask
+    done
+    ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)
     SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \

@@ -225,6 +225,11 @@ TREE_MERGE = True
 # ordering dependency in that path, not yet found (twentieth session,
 # bench/RESULTS.md). Kept as the arm that shows it.
 ACQ_REL_BARRIER = False
+# With ACQ_REL_BARRIER, the barriers of a step (counted from 0 in the order
+# a step passes them) whose bit is set here keep the fenced form: a
+# bisection of which barrier's fences that path depends on
+# (`bench/fused_probe.py --acq-rel-barrier --barrier-fences N`).
+BARRIER_FENCES = 0
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -333,12 +338,14 @@ __device__ __forceinline__ u64 now_ns() {
 // wait acquire loads (the PTX memory model's release / acquire patterns, as
 // CUTLASS's grid barrier has them) instead of two sequentially consistent
 // fences (`__threadfence`) around a relaxed reduction and volatile loads.
+// `sc` (ACQ_REL only: `BARRIER_FENCES`' bit for this barrier): this one in
+// the fenced form after all.
 template <bool ACQ_REL = false>
-__device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
+__device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up, bool sc = false) {
   __syncthreads();
   if (threadIdx.x == 0) {
     goal += gridDim.x;
-    if constexpr (ACQ_REL) {
+    if (ACQ_REL && !sc) {
       asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(bar) : "memory");
     } else {
       __threadfence();
@@ -348,7 +355,7 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
       const u64 t0 = now_ns();
       while (true) {
         u64 seen;
-        if constexpr (ACQ_REL)
+        if (ACQ_REL && !sc)
           asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(bar) : "memory");
         else seen = *(volatile u64*)bar;
         if (seen >= goal) break;
@@ -359,7 +366,7 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
         }
       }
     }
-    if constexpr (!ACQ_REL) __threadfence();
+    if (!ACQ_REL || sc) __threadfence();
   }
   __syncthreads();
 }
@@ -827,9 +834,11 @@ _SOURCE = r"""
     if (stamps < PHASE_STAMPS - INNER_STAMPS) stamp_at(stamps);
     ++stamps;
   };
+  int barrier_index = 0;  // of this step's barriers (BARRIER_FENCES' bits)
   auto barrier = [&]() {
     stamp();
-    grid_sync<ACQ_REL_BARRIER>(bar, goal, gave_up);
+    grid_sync<ACQ_REL_BARRIER>(bar, goal, gave_up, (BARRIER_FENCES >> barrier_index) & 1);
+    ++barrier_index;
     stamp();
   };
   // PROFILE, the last step: stamp k (< INNER_STAMPS) of points within the
@@ -875,6 +884,7 @@ _SOURCE = r"""
   constexpr int NGH = groups8(H);
 #pragma unroll 1
   for (int s = 0; s < STEPS; ++s) {  // chained steps: each drafts from the last
+  barrier_index = 0;
   if (PROFILE && s > 0 && s == STEPS - 1) {  // the profiled step starts
     profiling = true;
     stamps = 0;
@@ -2447,6 +2457,7 @@ class FusedStep:
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
+            ("BARRIER_FENCES", BARRIER_FENCES if ACQ_REL_BARRIER else 0),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

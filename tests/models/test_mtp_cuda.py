@@ -540,6 +540,8 @@ def step_kernel_source(
         # the grid barrier by release / acquire operations (greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("ACQ_REL_BARRIER",)),
         ("moe", False, False, False, 3, 1, 2, ("ACQ_REL_BARRIER",)),
+        # ... with some barriers in the fenced form after all (a bisection)
+        ("moe", False, False, False, 3, 1, 2, ("ACQ_REL_BARRIER", "BARRIER_FENCES=5")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
