@@ -21,7 +21,7 @@ Where MLX has its CUDA backend the count is 1 whatever is asked (with a
 warning when more was): on an H200 (mlx-cuda 0.32.4), decoding a model on
 the GPU and then the same weights on the CPU in one process, with the CPU
 products split over 16 streams, crashed, hung or gave wrong logits (a
-relative error of 1.4e-2) in each of six runs, and was right in every run
+relative error of 1.4e-2) in each of seven runs, and was right in every run
 without the split or with the weights copied into CPU-made arrays first
 (bench/RESULTS.md, twentieth session). MLX's operations alone, split the
 same way over GPU-made arrays, did not fail (bench/cpu_streams_probe.py),
@@ -74,6 +74,7 @@ def _env_threads() -> int | None:
     return value
 
 
+@cache
 def _cuda_backend() -> bool:
     """Whether this MLX has its CUDA backend and a device for it."""
     cuda = getattr(mx, "cuda", None)
