@@ -32,6 +32,14 @@ PROBE = "The 3 quick brown foxes jumped över the lazy dog?! 🦊 def f(x):\n\tr
 def _load_ngram(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
     from specpipe.drafts.ngram import NgramDrafter
 
+    if request.draft_vocab not in (None, "off"):
+        return Failure(
+            BindingError(
+                "a draft vocabulary (--draft-vocab) narrows a draft's projection onto "
+                "the target's vocabulary (mtp, or a draft model sharing it); prompt "
+                "lookup (ngram) has none: drop the option or choose such a draft"
+            )
+        )
     min_n = request.ngram_min if request.ngram_min is not None else 2
     max_n = request.ngram_max if request.ngram_max is not None else 4
     if not (1 <= min_n <= max_n):

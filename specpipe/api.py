@@ -370,6 +370,14 @@ def load(
     target = loaded.unwrap()
     notice_tf32(target.model)
     if draft is None or draft == "none":
+        if draft_vocab not in (None, "off"):
+            return Failure(
+                RequestError(
+                    "a draft vocabulary (--draft-vocab) was given without a draft: it "
+                    "narrows a draft's projection (--draft mtp, auto or a model); "
+                    "drop it or choose a draft"
+                )
+            )
         return Success(
             Pipeline(
                 target,

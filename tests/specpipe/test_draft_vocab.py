@@ -116,6 +116,21 @@ def test_bad_list_beside_draft_is_a_clear_error(tmp_path: Path) -> None:
     assert "draft vocabulary" in failure.message and "ascending" in failure.message
 
 
+@pytest.mark.parametrize("draft", [None, "none", "ngram"])
+def test_a_list_nothing_would_use_is_a_clear_error(
+    tmp_path: Path, draft: str | None
+) -> None:
+    """A draft vocabulary given to a run without a draft, or to prompt lookup
+    (which projects onto no vocabulary), is refused, not silently ignored;
+    "off" is always accepted."""
+    target = write_tiny_model(tmp_path / "target")
+    listed = tmp_path / DRAFT_VOCAB_FILE
+    DraftVocabulary.create(range(0, 320, 3), 320).unwrap().write(listed)
+    failure = load(str(target), draft=draft, draft_vocab=str(listed)).failure()
+    assert "draft vocabulary" in failure.message and "drop" in failure.message
+    assert load(str(target), draft=draft, draft_vocab="off", adaptive=False).unwrap()
+
+
 def test_draft_vocab_command(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
