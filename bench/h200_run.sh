@@ -57,7 +57,7 @@
 #  removed; the dense family's CPU leg crashed); then bench/cpu_streams_probe.py and device_parity.py by hand
 #  with SPECPIPE_CPU_THREADS=1 / 16, --devices cpu,gpu, --fresh-reference, --set tie_word_embeddings=false;
 #  `setup-min streams`; a last lease `setup-min barrier` (its agreement run past its limit: fused_probe.py
-#  --agree-only --acq-rel-barrier by hand, --rows 1 then --rows 3))
+#  --agree-only --acq-rel-barrier by hand, --rows 1 then --rows 3); next: `setup-min barrier-bisect`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
