@@ -56,25 +56,24 @@ def child(made: str, op: str, streams: int, first: bool, repeats: int) -> dict[s
             mx.eval(*arrays)
         return arrays
 
+    def product(w: mx.array, bias: mx.array, x: mx.array, rows: slice, stream: Any) -> mx.array:
+        if op == "addmm":
+            return mx.addmm(bias[rows], x, w[rows].T, stream=stream)
+        return mx.matmul(x, w[rows].T, stream=stream)
+
     pool = [mx.new_stream(mx.cpu) for _ in range(streams)]
     worst = 0.0
     w, bias, x = make(0)
-    want = None if first else mx.addmm(bias, x, w.T) if op == "addmm" else x @ w.T
+    want = None if first else product(w, bias, x, slice(None), mx.cpu)
     for repeat in range(repeats):
         if first:  # new arrays, their first CPU use the split products
             w, bias, x = make(repeat)
         step = -(-w.shape[0] // streams)
-        parts = []
-        for i, stream in enumerate(pool):
-            rows = slice(i * step, min((i + 1) * step, w.shape[0]))
-            if op == "addmm":
-                parts.append(mx.addmm(bias[rows], x, w[rows].T, stream=stream))
-            else:
-                parts.append(mx.matmul(x, w[rows].T, stream=stream))
-        got = mx.concatenate(parts, axis=-1)
+        rows = [slice(i * step, min((i + 1) * step, w.shape[0])) for i in range(streams)]
+        got = mx.concatenate([product(w, bias, x, r, s) for r, s in zip(rows, pool, strict=True)], axis=-1)
         mx.eval(got)
-        if first:
-            want = mx.addmm(bias, x, w.T) if op == "addmm" else x @ w.T
+        if first:  # the unsplit product after the split ones
+            want = product(w, bias, x, slice(None), mx.cpu)
         assert want is not None
         worst = max(worst, mx.abs(got - want).max().item())
     return {"max_abs_diff": worst, "repeats": repeats}
