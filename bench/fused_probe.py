@@ -141,9 +141,6 @@ def main() -> None:
                         help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS off)")
     parser.add_argument("--draw-heads-k", type=int, default=None,
                         help="candidates per block the draw merges first (models.mtp_cuda.DRAW_HEADS_K)")
-    parser.add_argument("--barrier-fences", type=lambda t: int(t, 0), default=None,
-                        help="with --acq-rel-barrier: a step's barriers (bit k: its k-th) kept "
-                             "in the fenced form (models.mtp_cuda.BARRIER_FENCES)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     parser.add_argument("--agree-only", action="store_true",
                         help="the drafts' agreement only (no timing, no profiled launches)")
@@ -153,8 +150,6 @@ def main() -> None:
             setattr(models.mtp_cuda, name, getattr(args, flag.replace("-", "_")))
     if args.draw_heads_k is not None:
         models.mtp_cuda.DRAW_HEADS_K = args.draw_heads_k
-    if args.barrier_fences is not None:
-        models.mtp_cuda.BARRIER_FENCES = args.barrier_fences
     if args.narrow_loads:
         models.mtp_cuda.WIDE_LOADS = False
 
@@ -186,7 +181,6 @@ def main() -> None:
         **{flag.replace("-", "_"): getattr(models.mtp_cuda, name) for flag, name, _ in _SWITCHES},
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
         "draw_heads_k": models.mtp_cuda.DRAW_HEADS_K,
-        "barrier_fences": models.mtp_cuda.BARRIER_FENCES,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

@@ -58,6 +58,10 @@
 #  with SPECPIPE_CPU_THREADS=1 / 16, --devices cpu,gpu, --fresh-reference, --set tie_word_embeddings=false;
 #  `setup-min streams`; a last lease `setup-min barrier` (its agreement run past its limit: fused_probe.py
 #  --agree-only --acq-rel-barrier by hand, --rows 1 then --rows 3); next: `setup-min barrier-bisect`)
+# (twenty-first session: `MASKS="0x3FF 0x1F 0x3E0" setup-min barrier-bisect` (the step since removed), then
+#  fused_probe.py --rows 3 --agree-only with the defaults by hand: the same tokens as every mask; then
+#  `SETS="none ACQ_REL_BARRIER" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 switches` and fused_probe.py
+#  --rows 1,3 --agree-only with and without --acq-rel-barrier: ACQ_REL_BARRIER on by default since)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -274,22 +278,13 @@ for step in "$@"; do
           | grep -E "stage|PARITY|File|Fatal" | cut -c1-300; echo "rc ${PIPESTATUS[0]}"
     done
     ;;
-  barrier)  # the grid barrier by release / acquire operations (ACQ_REL_BARRIER): time, then the drafts
-    SETS=${SETS:-none ACQ_REL_BARRIER} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} \
+  barrier)  # the grid barrier by release / acquire operations (ACQ_REL_BARRIER, on) against the fenced
+    # form: time, then the fenced form's drafts (compare them with a defaults' `agree` run of the same ROWS:
+    # the probe's inputs depend on the rows it runs in one process)
+    SETS=${SETS:-none -ACQ_REL_BARRIER} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} \
         bash $0 switches
-    SAMPLINGS=greedy,qwen ROWS=${AGREE_ROWS:-1,3} PROBE_FLAGS="--acq-rel-barrier" PROBE_TAG=-barrier \
+    SAMPLINGS=greedy,qwen ROWS=${AGREE_ROWS:-1,3} PROBE_FLAGS="--no-acq-rel-barrier" PROBE_TAG=-fenced \
         LIMIT=${LIMIT:-200} bash $0 agree
-    ;;
-  barrier-bisect)  # which barrier's fences three rows' chained launches depend on (ACQ_REL_BARRIER
-    # with BARRIER_FENCES: bit k keeps a step's k-th barrier fenced; all set should give the defaults' drafts)
-    for mask in ${MASKS:-0x3FF 0x1F 0x3E0}; do
-      timeout ${LIMIT:-150} python3 bench/fused_probe.py --shape qwen3-next --rows 3 --samplings greedy,qwen \
-          --agree-only --repeats 2 --acq-rel-barrier --barrier-fences $mask \
-          --out $OUT/fused-probe-next-fences$mask-agree-h200.json > /dev/null 2>&1 || echo "STEP FAILED: $?"
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['rows'][0]; print('FENCES', sys.argv[2], \
-          {k: {f: v[f]['tokens_equal'] for f in ('chain3', 'chain3_vs_float32', 'round3_vs_float32')} \
-           for k, v in r.items() if k.startswith('agree')})" $OUT/fused-probe-next-fences$mask-agree-h200.json $mask
-    done
     ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)

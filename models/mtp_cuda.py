@@ -211,25 +211,21 @@ TIGHT_DRAW = True
 # depth 3; the same drafts as without it, one and three rows, every launch
 # form (sixteenth session, bench/RESULTS.md).
 TREE_MERGE = True
-# Whether the grid barrier (~1.1-1.5 us, nine or ten a step) arrives by a
+# Whether the grid barrier (~1.1-1.5 us, seven or eight a step) arrives by a
 # release reduction and waits by acquire loads instead of a sequentially
 # consistent fence (`__threadfence`) before the arrival and after the wait
 # (the ordering a barrier needs and no more; CUTLASS's grid barrier has the
-# same form). Off: H200, one row, full / FR-Spec 32k us per depth-2 launch,
-# greedy 435.5 / 215.1 -> 431.8 / 212.2, Qwen's sampling 462.6 / 231.6 ->
-# 460.2 / 230.2 (~1 %); one row's drafts and three rows' whole rounds equal
-# the float32 MLX step's, but three rows' chained steps without the whole-KV
-# write (not a form the library launches by default) drafted other tokens
-# than the defaults' kernel (the FR head's sampled chain 6/9 against the
-# float32 step, 9/9 by default), so the default barrier's fences hide an
-# ordering dependency in that path, not yet found (twentieth session,
-# bench/RESULTS.md). Kept as the arm that shows it.
-ACQ_REL_BARRIER = False
-# With ACQ_REL_BARRIER, the barriers of a step (counted from 0 in the order
-# a step passes them) whose bit is set here keep the fenced form: a
-# bisection of which barrier's fences that path depends on
-# (`bench/fused_probe.py --acq-rel-barrier --barrier-fences N`).
-BARRIER_FENCES = 0
+# same form). On: H200, one row, full / FR-Spec 32k us per launch, two leases
+# (twentieth, twenty-first sessions), depth 2 greedy 435.5 / 215.1 -> 431.8 /
+# 212.2 and 431.6 / 214.6 -> 428.7 / 211.6, Qwen's sampling 462.6 / 231.6 ->
+# 460.2 / 230.2 and 458.1 / 231.5 -> 456.2 / 229.9; depth 3 greedy 635.9 /
+# 309.6 -> 627.8 / 304.7. Its drafts equal the fenced form's token for token
+# in every launch form, one and three rows, greedy and sampled, both heads
+# (72 of 72 in one run each; bench/RESULTS.md). (The twentieth session read
+# an ordering dependency into three rows' chained launches: it had compared
+# runs on other inputs, the probe's rows 1 and 3 run apart instead of in one
+# process; on the same inputs the two forms draft the same tokens.)
+ACQ_REL_BARRIER = True
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -338,14 +334,12 @@ __device__ __forceinline__ u64 now_ns() {
 // wait acquire loads (the PTX memory model's release / acquire patterns, as
 // CUTLASS's grid barrier has them) instead of two sequentially consistent
 // fences (`__threadfence`) around a relaxed reduction and volatile loads.
-// `sc` (ACQ_REL only: `BARRIER_FENCES`' bit for this barrier): this one in
-// the fenced form after all.
-template <bool ACQ_REL = false>
-__device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up, bool sc = false) {
+template <bool ACQ_REL = true>
+__device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
   __syncthreads();
   if (threadIdx.x == 0) {
     goal += gridDim.x;
-    if (ACQ_REL && !sc) {
+    if (ACQ_REL) {
       asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(bar) : "memory");
     } else {
       __threadfence();
@@ -355,7 +349,7 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up, bo
       const u64 t0 = now_ns();
       while (true) {
         u64 seen;
-        if (ACQ_REL && !sc)
+        if (ACQ_REL)
           asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(bar) : "memory");
         else seen = *(volatile u64*)bar;
         if (seen >= goal) break;
@@ -366,7 +360,7 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up, bo
         }
       }
     }
-    if (!ACQ_REL || sc) __threadfence();
+    if (!ACQ_REL) __threadfence();
   }
   __syncthreads();
 }
@@ -834,11 +828,9 @@ _SOURCE = r"""
     if (stamps < PHASE_STAMPS - INNER_STAMPS) stamp_at(stamps);
     ++stamps;
   };
-  int barrier_index = 0;  // of this step's barriers (BARRIER_FENCES' bits)
   auto barrier = [&]() {
     stamp();
-    grid_sync<ACQ_REL_BARRIER>(bar, goal, gave_up, (BARRIER_FENCES >> barrier_index) & 1);
-    ++barrier_index;
+    grid_sync<ACQ_REL_BARRIER>(bar, goal, gave_up);
     stamp();
   };
   // PROFILE, the last step: stamp k (< INNER_STAMPS) of points within the
@@ -884,7 +876,6 @@ _SOURCE = r"""
   constexpr int NGH = groups8(H);
 #pragma unroll 1
   for (int s = 0; s < STEPS; ++s) {  // chained steps: each drafts from the last
-  barrier_index = 0;
   if (PROFILE && s > 0 && s == STEPS - 1) {  // the profiled step starts
     profiling = true;
     stamps = 0;
@@ -2457,7 +2448,6 @@ class FusedStep:
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
-            ("BARRIER_FENCES", BARRIER_FENCES if ACQ_REL_BARRIER else 0),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

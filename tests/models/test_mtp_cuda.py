@@ -537,11 +537,10 @@ def step_kernel_source(
         # the layer's (KEEP_FC / KEEP_O's off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("KEEP_QKV",)),
         ("moe", False, False, False, 3, 1, 2, ("-KEEP_FC", "-KEEP_O")),
-        # the grid barrier by release / acquire operations (greedy and sampled)
-        ("moe", True, True, True, 1, 2, 3, ("ACQ_REL_BARRIER",)),
-        ("moe", False, False, False, 3, 1, 2, ("ACQ_REL_BARRIER",)),
-        # ... with some barriers in the fenced form after all (a bisection)
-        ("moe", False, False, False, 3, 1, 2, ("ACQ_REL_BARRIER", "BARRIER_FENCES=5")),
+        # the grid barrier by sequentially consistent fences (ACQ_REL_BARRIER's
+        # off arm; greedy and sampled)
+        ("moe", True, True, True, 1, 2, 3, ("-ACQ_REL_BARRIER",)),
+        ("moe", False, False, False, 3, 1, 2, ("-ACQ_REL_BARRIER",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
