@@ -141,6 +141,8 @@ def main() -> None:
                         help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS off)")
     parser.add_argument("--draw-heads-k", type=int, default=None,
                         help="candidates per block the draw merges first (models.mtp_cuda.DRAW_HEADS_K)")
+    parser.add_argument("--att-unroll", type=int, default=None,
+                        help="attention's cache positions per warp at once (models.mtp_cuda.ATT_UNROLL)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     parser.add_argument("--agree-only", action="store_true",
                         help="the drafts' agreement only (no timing, no profiled launches)")
@@ -150,6 +152,8 @@ def main() -> None:
             setattr(models.mtp_cuda, name, getattr(args, flag.replace("-", "_")))
     if args.draw_heads_k is not None:
         models.mtp_cuda.DRAW_HEADS_K = args.draw_heads_k
+    if args.att_unroll is not None:
+        models.mtp_cuda.ATT_UNROLL = args.att_unroll
     if args.narrow_loads:
         models.mtp_cuda.WIDE_LOADS = False
 
@@ -181,6 +185,8 @@ def main() -> None:
         **{flag.replace("-", "_"): getattr(models.mtp_cuda, name) for flag, name, _ in _SWITCHES},
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
         "draw_heads_k": models.mtp_cuda.DRAW_HEADS_K,
+        "att_unroll": models.mtp_cuda.ATT_UNROLL,
+        "context": args.context,
         "rows": [],
     }
     hidden_size = hybrid.hidden_size

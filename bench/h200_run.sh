@@ -61,7 +61,11 @@
 # (twenty-first session: `MASKS="0x3FF 0x1F 0x3E0" setup-min barrier-bisect` (the step since removed), then
 #  fused_probe.py --rows 3 --agree-only with the defaults by hand: the same tokens as every mask; then
 #  `SETS="none ACQ_REL_BARRIER" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 switches` and fused_probe.py
-#  --rows 1,3 --agree-only with and without --acq-rel-barrier: ACQ_REL_BARRIER on by default since)
+#  --rows 1,3 --agree-only with and without --acq-rel-barrier: ACQ_REL_BARRIER on by default since; then
+#  `TF32S=0 ROWS=1,3 setup-min batched-f32` and bench/mtp.py's --sampling qwen twin by hand; then
+#  `CONTEXT=32768|4096 ... device` (attention found to dominate long contexts), then the same with
+#  SWITCHES=ATT_UNROLL=8 at 32768, 4096, 48, and fused_probe.py --context 2048 --att-unroll 8 by hand:
+#  ATT_UNROLL=8 on by default since; next: `setup-min unroll` (both arms in one lease, three contexts))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -237,7 +241,8 @@ for step in "$@"; do
     for sw in ${SETS:-none -FOLD_ROUTER}; do
       for sampling in ${SAMPLINGS:-greedy qwen}; do
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
-            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//[,=]/-} bash $0 device
+            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//[,=]/-}${CONTEXT:+-ctx$CONTEXT} \
+        bash $0 device
       done
     done
     ;;
@@ -285,6 +290,16 @@ for step in "$@"; do
         bash $0 switches
     SAMPLINGS=greedy,qwen ROWS=${AGREE_ROWS:-1,3} PROBE_FLAGS="--no-acq-rel-barrier" PROBE_TAG=-fenced \
         LIMIT=${LIMIT:-200} bash $0 agree
+    ;;
+  unroll)  # attention's cached positions eight per warp at once (ATT_UNROLL, on) against one at a time,
+    # in one lease, at each of CONTEXTS (draft device time), then the drafts at a long context
+    for c in ${CONTEXTS:-48 4096 32768}; do
+      CONTEXT=$c SETS=${SETS:-none ATT_UNROLL=1} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 \
+          DEPTHS=${DEPTHS:-2,3} bash $0 switches
+    done
+    timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings greedy,qwen \
+        --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} \
+        --out $OUT/fused-probe-next-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)

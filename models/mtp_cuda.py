@@ -20,7 +20,8 @@ wrong output):
 3. attention of each row's LAST position (q/k per-head norm, partial RoPE,
    the cached keys below the row's start and the window's own keys above),
    its positions split over the blocks (each split's max, sum and weighted
-   values); the window's keys and values are returned to be stored in the
+   values; a warp takes `ATT_UNROLL` cached positions at once, their loads in
+   flight together); the window's keys and values are returned to be stored in the
    head's cache;
 4. the splits combined, times sigmoid(gate), then o_proj plus the residual
    (with `FOLD_ROUTER`, the default for up to 127 experts, each block's share
@@ -226,6 +227,21 @@ TREE_MERGE = True
 # runs on other inputs, the probe's rows 1 and 3 run apart instead of in one
 # process; on the same inputs the two forms draft the same tokens.)
 ACQ_REL_BARRIER = True
+# Cache positions per warp and iteration in attention, their keys' and
+# values' loads in flight together, one softmax rescale per group (1: one
+# position at a time, each load's round trip waited on before the next). A
+# step's attention reads the whole context's keys and values, and one
+# position at a time that loop was most of a step at long contexts. 8: H200,
+# one row, greedy, full / FR-Spec 32k us per launch at depth 2 (depth 3),
+# 1 -> 8: 32,768 positions 1,153 / 939 (1,699 / 1,377) -> 684 / 468 (998 /
+# 673), cut 1.23x -> 1.46x; 4,096 positions 511.5 / 293.7 (758.0 / 432.7)
+# -> 464.0 / 250.1 (689.8 / 365.7), 1.74x -> 1.85x; 48 positions 428.7 /
+# 211.6 (627.8 / 304.7) -> 437.2 / 219.6 (644.9 / 317.6), 2.03x -> 1.99x,
+# on another lease (within the spread between machines, not yet compared
+# in one lease). Drafts at 2,048 positions equal to the float32 MLX
+# step's in every launch form, greedy and sampled, both heads (twenty-first
+# session, bench/RESULTS.md).
+ATT_UNROLL = 8
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -700,6 +716,7 @@ _SOURCE = r"""
   constexpr int KC = GREEDY ? 1 : TOPK;
   constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
   constexpr bool TREE = TREE_MERGE;
+  constexpr int AU = ATT_UNROLL;
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -1063,13 +1080,56 @@ _SOURCE = r"""
     const int positions = st0 + qslot + 1;
     const int share = (positions + SPLITS - 1) / SPLITS;
     const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
+    // AU > 1 (`ATT_UNROLL`): the split's positions in the cache (before
+    // the window's) AU per warp at once, their keys' and values' loads all
+    // in flight together, one softmax rescale per AU positions
+    const int wa0 = AU > 1 ? max(a0, min(st0, a0 + n_att)) : a0;  // the rest from here on
+    if constexpr (AU > 1) {
+      const int n_cache = wa0 - a0;
+      for (int j0 = warp * AU; j0 < n_cache; j0 += NWARP * AU) {
+        float k[AU][DPL], v[AU][DPL], dots[AU];
+#pragma unroll
+        for (int u = 0; u < AU; ++u) {
+          const size_t at = (cache_row + a0 + min(j0 + u, n_cache - 1)) * D + lane * DPL;
+          load_n<W, DPL, false>(keys + at, k[u]);
+          load_n<W, DPL, false>(values + at, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < AU; ++u) {
+          dots[u] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) dots[u] += q[i] * k[u][i];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+          for (int u = 0; u < AU; ++u) dots[u] += __shfl_xor_sync(0xffffffffu, dots[u], o);
+        float mnew = mx_;
+#pragma unroll
+        for (int u = 0; u < AU; ++u)
+          if (j0 + u < n_cache) mnew = fmaxf(mnew, dots[u]);
+        const float corr = expf(mx_ - mnew);
+        l *= corr;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] *= corr;
+#pragma unroll
+        for (int u = 0; u < AU; ++u) {
+          const float e = j0 + u < n_cache ? expf(dots[u] - mnew) : 0.0f;
+          l += e;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) acc[i] += e * v[u][i];
+        }
+        mx_ = mnew;
+      }
+    }
     // one loop, one copy of the window keys' code: first the window slots
     // this item stores for head g (split 0 of its group's first head: the
-    // step's own slots), then the positions it attends over
+    // step's own slots), then the positions it attends over (from wa0 on)
     const int n_store = (hq % GROUP == 0 && split == 0) ? (s == 0 ? TT : 1) : 0;
-    for (int j = warp; j < n_store + n_att; j += NWARP) {
+    const int n_rest = a0 + n_att - wa0;
+    for (int j = warp; j < n_store + n_rest; j += NWARP) {
       const bool store = j < n_store;
-      const int p = store ? st0 + (s == 0 ? j : qslot) : a0 + j - n_store;
+      const int p = store ? st0 + (s == 0 ? j : qslot) : wa0 + j - n_store;
       float k[DPL], v[DPL];
       const int slot = p - st0;
       if (slot < 0) {
@@ -2448,6 +2508,7 @@ class FusedStep:
             ("TIGHT_DRAW", TIGHT_DRAW),
             ("TREE_MERGE", TREE_MERGE),
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
+            ("ATT_UNROLL", ATT_UNROLL),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

@@ -541,6 +541,11 @@ def step_kernel_source(
         # off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("-ACQ_REL_BARRIER",)),
         ("moe", False, False, False, 3, 1, 2, ("-ACQ_REL_BARRIER",)),
+        # attention's cache positions one per warp at a time (ATT_UNROLL's
+        # other arm), and four at once (greedy and sampled, dense and MoE)
+        ("moe", True, True, True, 1, 2, 3, ("ATT_UNROLL=1",)),
+        ("moe", False, False, False, 3, 1, 2, ("ATT_UNROLL=4",)),
+        ("dense", False, True, False, 2, 1, 2, ("ATT_UNROLL=1",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
