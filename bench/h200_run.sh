@@ -301,6 +301,13 @@ for step in "$@"; do
         --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} \
         --out $OUT/fused-probe-next-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
+  gqa)  # attention's items per (row, kv head, split) (GQA_ATTENTION, off): its drafts at a long context
+    # (one and three rows), then both arms' draft device time at each of CONTEXTS in one lease
+    timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings greedy,qwen \
+        --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} --gqa-attention \
+        --out $OUT/fused-probe-next-gqa-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+    SETS=${SETS:-none GQA_ATTENTION} CONTEXTS=${CONTEXTS:-48 4096 32768} bash $0 unroll
+    ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)
     SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \

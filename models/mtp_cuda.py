@@ -242,6 +242,16 @@ ACQ_REL_BARRIER = True
 # step's in every launch form, greedy and sampled, both heads (twenty-first
 # session, bench/RESULTS.md).
 ATT_UNROLL = 8
+# Whether attention's items are (row, kv head, split) instead of (row,
+# query head, split): each warp of an item one query head of the kv head's
+# group over all of the split's positions, so that the group's heads read
+# each cached key and value once from L2 (the block's warps share them
+# through L1) instead of once per query head (8x at Qwen3-Next's 16 / 2
+# heads: 512 MB of L2 reads per step at 32,768 positions); splits of ~64
+# positions, as many as the blocks allow; each head's splits combined by the
+# warp that finishes its last. Prepared, compile-checked, not yet run on a
+# device (twenty-first session): `bash bench/h200_run.sh setup-min gqa`.
+GQA_ATTENTION = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -775,9 +785,11 @@ _SOURCE = r"""
   constexpr size_t O_ATT = O_QKV + align8((size_t)M * QKVN);
   // attention partials per (row, head, split): max, sum, D weighted values
   constexpr int SPLITS = NBLK / (B * HQ) > 0 ? NBLK / (B * HQ) : 1;
+  // GQA: per (row, kv head) at most this many splits, each with its heads' partials
+  constexpr int GSPLITS = NBLK / (B * HKV) > 0 ? NBLK / (B * HKV) : 1;
   constexpr int PART = D + 2;
   // each (row, head)'s splits combined, times sigmoid(gate): o_proj's input
-  constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * SPLITS * PART);
+  constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * (GQA ? GSPLITS : SPLITS) * PART);
   constexpr size_t O_R1 = O_COMB + align8((size_t)B * HQ * D);
   constexpr size_t O_ACT = O_R1 + align8((size_t)B * H);
   // MoE: router logits and shared gate [B, E + 1] | shared act [B, IS] |
@@ -1054,8 +1066,52 @@ _SOURCE = r"""
       v[i] = static_cast<float>(static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i)));
     }
   };
+  // online softmax (max mx_, sum l, weighted values acc) over the cached
+  // positions a0 .. a0 + n - 1 of the kv head at cache_row, AU per iteration
+  // from position a0 + j_first on, every j_step: their keys' and values'
+  // loads all in flight together, the dots reduced by interleaved shuffles,
+  // one rescale per AU positions
+  auto attend_cached = [&](const float (&q)[DPL], size_t cache_row, int a0, int n, int j_first,
+                           int j_step, float& mx_, float& l, float (&acc)[DPL]) {
+    for (int j0 = j_first; j0 < n; j0 += j_step) {
+      float k[AU][DPL], v[AU][DPL], dots[AU];
+#pragma unroll
+      for (int u = 0; u < AU; ++u) {
+        const size_t at = (cache_row + a0 + min(j0 + u, n - 1)) * D + lane * DPL;
+        load_n<W, DPL, false>(keys + at, k[u]);
+        load_n<W, DPL, false>(values + at, v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < AU; ++u) {
+        dots[u] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) dots[u] += q[i] * k[u][i];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < AU; ++u) dots[u] += __shfl_xor_sync(0xffffffffu, dots[u], o);
+      float mnew = mx_;
+#pragma unroll
+      for (int u = 0; u < AU; ++u)
+        if (j0 + u < n) mnew = fmaxf(mnew, dots[u]);
+      const float corr = expf(mx_ - mnew);
+      l *= corr;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[i] *= corr;
+#pragma unroll
+      for (int u = 0; u < AU; ++u) {
+        const float e = j0 + u < n ? expf(dots[u] - mnew) : 0.0f;
+        l += e;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] += e * v[u][i];
+      }
+      mx_ = mnew;
+    }
+  };
   // items (row, head, split): a split attends over one contiguous share of
   // the row's positions; phase 4 combines the splits (flash-decoding)
+  if constexpr (!GQA)
   for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
     const int split = item % SPLITS, bh = item / SPLITS;
     const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
@@ -1081,47 +1137,9 @@ _SOURCE = r"""
     const int share = (positions + SPLITS - 1) / SPLITS;
     const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
     // AU > 1 (`ATT_UNROLL`): the split's positions in the cache (before
-    // the window's) AU per warp at once, their keys' and values' loads all
-    // in flight together, one softmax rescale per AU positions
+    // the window's) AU per warp at once (`attend_cached`)
     const int wa0 = AU > 1 ? max(a0, min(st0, a0 + n_att)) : a0;  // the rest from here on
-    if constexpr (AU > 1) {
-      const int n_cache = wa0 - a0;
-      for (int j0 = warp * AU; j0 < n_cache; j0 += NWARP * AU) {
-        float k[AU][DPL], v[AU][DPL], dots[AU];
-#pragma unroll
-        for (int u = 0; u < AU; ++u) {
-          const size_t at = (cache_row + a0 + min(j0 + u, n_cache - 1)) * D + lane * DPL;
-          load_n<W, DPL, false>(keys + at, k[u]);
-          load_n<W, DPL, false>(values + at, v[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < AU; ++u) {
-          dots[u] = 0.0f;
-#pragma unroll
-          for (int i = 0; i < DPL; ++i) dots[u] += q[i] * k[u][i];
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int u = 0; u < AU; ++u) dots[u] += __shfl_xor_sync(0xffffffffu, dots[u], o);
-        float mnew = mx_;
-#pragma unroll
-        for (int u = 0; u < AU; ++u)
-          if (j0 + u < n_cache) mnew = fmaxf(mnew, dots[u]);
-        const float corr = expf(mx_ - mnew);
-        l *= corr;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[i] *= corr;
-#pragma unroll
-        for (int u = 0; u < AU; ++u) {
-          const float e = j0 + u < n_cache ? expf(dots[u] - mnew) : 0.0f;
-          l += e;
-#pragma unroll
-          for (int i = 0; i < DPL; ++i) acc[i] += e * v[u][i];
-        }
-        mx_ = mnew;
-      }
-    }
+    if constexpr (AU > 1) attend_cached(q, cache_row, a0, wa0 - a0, warp * AU, NWARP * AU, mx_, l, acc);
     // one loop, one copy of the window keys' code: first the window slots
     // this item stores for head g (split 0 of its group's first head: the
     // step's own slots), then the positions it attends over (from wa0 on)
@@ -1220,6 +1238,129 @@ _SOURCE = r"""
         S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
       }
       __syncthreads();
+    }
+  }
+  if constexpr (GQA) {
+    // GQA_ATTENTION: items (row, kv head, split); warp h takes the group's
+    // query head g * GROUP + h (h = warp, warp + NWARP, ...) over all of the
+    // split's positions, so the group's heads read each cached key and value
+    // once from L2 and share it through L1; each warp's split partial goes
+    // out as it is, and the warp that finishes a head's last split combines
+    // the head's splits. nsp splits of ~GQA_SHARE positions (GSPLITS at
+    // most; every block computes the same nsp)
+    constexpr int GQA_SHARE = 64;
+    int longest = 0;
+    for (int b = 0; b < B; ++b) longest = max(longest, s_in_start[b] + s_in_last[b] + s + 1);
+    const int nsp = min(GSPLITS, max(1, (longest + GQA_SHARE - 1) / GQA_SHARE));
+    for (int item = blk; item < B * HKV * nsp; item += NBLK) {
+      const int split = item % nsp, bg = item / nsp;
+      const int b = bg / HKV, g = bg % HKV;
+      const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
+      const int mq = b * TT + lb;
+      const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
+      const size_t cache_row = ((size_t)b * HKV + g) * C;
+      const int positions = st0 + qslot + 1;
+      const int share = (positions + nsp - 1) / nsp;
+      const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
+      const int wa0 = max(a0, min(st0, a0 + n_att));  // the window's positions from here on
+      if (split == 0)  // the step's own window slots, stored once per (row, kv head)
+        for (int j = warp; j < (s == 0 ? TT : 1); j += NWARP) {
+          const int slot = s == 0 ? j : qslot;
+          float k[DPL], v[DPL];
+          window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, st0 + slot, k, v);
+          const size_t at = (window_row + slot) * D + lane * DPL;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) {
+            knew[at + i] = static_cast<W>(k[i]);
+            vnew[at + i] = static_cast<W>(v[i]);
+          }
+        }
+      for (int h = warp; h < GROUP; h += NWARP) {
+        const int hq = g * GROUP + h, bh = b * HQ + hq;
+        float q[DPL];
+        normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q, -1);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) q[i] *= scale;
+        float mx_ = -SP_INF, l = 0.0f, acc[DPL];
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+        attend_cached(q, cache_row, a0, wa0 - a0, 0, AU, mx_, l, acc);
+        for (int p = wa0; p < a0 + n_att; ++p) {
+          const int slot = p - st0;
+          float k[DPL], v[DPL];
+          if (s > 0 && slot < qslot) {  // an earlier step of this launch
+            load_n<W, DPL, true>(knew + (window_row + slot) * D + lane * DPL, k);
+            load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
+          } else {
+            window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, p, k, v);
+          }
+          float dot = 0.0f;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) dot += q[i] * k[i];
+          dot = warp_sum(dot);
+          const float mnew = fmaxf(mx_, dot);
+          const float corr = expf(mx_ - mnew), e = expf(dot - mnew);
+          l = l * corr + e;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * corr + e * v[i];
+          mx_ = mnew;
+        }
+        // this split's partial: its max, its sum (0: empty), its weighted values
+        float* part = S + O_ATT + ((size_t)bh * GSPLITS + split) * PART;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) part[2 + lane * DPL + i] = acc[i];
+        if (lane == 0) {
+          part[0] = mx_;
+          part[1] = l;
+        }
+        __threadfence();
+        __syncwarp();
+        unsigned int last = 0;
+        if (lane == 0) {  // the head's counter back to 0 by its last split
+          u64* count = bar + 2 + bh;
+          last = atomicAdd(count, 1ULL) == (u64)(nsp - 1);
+          if (last) *count = 0ULL;
+        }
+        if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+        __threadfence();
+        // each split's weight exp(max_s - max) / sum (lane j: splits j, j + 32, ...)
+        const float* parts = S + O_ATT + (size_t)bh * GSPLITS * PART;
+        constexpr int NC = (GSPLITS + 31) / 32;
+        float ms[NC], ls[NC], ws[NC];
+        float top = -SP_INF;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const int sp = lane + 32 * c;
+          ms[c] = sp < nsp ? __ldcg(parts + (size_t)sp * PART) : -SP_INF;
+          ls[c] = sp < nsp ? __ldcg(parts + (size_t)sp * PART + 1) : 0.0f;
+          if (ls[c] > 0.0f) top = fmaxf(top, ms[c]);
+        }
+        top = warp_max(top);
+        float den = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          ws[c] = ls[c] > 0.0f ? expf(ms[c] - top) : 0.0f;
+          den += ls[c] * ws[c];
+        }
+        den = warp_sum(den);
+        float out[DPL];
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) out[i] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+#pragma unroll 8
+          for (int t = 0; t < 32 && 32 * c + t < nsp; ++t) {
+            const float w = __shfl_sync(0xffffffffu, ws[c], t) / den;
+            const float* pv = parts + (size_t)(32 * c + t) * PART + 2 + lane * DPL;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) out[i] += __ldcg(pv + i) * w;
+          }
+        }
+        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i)
+          S[O_COMB + (size_t)bh * D + lane * DPL + i] = out[i] * sigmoid(__ldcg(gate + lane * DPL + i));
+      }
     }
   }
   // the MLP's first product, weight row j of its output r: dense, gate
@@ -1934,7 +2075,8 @@ class LayerShape:
         """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
-        splits = max(1, blocks // (rows * self.heads))
+        # attention's splits per (row, head): per (row, kv head) with GQA_ATTENTION
+        splits = max(1, blocks // (rows * (self.kv_heads if GQA_ATTENTION else self.heads)))
         parts = [
             vectors * h,
             vectors * qkv,
@@ -1988,7 +2130,7 @@ class LayerShape:
         the source's `__shared__` declarations, plus 1 KiB for the small ones)."""
         warps = BLOCK // 32
         top = warps * max(rows, 32)
-        splits = max(1, blocks // (rows * self.heads))
+        splits = max(1, blocks // (rows * self.heads))  # s_split's (row, head) splits
         experts = max(self.top_experts, 1)
         return (
             4
@@ -2509,6 +2651,7 @@ class FusedStep:
             ("TREE_MERGE", TREE_MERGE),
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("ATT_UNROLL", ATT_UNROLL),
+            ("GQA", GQA_ATTENTION),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

@@ -546,6 +546,10 @@ def step_kernel_source(
         ("moe", True, True, True, 1, 2, 3, ("ATT_UNROLL=1",)),
         ("moe", False, False, False, 3, 1, 2, ("ATT_UNROLL=4",)),
         ("dense", False, True, False, 2, 1, 2, ("ATT_UNROLL=1",)),
+        # attention's items per (row, kv head, split), a warp per query head
+        ("moe", True, True, True, 1, 2, 3, ("GQA_ATTENTION",)),
+        ("moe", False, False, False, 3, 1, 2, ("GQA_ATTENTION",)),
+        ("dense", False, True, False, 2, 4, 2, ("GQA_ATTENTION", "ATT_UNROLL=1")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
