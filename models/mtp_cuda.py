@@ -247,8 +247,8 @@ ATT_UNROLL = 8
 # group over all of the split's positions, so that the group's heads read
 # each cached key and value once from L2 (the block's warps share them
 # through L1) instead of once per query head (8x at Qwen3-Next's 16 / 2
-# heads: 512 MB of L2 reads per step at 32,768 positions); splits of ~64
-# positions, as many as the blocks allow; each head's splits combined by the
+# heads: 512 MB of L2 reads per step at 32,768 positions); splits of 16
+# positions or more, as many as the blocks allow; each head's splits combined by the
 # warp that finishes its last. Prepared, compile-checked, not yet run on a
 # device (twenty-first session): `bash bench/h200_run.sh setup-min gqa`.
 GQA_ATTENTION = False
@@ -1248,7 +1248,7 @@ _SOURCE = r"""
     // out as it is, and the warp that finishes a head's last split combines
     // the head's splits. nsp splits of ~GQA_SHARE positions (GSPLITS at
     // most; every block computes the same nsp)
-    constexpr int GQA_SHARE = 64;
+    constexpr int GQA_SHARE = 16;
     int longest = 0;
     for (int b = 0; b < B; ++b) longest = max(longest, s_in_start[b] + s_in_last[b] + s + 1);
     const int nsp = min(GSPLITS, max(1, (longest + GQA_SHARE - 1) / GQA_SHARE));
