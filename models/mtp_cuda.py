@@ -248,9 +248,10 @@ ATT_UNROLL = 8
 # each cached key and value once from L2 (the block's warps share them
 # through L1) instead of once per query head (8x at Qwen3-Next's 16 / 2
 # heads: 512 MB of L2 reads per step at 32,768 positions); splits of 16
-# positions or more, as many as the blocks allow; each head's splits combined by the
-# warp that finishes its last. Prepared, compile-checked, not yet run on a
-# device (twenty-first session): `bash bench/h200_run.sh setup-min gqa`.
+# positions or more, as many as the blocks allow; each head's splits
+# combined by the warp that finishes its last. Prepared, compile-checked,
+# not yet run on a device (twenty-first session): `bash bench/h200_run.sh
+# setup-min gqa`.
 GQA_ATTENTION = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
