@@ -2077,7 +2077,8 @@ class LayerShape:
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
         # attention's splits per (row, head): per (row, kv head) with GQA_ATTENTION
-        splits = max(1, blocks // (rows * (self.kv_heads if GQA_ATTENTION else self.heads)))
+        items = rows * (self.kv_heads if GQA_ATTENTION else self.heads)
+        splits = max(1, blocks // items)
         parts = [
             vectors * h,
             vectors * qkv,
