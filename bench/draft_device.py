@@ -21,7 +21,10 @@ round after rows joined or left), `device` / `chained` (host inputs made
 once and kept in device memory; diagnostics). `--cache-control all` flushes
 the GPU's caches before each launch, as the verify forward between two
 draft phases does in a round (its weights pass through L2); `none` leaves
-L2 warm from the last launch. `--check` times nothing: on rows that
+L2 warm from the last launch. `--context` sets the rows' context (48 by
+default): the head's attention reads all of it every step, for both heads
+alike, so the cut falls at long contexts (bench/RESULTS.md, twenty-first
+session: 1.85x at 4,096 positions, 1.46x at 32,768). `--check` times nothing: on rows that
 accepted 0..all of their drafts, rounds deriving their inputs on the device
 must draft what rounds with host-built inputs draft. Needs ncu (Nsight
 Compute) on the PATH and MLX's CUDA backend; MLX's CUDA graphs are turned
