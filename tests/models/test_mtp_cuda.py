@@ -8,6 +8,7 @@ tokens, normed output and cached keys / values against the MLX step)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -430,7 +431,9 @@ def step_kernel_source(
     and the CUDA translation unit MLX is given for it: the full head's or a
     FR-Spec list's (every third id) step, `rows` x `length` positions,
     `count` steps in one launch, template constants overridden by `constants`
-    (NAME -> value). Also bench/cubin_digest.py's."""
+    (NAME -> value), with a static assertion that the scratch the caller
+    sizes is the kernel's (unless a size is overridden). Also
+    bench/cubin_digest.py's."""
     greedy, first, listed, rows, length, count = shape
     weights = fused_weights(target, head, 0)
     assert weights is not None
@@ -469,7 +472,19 @@ def step_kernel_source(
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
         [(k, int(constants[k]) if k in constants else v) for k, v in seen["template"]],
     )
-    return list(outputs), text
+    if not set(constants) <= {"ATT_UNROLL", "HK"}:  # a size overridden (E=512)
+        return list(outputs), text
+    # the scratch the caller sizes (`LayerShape.scratch`, a mirror of the
+    # kernel's offsets) must be the kernel's: checked where it compiles (a
+    # static assertion at the kernel's end generates no code)
+    floats = math.prod(seen["output_shapes"][mtp_cuda._OUTPUTS.index("scratch")])
+    tail = "\n}\n\n} // namespace mlx::core::cu\n"
+    assert text.endswith(tail)
+    check = (
+        f"\n  static_assert(O_TS + (size_t)NBLK * PHASE_STAMPS == {floats}ull,"
+        ' "the scratch LayerShape.scratch sizes is not the kernel\'s");'
+    )
+    return list(outputs), text[: -len(tail)] + check + tail
 
 
 @pytest.mark.skipif(
