@@ -474,9 +474,13 @@ def step_kernel_source(
     )
     if not set(constants) <= {"ATT_UNROLL", "HK"}:  # a size overridden (E=512)
         return list(outputs), text
-    # the scratch the caller sizes (`LayerShape.scratch`, a mirror of the
-    # kernel's offsets) must be the kernel's: checked where it compiles (a
-    # static assertion at the kernel's end generates no code)
+    return list(outputs), with_scratch_check(text, seen)
+
+
+def with_scratch_check(text: str, seen: dict[str, Any]) -> str:
+    """The step kernel's translation unit with a static assertion at its end
+    that the scratch the caller sizes (`LayerShape.scratch`, a mirror of the
+    kernel's offsets) is the kernel's: checked where it compiles, no code."""
     floats = math.prod(seen["output_shapes"][mtp_cuda._OUTPUTS.index("scratch")])
     tail = "\n}\n\n} // namespace mlx::core::cu\n"
     assert text.endswith(tail)
@@ -484,7 +488,7 @@ def step_kernel_source(
         f"\n  static_assert(O_TS + (size_t)NBLK * PHASE_STAMPS == {floats}ull,"
         ' "the scratch LayerShape.scratch sizes is not the kernel\'s");'
     )
-    return list(outputs), text[: -len(tail)] + check + tail
+    return text[: -len(tail)] + check + tail
 
 
 @pytest.mark.skipif(
@@ -665,13 +669,16 @@ def test_the_derived_round_compiles_and_reads_no_host_input(
         "steps",
     ):  # placeholders: device arrays
         assert named[host_built] is prev
-    text = source(
-        "mtp_step",
-        mtp_cuda._COMPACT_HEADER,
-        mtp_cuda._COMPACT_SOURCE,
-        list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
-        list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
-        seen["template"],
+    text = with_scratch_check(
+        source(
+            "mtp_step",
+            mtp_cuda._COMPACT_HEADER,
+            mtp_cuda._COMPACT_SOURCE,
+            list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
+            list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
+            seen["template"],
+        ),
+        seen,
     )
     compiled = compile_source(text, tmp_path)
     assert compiled.ok, compiled.log[:4000]
