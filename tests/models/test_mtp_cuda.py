@@ -464,23 +464,26 @@ def step_kernel_source(
         kv_out=first and count > 1,  # as HeadStep.round launches a whole round
         profile=profile,
     )
+    return list(outputs), step_text(seen, constants)
+
+
+def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
+    """The step kernel's translation unit as MLX is given it for the call
+    `seen` recorded (`captured_kernel`), template constants overridden by
+    `constants`, with a static assertion at its end that the scratch the
+    caller sizes (`LayerShape.scratch`, a mirror of the kernel's offsets) is
+    the kernel's: checked where it compiles, no code (left out where a size
+    is overridden: E=512)."""
     text = source(
         "mtp_step",
-        mtp_cuda._COMPACT_HEADER,  # the text MLX is given
+        mtp_cuda._COMPACT_HEADER,
         mtp_cuda._COMPACT_SOURCE,
         list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
         [(k, int(constants[k]) if k in constants else v) for k, v in seen["template"]],
     )
-    if not set(constants) <= {"ATT_UNROLL", "HK"}:  # a size overridden (E=512)
-        return list(outputs), text
-    return list(outputs), with_scratch_check(text, seen)
-
-
-def with_scratch_check(text: str, seen: dict[str, Any]) -> str:
-    """The step kernel's translation unit with a static assertion at its end
-    that the scratch the caller sizes (`LayerShape.scratch`, a mirror of the
-    kernel's offsets) is the kernel's: checked where it compiles, no code."""
+    if not set(constants) <= {"ATT_UNROLL", "HK"}:
+        return text
     floats = math.prod(seen["output_shapes"][mtp_cuda._OUTPUTS.index("scratch")])
     tail = "\n}\n\n} // namespace mlx::core::cu\n"
     assert text.endswith(tail)
@@ -669,18 +672,7 @@ def test_the_derived_round_compiles_and_reads_no_host_input(
         "steps",
     ):  # placeholders: device arrays
         assert named[host_built] is prev
-    text = with_scratch_check(
-        source(
-            "mtp_step",
-            mtp_cuda._COMPACT_HEADER,
-            mtp_cuda._COMPACT_SOURCE,
-            list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
-            list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
-            seen["template"],
-        ),
-        seen,
-    )
-    compiled = compile_source(text, tmp_path)
+    compiled = compile_source(step_text(seen, {}), tmp_path)
     assert compiled.ok, compiled.log[:4000]
     assert compiled.spill_bytes == 0, compiled.log
 
