@@ -1344,6 +1344,8 @@ _SOURCE = r"""
           den += ls[c] * ws[c];
         }
         den = warp_sum(den);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) ws[c] /= den;
         float out[DPL];
 #pragma unroll
         for (int i = 0; i < DPL; ++i) out[i] = 0.0f;
@@ -1351,7 +1353,7 @@ _SOURCE = r"""
         for (int c = 0; c < NC; ++c) {
 #pragma unroll 8
           for (int t = 0; t < 32 && 32 * c + t < nsp; ++t) {
-            const float w = __shfl_sync(0xffffffffu, ws[c], t) / den;
+            const float w = __shfl_sync(0xffffffffu, ws[c], t);
             const float* pv = parts + (size_t)(32 * c + t) * PART + 2 + lane * DPL;
 #pragma unroll
             for (int i = 0; i < DPL; ++i) out[i] += __ldcg(pv + i) * w;
