@@ -144,8 +144,6 @@ def main() -> None:
                         help="candidates per block the draw merges first (models.mtp_cuda.DRAW_HEADS_K)")
     parser.add_argument("--att-unroll", type=int, default=None,
                         help="attention's cache positions per warp at once (models.mtp_cuda.ATT_UNROLL)")
-    parser.add_argument("--block-threads", type=int, default=None, choices=(256, 512),
-                        help="threads per block of the kernel (models.mtp_cuda.BLOCK)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     parser.add_argument("--agree-only", action="store_true",
                         help="the drafts' agreement only (no timing, no profiled launches)")
@@ -157,8 +155,6 @@ def main() -> None:
         models.mtp_cuda.DRAW_HEADS_K = args.draw_heads_k
     if args.att_unroll is not None:
         models.mtp_cuda.ATT_UNROLL = args.att_unroll
-    if args.block_threads is not None:
-        models.mtp_cuda.BLOCK = args.block_threads
     if args.narrow_loads:
         models.mtp_cuda.WIDE_LOADS = False
 
@@ -191,7 +187,6 @@ def main() -> None:
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
         "draw_heads_k": models.mtp_cuda.DRAW_HEADS_K,
         "att_unroll": models.mtp_cuda.ATT_UNROLL,
-        "block_threads": models.mtp_cuda.BLOCK,
         "context": args.context,
         "rows": [],
     }

@@ -311,16 +311,6 @@ for step in "$@"; do
     SETS=${SETS:-none ATT_UNROLL=1 GQA_ATTENTION} SAMPLINGS=${SAMPLINGS:-greedy} \
         CONTEXTS=${CONTEXTS:-48 4096 32768} bash $0 unroll
     ;;
-  threads)  # blocks of 512 threads (BLOCK=512: 16 warps, half the rows per warp in each product) against
-    # 256: the drafts first (one and three rows, both samplings), then time at CONTEXTS (both samplings)
-    timeout ${LIMIT:-300} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings greedy,qwen \
-        --agree-only --repeats 1 --block-threads 512 \
-        --out $OUT/fused-probe-next-t512-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
-    for c in ${CONTEXTS:-48}; do
-      CONTEXT=$c SETS=${SETS:-none BLOCK=512} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 \
-          DEPTHS=${DEPTHS:-2,3} bash $0 switches
-    done
-    ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)
     SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \

@@ -96,10 +96,7 @@ from models.vocab_head import HeadWeights
 # specpipe.drafts.mtp.HeadStep's steps
 StepFn = Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]]
 
-# Threads per block: 256 (8 warps) or 512 (16 warps: each product's rows
-# over twice the warps, half as many DRAM round trips in a row per warp; a
-# block's registers then 128 per thread at most, as the compile test checks).
-BLOCK = 256
+BLOCK = 256  # threads per block: 8 warps
 MAX_ROWS = 8  # rows of one step (one warp per row in the per-row phases)
 MAX_VECTORS = 8  # window positions of one step, all rows together
 MAX_TOP_K = 32  # the sampled draw keeps its candidates one per lane
@@ -439,7 +436,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return t;
 }
 
-constexpr int SP_THREADS = @THREADS@;  // threads per block (BLOCK)
+constexpr int SP_THREADS = 256;  // threads per block (BLOCK)
 constexpr int PHASE_STAMPS = @STAMPS@;  // floats of phase stamps
 constexpr int INNER_STAMPS = @INNER@;  // of them, points within phases (the last ones)
 
@@ -722,7 +719,7 @@ __device__ __forceinline__ float step_uniform(unsigned int seed, unsigned int st
 _SOURCE = r"""
   using namespace specpipe_mtp;
   using W = T;
-  constexpr int NWARP = SP_THREADS / 32;
+  constexpr int NWARP = 8;
   constexpr int QKVN = 2 * HQ * D + 2 * HKV * D;
   constexpr int DPL = D / 32;
   constexpr int HALF = ROT / 2;
@@ -2035,33 +2032,21 @@ def compact(text: str) -> str:
 
 
 @cache
-def compact_header(threads: int) -> str:
-    """The kernel's header for blocks of `threads` threads (256 or 512)."""
-    if threads not in (256, 512):
-        raise ValueError(
-            f"the MTP step kernel runs blocks of 256 or 512 threads, not {threads}"
-        )
-    return compact(_HEADER.replace("@THREADS@", str(threads)))
-
-
-@cache
-def _kernel(shared: int, threads: int) -> Callable[..., list[mx.array]]:
-    # (another name per block size: MLX finds a compiled kernel by its name)
-    suffix = "" if threads == 256 else f"_t{threads}"
+def _kernel(shared: int) -> Callable[..., list[mx.array]]:
     return cast(
         Callable[..., list[mx.array]],
         mx.fast.cuda_kernel(
-            name=f"specpipe_mtp_step_{shared}{suffix}",
+            name=f"specpipe_mtp_step_{shared}",
             input_names=_INPUTS,
             output_names=_OUTPUTS,
             source=_COMPACT_SOURCE,
-            header=compact_header(threads),
+            header=_COMPACT_HEADER,
             shared_memory=shared,
         ),
     )
 
 
-_COMPACT_SOURCE = compact(_SOURCE)
+_COMPACT_SOURCE, _COMPACT_HEADER = compact(_SOURCE), compact(_HEADER)
 
 
 @frozen
@@ -2680,7 +2665,7 @@ class FusedStep:
             keys.shape if kv_out else (rows, s.kv_heads, length + count - 1, s.head_dim)
         )
         sub_ids = self.subset_ids if self.subset_ids is not None else last
-        outputs = _kernel(shared, BLOCK)(
+        outputs = _kernel(shared)(
             inputs=[
                 ids.reshape(-1),
                 hidden.reshape(vectors, s.hidden),

@@ -476,7 +476,7 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
     is overridden: E=512)."""
     text = source(
         "mtp_step",
-        mtp_cuda.compact_header(mtp_cuda.BLOCK),
+        mtp_cuda._COMPACT_HEADER,
         mtp_cuda._COMPACT_SOURCE,
         list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
@@ -572,12 +572,6 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("moe", True, True, True, 1, 2, 3, ("GQA_ATTENTION",)),
         ("moe", False, False, False, 3, 1, 2, ("GQA_ATTENTION",)),
         ("dense", False, True, False, 2, 4, 2, ("GQA_ATTENTION", "ATT_UNROLL=1")),
-        # blocks of 512 threads (BLOCK=512: 16 warps; registers at most 128):
-        # whole rounds of one and three rows, greedy and sampled, and chained steps
-        ("moe", True, True, True, 1, 2, 3, ("BLOCK=512",)),
-        ("moe", False, True, False, 3, 2, 2, ("BLOCK=512",)),
-        ("moe", False, False, True, 1, 1, 2, ("BLOCK=512",)),
-        ("dense", True, True, False, 2, 2, 3, ("BLOCK=512",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
@@ -596,9 +590,6 @@ def test_the_step_kernel_compiles_without_spills(
     switches: tuple[str, ...],
 ) -> None:
     constants = dict(c.split("=") for c in switches if "=" in c)
-    # threads per block: the module's setting, not a template constant
-    if "BLOCK" in constants:
-        monkeypatch.setattr(mtp_cuda, "BLOCK", int(constants.pop("BLOCK")))
     for switch in (c for c in switches if "=" not in c):  # "-NAME" off, "NAME" on
         monkeypatch.setattr(mtp_cuda, switch.lstrip("-"), not switch.startswith("-"))
     target, head = request.getfixturevalue(kind)
@@ -620,10 +611,8 @@ def test_the_step_kernel_compiles_without_spills(
     compiled = compile_source(text, tmp_path)
     assert compiled.ok, compiled.log[:4000]
     assert compiled.spill_bytes == 0, compiled.log
-    # one block per multiprocessor must fit its register file
-    assert (
-        compiled.registers is not None and compiled.registers * mtp_cuda.BLOCK <= 65536
-    )
+    # one block of 256 threads per multiprocessor must fit its register file
+    assert compiled.registers is not None and compiled.registers * 256 <= 65536
 
 
 @pytest.mark.skipif(
