@@ -293,13 +293,13 @@ for step in "$@"; do
         LIMIT=${LIMIT:-200} bash $0 agree
     ;;
   unroll)  # attention's cached positions eight per warp at once (ATT_UNROLL, on) against one at a time,
-    # in one lease, at each of CONTEXTS (draft device time), then the drafts at a long context
+    # in one lease, at each of CONTEXTS (draft device time), then (unless NO_AGREE) the drafts at a long context
     for c in ${CONTEXTS:-48 4096 32768}; do
       CONTEXT=$c SETS=${SETS:-none ATT_UNROLL=1} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 \
           DEPTHS=${DEPTHS:-2,3} bash $0 switches
     done
-    timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings greedy,qwen \
-        --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} \
+    [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} \
+        --samplings greedy,qwen --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} \
         --out $OUT/fused-probe-next-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   gqa)  # attention's items per (row, kv head, split) (GQA_ATTENTION, off): its drafts at a long context

@@ -615,23 +615,17 @@ def test_the_step_kernel_compiles_without_spills(
     assert compiled.registers is not None and compiled.registers * 256 <= 65536
 
 
-@pytest.mark.skipif(
-    sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
-)
-@pytest.mark.parametrize(("rows", "width", "greedy"), [(1, 1, True), (3, 2, False)])
-def test_the_derived_round_compiles_and_reads_no_host_input(
-    moe: tuple[Any, MtpHead],
+def derived_round_call(
+    target: Any,
+    head: MtpHead,
     monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
     rows: int,
     width: int,
     greedy: bool,
-) -> None:
-    """The whole round that derives its per-row inputs on the device: the
-    last round's draws, drafts and launch state go in, the kernel's state
-    comes out, and the compiled form neither spills nor reads the host-built
-    inputs (the placeholders it is given are the device arrays)."""
-    target, head = moe
+) -> tuple[dict[str, Any], tuple[mx.array, ...]]:
+    """What a whole derived round of `rows` x `width` positions (three
+    steps, the full head) gives the kernel (`captured_kernel`), and its
+    outputs, with its device inputs (samples, drafts, prev) last."""
     weights = fused_weights(target, head, 0)
     assert weights is not None
     step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
@@ -654,8 +648,29 @@ def test_the_derived_round_compiles_and_reads_no_host_input(
         cache.values[0],
         3,
     )
+    return seen, (tokens, knew, state, cache.keys[0], samples, drafts, prev)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
+)
+@pytest.mark.parametrize(("rows", "width", "greedy"), [(1, 1, True), (3, 2, False)])
+def test_the_derived_round_compiles_and_reads_no_host_input(
+    moe: tuple[Any, MtpHead],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    rows: int,
+    width: int,
+    greedy: bool,
+) -> None:
+    """The whole round that derives its per-row inputs on the device: the
+    last round's draws, drafts and launch state go in, the kernel's state
+    comes out, and the compiled form neither spills nor reads the host-built
+    inputs (the placeholders it is given are the device arrays)."""
+    seen, outputs = derived_round_call(*moe, monkeypatch, rows, width, greedy)
+    tokens, knew, state, keys, samples, drafts, prev = outputs
     assert tokens.shape == (rows, 3) and state.shape == (rows, 4)
-    assert knew.shape == cache.keys[0].shape and state.dtype == mx.uint32
+    assert knew.shape == keys.shape and state.dtype == mx.uint32
     template = dict(seen["template"])
     assert template["DERIVE"] and template["KV_OUT"] and template["FIRST"]
     assert template["M"] == rows * width and template["TT"] == width
@@ -675,6 +690,44 @@ def test_the_derived_round_compiles_and_reads_no_host_input(
     compiled = compile_source(step_text(seen, {}), tmp_path)
     assert compiled.ok, compiled.log[:4000]
     assert compiled.spill_bytes == 0, compiled.log
+
+
+# Qwen3-Next's MTP layer as bench/draft_device.py times it (64 experts there):
+# the template constants that set the kernel's register use (head_dim 256
+# puts eight dims per lane in attention's loops; the tiny fixtures have two)
+QWEN3_NEXT_CONSTANTS = {
+    "H": 2048, "HQ": 16, "HKV": 2, "D": 256, "ROT": 64,
+    "E": 64, "KE": 10, "IE": 512, "IS": 512, "V": 151936,
+}  # fmt: skip
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
+)
+@pytest.mark.parametrize(
+    ("rows", "width", "greedy"),
+    [(1, 3, True), (1, 3, False), (3, 2, True), (3, 2, False)],
+)
+def test_the_round_at_qwen3_next_shape_compiles_without_spills(
+    moe: tuple[Any, MtpHead],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    rows: int,
+    width: int,
+    greedy: bool,
+) -> None:
+    """The derived whole round compiled at Qwen3-Next's sizes, for the
+    H200's architecture as MLX compiles it (sm_90a), spills nothing and fits
+    a 256-thread block's register file: the kernel's register use is set by
+    the real sizes (252-254 registers with ATT_UNROLL=8, 2026-12-04), not by
+    the fixtures'."""
+    seen, _ = derived_round_call(*moe, monkeypatch, rows, width, greedy)
+    constants = {k: str(v) for k, v in QWEN3_NEXT_CONSTANTS.items()}
+    constants["M"] = str(rows * width)
+    compiled = compile_source(step_text(seen, constants), tmp_path, "sm_90a")
+    assert compiled.ok, compiled.log[:4000]
+    assert compiled.spill_bytes == 0, compiled.log
+    assert compiled.registers is not None and compiled.registers * 256 <= 65536
 
 
 @pytest.mark.skipif(
