@@ -252,6 +252,11 @@ ATT_UNROLL = 8
 # combined by the warp that finishes its last. Prepared, compile-checked,
 # not yet run on a device (twenty-first session): `bash bench/h200_run.sh
 # setup-min gqa`.
+# Whether attention's cached keys and values stay as loaded (DPL elements of
+# the weights' dtype per load) until used, instead of converted to floats at
+# once: the same arithmetic in half the registers (at Qwen3-Next's head_dim
+# 256 with ATT_UNROLL=8, 168-182 registers against 252-254; 2026-12-04).
+PACKED_KV = True
 GQA_ATTENTION = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
@@ -330,6 +335,27 @@ __device__ __forceinline__ void load_n(const W* p, float* out) {
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
   }
+}
+
+// N elements of a 2-byte W as one load keeps them (16, 8, 4 or 2 bytes),
+// read-only for the launch; unpack_n converts them.
+template <int BYTES> struct Packed;
+template <> struct Packed<16> { using type = uint4; };
+template <> struct Packed<8> { using type = uint2; };
+template <> struct Packed<4> { using type = unsigned int; };
+template <> struct Packed<2> { using type = unsigned short; };
+
+template <typename W, int N>
+__device__ __forceinline__ typename Packed<N * sizeof(W)>::type load_packed(const W* p) {
+  return __ldg(reinterpret_cast<const typename Packed<N * sizeof(W)>::type*>(p));
+}
+
+template <typename W, int N, typename P>
+__device__ __forceinline__ void unpack_n(const P& raw, float* out) {
+  static_assert(sizeof(P) == N * sizeof(W), "a packed load of N elements");
+  const W* e = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
 }
 
 // Eight weights (read-only for the launch) in one 16-byte load.
@@ -1074,6 +1100,7 @@ _SOURCE = r"""
   // one rescale per AU positions
   auto attend_cached = [&](const float (&q)[DPL], size_t cache_row, int a0, int n, int j_first,
                            int j_step, float& mx_, float& l, float (&acc)[DPL]) {
+    if constexpr (!PACKED) {  // PACKED_KV's off arm: the keys / values as floats
     for (int j0 = j_first; j0 < n; j0 += j_step) {
       float k[AU][DPL], v[AU][DPL], dots[AU];
 #pragma unroll
@@ -1106,6 +1133,51 @@ _SOURCE = r"""
         l += e;
 #pragma unroll
         for (int i = 0; i < DPL; ++i) acc[i] += e * v[u][i];
+      }
+      mx_ = mnew;
+    }
+    return;
+    }
+    for (int j0 = j_first; j0 < n; j0 += j_step) {
+      // (held as loaded, DPL elements of W per load, converted where used:
+      // half the registers of floats; at head_dim 256 the floats took the
+      // kernel to 254 registers)
+      typename Packed<DPL * sizeof(W)>::type kr[AU], vr[AU];
+      float dots[AU];
+#pragma unroll
+      for (int u = 0; u < AU; ++u) {
+        const size_t at = (cache_row + a0 + min(j0 + u, n - 1)) * D + lane * DPL;
+        kr[u] = load_packed<W, DPL>(keys + at);
+        vr[u] = load_packed<W, DPL>(values + at);
+      }
+#pragma unroll
+      for (int u = 0; u < AU; ++u) {
+        float k[DPL];
+        unpack_n<W, DPL>(kr[u], k);
+        dots[u] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) dots[u] += q[i] * k[i];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < AU; ++u) dots[u] += __shfl_xor_sync(0xffffffffu, dots[u], o);
+      float mnew = mx_;
+#pragma unroll
+      for (int u = 0; u < AU; ++u)
+        if (j0 + u < n) mnew = fmaxf(mnew, dots[u]);
+      const float corr = expf(mx_ - mnew);
+      l *= corr;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[i] *= corr;
+#pragma unroll
+      for (int u = 0; u < AU; ++u) {
+        const float e = j0 + u < n ? expf(dots[u] - mnew) : 0.0f;
+        l += e;
+        float v[DPL];
+        unpack_n<W, DPL>(vr[u], v);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] += e * v[i];
       }
       mx_ = mnew;
     }
@@ -2655,6 +2727,7 @@ class FusedStep:
             ("TREE_MERGE", TREE_MERGE),
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("ATT_UNROLL", ATT_UNROLL),
+            ("PACKED", PACKED_KV),
             ("GQA", GQA_ATTENTION),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
