@@ -130,7 +130,7 @@ _SWITCHES = [
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
     ("acq-rel-barrier", "ACQ_REL_BARRIER", "the grid barrier by release / acquire operations"),
     ("gqa-attention", "GQA_ATTENTION", "attention's items per (row, kv head, split)"),
-    ("packed-kv", "PACKED_KV", "attention's cached keys / values kept as loaded until used"),
+    ("att-spread", "ATT_SPREAD", "a warp's cached positions at once NWARP apart, not adjacent"),
 ]
 
 

@@ -242,6 +242,12 @@ ACQ_REL_BARRIER = True
 # step's in every launch form, greedy and sampled, both heads (twenty-first
 # session, bench/RESULTS.md).
 ATT_UNROLL = 8
+# Whether a warp's ATT_UNROLL cached positions at once are NWARP apart
+# (positions w, w + 8, ... of a split for warp w) instead of adjacent: at a
+# short context (48 positions: 6 per split) the split's positions then go
+# to six warps, one each, instead of all to warp 0; a long split keeps
+# ATT_UNROLL loads per warp in flight either way.
+ATT_SPREAD = True
 # Whether attention's items are (row, kv head, split) instead of (row,
 # query head, split): each warp of an item one query head of the kv head's
 # group over all of the split's positions, so that the group's heads read
@@ -249,14 +255,9 @@ ATT_UNROLL = 8
 # through L1) instead of once per query head (8x at Qwen3-Next's 16 / 2
 # heads: 512 MB of L2 reads per step at 32,768 positions); splits of 16
 # positions or more, as many as the blocks allow; each head's splits
-# combined by the warp that finishes its last. Prepared, compile-checked,
-# not yet run on a device (twenty-first session): `bash bench/h200_run.sh
-# setup-min gqa`.
-# Whether attention's cached keys and values stay as loaded (DPL elements of
-# the weights' dtype per load) until used, instead of converted to floats at
-# once: the same arithmetic in half the registers (at Qwen3-Next's head_dim
-# 256 with ATT_UNROLL=8, 168-182 registers against 252-254; 2026-12-04).
-PACKED_KV = True
+# combined by the warp that finishes its last. Prepared, compile-checked
+# on the tests' small heads, not run on a device: at Qwen3-Next's sizes its
+# sampled forms spill (16-60 bytes, 255 registers; 2026-12-04).
 GQA_ATTENTION = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
@@ -1099,56 +1100,19 @@ _SOURCE = r"""
   // loads all in flight together, the dots reduced by interleaved shuffles,
   // one rescale per AU positions
   auto attend_cached = [&](const float (&q)[DPL], size_t cache_row, int a0, int n, int j_first,
-                           int j_step, float& mx_, float& l, float (&acc)[DPL]) {
-    if constexpr (!PACKED) {  // PACKED_KV's off arm: the keys / values as floats
-    for (int j0 = j_first; j0 < n; j0 += j_step) {
-      float k[AU][DPL], v[AU][DPL], dots[AU];
-#pragma unroll
-      for (int u = 0; u < AU; ++u) {
-        const size_t at = (cache_row + a0 + min(j0 + u, n - 1)) * D + lane * DPL;
-        load_n<W, DPL, false>(keys + at, k[u]);
-        load_n<W, DPL, false>(values + at, v[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < AU; ++u) {
-        dots[u] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) dots[u] += q[i] * k[u][i];
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int u = 0; u < AU; ++u) dots[u] += __shfl_xor_sync(0xffffffffu, dots[u], o);
-      float mnew = mx_;
-#pragma unroll
-      for (int u = 0; u < AU; ++u)
-        if (j0 + u < n) mnew = fmaxf(mnew, dots[u]);
-      const float corr = expf(mx_ - mnew);
-      l *= corr;
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) acc[i] *= corr;
-#pragma unroll
-      for (int u = 0; u < AU; ++u) {
-        const float e = j0 + u < n ? expf(dots[u] - mnew) : 0.0f;
-        l += e;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[i] += e * v[u][i];
-      }
-      mx_ = mnew;
-    }
-    return;
-    }
+                           int j_step, int u_step, float& mx_, float& l, float (&acc)[DPL]) {
     for (int j0 = j_first; j0 < n; j0 += j_step) {
       // (held as loaded, DPL elements of W per load, converted where used:
       // half the registers of floats; at head_dim 256 the floats took the
-      // kernel to 254 registers)
+      // kernel to 254 registers, 168-182 so; the same time at 48 positions)
       typename Packed<DPL * sizeof(W)>::type kr[AU], vr[AU];
       float dots[AU];
 #pragma unroll
-      for (int u = 0; u < AU; ++u) {
-        const size_t at = (cache_row + a0 + min(j0 + u, n - 1)) * D + lane * DPL;
-        kr[u] = load_packed<W, DPL>(keys + at);
-        vr[u] = load_packed<W, DPL>(values + at);
+      for (int u = 0; u < AU; ++u) {  // (past the split's end: no load, zeros)
+        const int j = j0 + u * u_step;
+        const size_t at = (cache_row + a0 + min(j, n - 1)) * D + lane * DPL;
+        kr[u] = j < n ? load_packed<W, DPL>(keys + at) : typename Packed<DPL * sizeof(W)>::type{};
+        vr[u] = j < n ? load_packed<W, DPL>(values + at) : typename Packed<DPL * sizeof(W)>::type{};
       }
 #pragma unroll
       for (int u = 0; u < AU; ++u) {
@@ -1165,14 +1129,14 @@ _SOURCE = r"""
       float mnew = mx_;
 #pragma unroll
       for (int u = 0; u < AU; ++u)
-        if (j0 + u < n) mnew = fmaxf(mnew, dots[u]);
+        if (j0 + u * u_step < n) mnew = fmaxf(mnew, dots[u]);
       const float corr = expf(mx_ - mnew);
       l *= corr;
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[i] *= corr;
 #pragma unroll
       for (int u = 0; u < AU; ++u) {
-        const float e = j0 + u < n ? expf(dots[u] - mnew) : 0.0f;
+        const float e = j0 + u * u_step < n ? expf(dots[u] - mnew) : 0.0f;
         l += e;
         float v[DPL];
         unpack_n<W, DPL>(vr[u], v);
@@ -1212,7 +1176,9 @@ _SOURCE = r"""
     // AU > 1 (`ATT_UNROLL`): the split's positions in the cache (before
     // the window's) AU per warp at once (`attend_cached`)
     const int wa0 = AU > 1 ? max(a0, min(st0, a0 + n_att)) : a0;  // the rest from here on
-    if constexpr (AU > 1) attend_cached(q, cache_row, a0, wa0 - a0, warp * AU, NWARP * AU, mx_, l, acc);
+    if constexpr (AU > 1)
+      attend_cached(q, cache_row, a0, wa0 - a0, SPREAD ? warp : warp * AU, NWARP * AU, SPREAD ? NWARP : 1,
+                    mx_, l, acc);
     // one loop, one copy of the window keys' code: first the window slots
     // this item stores for head g (split 0 of its group's first head: the
     // step's own slots), then the positions it attends over (from wa0 on)
@@ -1357,7 +1323,7 @@ _SOURCE = r"""
         float mx_ = -SP_INF, l = 0.0f, acc[DPL];
 #pragma unroll
         for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-        attend_cached(q, cache_row, a0, wa0 - a0, 0, AU, mx_, l, acc);
+        attend_cached(q, cache_row, a0, wa0 - a0, 0, AU, 1, mx_, l, acc);
         for (int p = wa0; p < a0 + n_att; ++p) {
           const int slot = p - st0;
           float k[DPL], v[DPL];
@@ -2727,7 +2693,7 @@ class FusedStep:
             ("TREE_MERGE", TREE_MERGE),
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("ATT_UNROLL", ATT_UNROLL),
-            ("PACKED", PACKED_KV),
+            ("SPREAD", ATT_SPREAD),
             ("GQA", GQA_ATTENTION),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),

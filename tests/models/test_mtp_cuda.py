@@ -568,9 +568,9 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("moe", True, True, True, 1, 2, 3, ("ATT_UNROLL=1",)),
         ("moe", False, False, False, 3, 1, 2, ("ATT_UNROLL=4",)),
         ("dense", False, True, False, 2, 1, 2, ("ATT_UNROLL=1",)),
-        # attention's cached keys / values as floats at once (PACKED_KV's off arm)
-        ("moe", True, True, True, 1, 2, 3, ("-PACKED_KV",)),
-        ("moe", False, False, False, 3, 1, 2, ("-PACKED_KV",)),
+        # a warp's cached positions at once adjacent (ATT_SPREAD's off arm)
+        ("moe", True, True, True, 1, 2, 3, ("-ATT_SPREAD",)),
+        ("moe", False, False, False, 3, 1, 2, ("-ATT_SPREAD",)),
         # attention's items per (row, kv head, split), a warp per query head
         ("moe", True, True, True, 1, 2, 3, ("GQA_ATTENTION",)),
         ("moe", False, False, False, 3, 1, 2, ("GQA_ATTENTION",)),
