@@ -129,7 +129,6 @@ _SWITCHES = [
     ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
     ("acq-rel-barrier", "ACQ_REL_BARRIER", "the grid barrier by release / acquire operations"),
-    ("gqa-attention", "GQA_ATTENTION", "attention's items per (row, kv head, split)"),
     ("att-spread", "ATT_SPREAD", "a warp's cached positions at once NWARP apart, not adjacent"),
 ]
 

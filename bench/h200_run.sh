@@ -65,8 +65,10 @@
 #  `TF32S=0 ROWS=1,3 setup-min batched-f32` and bench/mtp.py's --sampling qwen twin by hand; then
 #  `CONTEXT=32768|4096 ... device` (attention found to dominate long contexts), then the same with
 #  SWITCHES=ATT_UNROLL=8 at 32768, 4096, 48, and fused_probe.py --context 2048 --att-unroll 8 by hand:
-#  ATT_UNROLL=8 on by default since; next: `setup-min gqa` (GQA_ATTENTION's drafts, then the defaults,
-#  ATT_UNROLL=1 and GQA_ATTENTION timed at three contexts in one lease), then Qwen's sampling at 48)
+#  ATT_UNROLL=8 on by default since)
+# (twenty-second session, three leases: `setup-min` then `switches` with BLOCK=512 (could not launch: 254
+#  registers at Qwen3-Next's sizes), then SETS of none / ATT_UNROLL=1 / -PACKED_KV / ATT_UNROLL=4 at CONTEXT=48,
+#  4096 and 32768, fused_probe.py --context 2048 --att-unroll 4 --agree-only by hand; then ATT_SPREAD)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -301,15 +303,6 @@ for step in "$@"; do
     [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} \
         --samplings greedy,qwen --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} \
         --out $OUT/fused-probe-next-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
-    ;;
-  gqa)  # attention's items per (row, kv head, split) (GQA_ATTENTION, off): its drafts at a long context
-    # (one and three rows), then the defaults, ATT_UNROLL's off arm and GQA_ATTENTION at each of CONTEXTS
-    # in one lease (greedy: ~9 draft_device runs of ~50 s), then the defaults' drafts at that context
-    timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings greedy,qwen \
-        --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} --gqa-attention \
-        --out $OUT/fused-probe-next-gqa-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
-    SETS=${SETS:-none ATT_UNROLL=1 GQA_ATTENTION} SAMPLINGS=${SAMPLINGS:-greedy} \
-        CONTEXTS=${CONTEXTS:-48 4096 32768} bash $0 unroll
     ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)

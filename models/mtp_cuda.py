@@ -248,17 +248,6 @@ ATT_UNROLL = 8
 # to six warps, one each, instead of all to warp 0; a long split keeps
 # ATT_UNROLL loads per warp in flight either way.
 ATT_SPREAD = True
-# Whether attention's items are (row, kv head, split) instead of (row,
-# query head, split): each warp of an item one query head of the kv head's
-# group over all of the split's positions, so that the group's heads read
-# each cached key and value once from L2 (the block's warps share them
-# through L1) instead of once per query head (8x at Qwen3-Next's 16 / 2
-# heads: 512 MB of L2 reads per step at 32,768 positions); splits of 16
-# positions or more, as many as the blocks allow; each head's splits
-# combined by the warp that finishes its last. Prepared, compile-checked
-# on the tests' small heads, not run on a device: at Qwen3-Next's sizes its
-# sampled forms spill (16-60 bytes, 255 registers; 2026-12-04).
-GQA_ATTENTION = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -813,11 +802,9 @@ _SOURCE = r"""
   constexpr size_t O_ATT = O_QKV + align8((size_t)M * QKVN);
   // attention partials per (row, head, split): max, sum, D weighted values
   constexpr int SPLITS = NBLK / (B * HQ) > 0 ? NBLK / (B * HQ) : 1;
-  // GQA: per (row, kv head) at most this many splits, each with its heads' partials
-  constexpr int GSPLITS = NBLK / (B * HKV) > 0 ? NBLK / (B * HKV) : 1;
   constexpr int PART = D + 2;
   // each (row, head)'s splits combined, times sigmoid(gate): o_proj's input
-  constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * (GQA ? GSPLITS : SPLITS) * PART);
+  constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * SPLITS * PART);
   constexpr size_t O_R1 = O_COMB + align8((size_t)B * HQ * D);
   constexpr size_t O_ACT = O_R1 + align8((size_t)B * H);
   // MoE: router logits and shared gate [B, E + 1] | shared act [B, IS] |
@@ -1148,7 +1135,6 @@ _SOURCE = r"""
   };
   // items (row, head, split): a split attends over one contiguous share of
   // the row's positions; phase 4 combines the splits (flash-decoding)
-  if constexpr (!GQA)
   for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
     const int split = item % SPLITS, bh = item / SPLITS;
     const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
@@ -1277,131 +1263,6 @@ _SOURCE = r"""
         S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
       }
       __syncthreads();
-    }
-  }
-  if constexpr (GQA) {
-    // GQA_ATTENTION: items (row, kv head, split); warp h takes the group's
-    // query head g * GROUP + h (h = warp, warp + NWARP, ...) over all of the
-    // split's positions, so the group's heads read each cached key and value
-    // once from L2 and share it through L1; each warp's split partial goes
-    // out as it is, and the warp that finishes a head's last split combines
-    // the head's splits. nsp splits of ~GQA_SHARE positions (GSPLITS at
-    // most; every block computes the same nsp)
-    constexpr int GQA_SHARE = 16;
-    int longest = 0;
-    for (int b = 0; b < B; ++b) longest = max(longest, s_in_start[b] + s_in_last[b] + s + 1);
-    const int nsp = min(GSPLITS, max(1, (longest + GQA_SHARE - 1) / GQA_SHARE));
-    for (int item = blk; item < B * HKV * nsp; item += NBLK) {
-      const int split = item % nsp, bg = item / nsp;
-      const int b = bg / HKV, g = bg % HKV;
-      const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
-      const int mq = b * TT + lb;
-      const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
-      const size_t cache_row = ((size_t)b * HKV + g) * C;
-      const int positions = st0 + qslot + 1;
-      const int share = (positions + nsp - 1) / nsp;
-      const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
-      const int wa0 = max(a0, min(st0, a0 + n_att));  // the window's positions from here on
-      if (split == 0)  // the step's own window slots, stored once per (row, kv head)
-        for (int j = warp; j < (s == 0 ? TT : 1); j += NWARP) {
-          const int slot = s == 0 ? j : qslot;
-          float k[DPL], v[DPL];
-          window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, st0 + slot, k, v);
-          const size_t at = (window_row + slot) * D + lane * DPL;
-#pragma unroll
-          for (int i = 0; i < DPL; ++i) {
-            knew[at + i] = static_cast<W>(k[i]);
-            vnew[at + i] = static_cast<W>(v[i]);
-          }
-        }
-      for (int h = warp; h < GROUP; h += NWARP) {
-        const int hq = g * GROUP + h, bh = b * HQ + hq;
-        float q[DPL];
-        normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q, -1);
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) q[i] *= scale;
-        float mx_ = -SP_INF, l = 0.0f, acc[DPL];
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-        attend_cached(q, cache_row, a0, wa0 - a0, 0, AU, 1, mx_, l, acc);
-        for (int p = wa0; p < a0 + n_att; ++p) {
-          const int slot = p - st0;
-          float k[DPL], v[DPL];
-          if (s > 0 && slot < qslot) {  // an earlier step of this launch
-            load_n<W, DPL, true>(knew + (window_row + slot) * D + lane * DPL, k);
-            load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
-          } else {
-            window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, p, k, v);
-          }
-          float dot = 0.0f;
-#pragma unroll
-          for (int i = 0; i < DPL; ++i) dot += q[i] * k[i];
-          dot = warp_sum(dot);
-          const float mnew = fmaxf(mx_, dot);
-          const float corr = expf(mx_ - mnew), e = expf(dot - mnew);
-          l = l * corr + e;
-#pragma unroll
-          for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * corr + e * v[i];
-          mx_ = mnew;
-        }
-        // this split's partial: its max, its sum (0: empty), its weighted values
-        float* part = S + O_ATT + ((size_t)bh * GSPLITS + split) * PART;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) part[2 + lane * DPL + i] = acc[i];
-        if (lane == 0) {
-          part[0] = mx_;
-          part[1] = l;
-        }
-        __threadfence();
-        __syncwarp();
-        unsigned int last = 0;
-        if (lane == 0) {  // the head's counter back to 0 by its last split
-          u64* count = bar + 2 + bh;
-          last = atomicAdd(count, 1ULL) == (u64)(nsp - 1);
-          if (last) *count = 0ULL;
-        }
-        if (!__shfl_sync(0xffffffffu, last, 0)) continue;
-        __threadfence();
-        // each split's weight exp(max_s - max) / sum (lane j: splits j, j + 32, ...)
-        const float* parts = S + O_ATT + (size_t)bh * GSPLITS * PART;
-        constexpr int NC = (GSPLITS + 31) / 32;
-        float ms[NC], ls[NC], ws[NC];
-        float top = -SP_INF;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          const int sp = lane + 32 * c;
-          ms[c] = sp < nsp ? __ldcg(parts + (size_t)sp * PART) : -SP_INF;
-          ls[c] = sp < nsp ? __ldcg(parts + (size_t)sp * PART + 1) : 0.0f;
-          if (ls[c] > 0.0f) top = fmaxf(top, ms[c]);
-        }
-        top = warp_max(top);
-        float den = 0.0f;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          ws[c] = ls[c] > 0.0f ? expf(ms[c] - top) : 0.0f;
-          den += ls[c] * ws[c];
-        }
-        den = warp_sum(den);
-#pragma unroll
-        for (int c = 0; c < NC; ++c) ws[c] /= den;
-        float out[DPL];
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) out[i] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-#pragma unroll 8
-          for (int t = 0; t < 32 && 32 * c + t < nsp; ++t) {
-            const float w = __shfl_sync(0xffffffffu, ws[c], t);
-            const float* pv = parts + (size_t)(32 * c + t) * PART + 2 + lane * DPL;
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) out[i] += __ldcg(pv + i) * w;
-          }
-        }
-        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i)
-          S[O_COMB + (size_t)bh * D + lane * DPL + i] = out[i] * sigmoid(__ldcg(gate + lane * DPL + i));
-      }
     }
   }
   // the MLP's first product, weight row j of its output r: dense, gate
@@ -2116,9 +1977,7 @@ class LayerShape:
         """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
-        # attention's splits per (row, head): per (row, kv head) with GQA_ATTENTION
-        items = rows * (self.kv_heads if GQA_ATTENTION else self.heads)
-        splits = max(1, blocks // items)
+        splits = max(1, blocks // (rows * self.heads))  # attention's per (row, head)
         parts = [
             vectors * h,
             vectors * qkv,
@@ -2694,7 +2553,6 @@ class FusedStep:
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("ATT_UNROLL", ATT_UNROLL),
             ("SPREAD", ATT_SPREAD),
-            ("GQA", GQA_ATTENTION),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),

@@ -571,10 +571,6 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # a warp's cached positions at once adjacent (ATT_SPREAD's off arm)
         ("moe", True, True, True, 1, 2, 3, ("-ATT_SPREAD",)),
         ("moe", False, False, False, 3, 1, 2, ("-ATT_SPREAD",)),
-        # attention's items per (row, kv head, split), a warp per query head
-        ("moe", True, True, True, 1, 2, 3, ("GQA_ATTENTION",)),
-        ("moe", False, False, False, 3, 1, 2, ("GQA_ATTENTION",)),
-        ("dense", False, True, False, 2, 4, 2, ("GQA_ATTENTION", "ATT_UNROLL=1")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
