@@ -68,7 +68,9 @@
 #  ATT_UNROLL=8 on by default since)
 # (twenty-second session, three leases: `setup-min` then `switches` with BLOCK=512 (could not launch: 254
 #  registers at Qwen3-Next's sizes), then SETS of none / ATT_UNROLL=1 / -PACKED_KV / ATT_UNROLL=4 at CONTEXT=48,
-#  4096 and 32768, fused_probe.py --context 2048 --att-unroll 4 --agree-only by hand; then ATT_SPREAD)
+#  4096 and 32768, fused_probe.py --context 2048 --att-unroll 4 --agree-only by hand: ATT_UNROLL=4 since;
+#  next: `SETS="none ATT_SPREAD,ATT_UNROLL=8" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48
+#  setup-min switches`, the same at CONTEXT=32768 greedy, then fused_probe.py --att-spread --att-unroll 8)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

@@ -228,26 +228,31 @@ TREE_MERGE = True
 # process; on the same inputs the two forms draft the same tokens.)
 ACQ_REL_BARRIER = True
 # Cache positions per warp and iteration in attention, their keys' and
-# values' loads in flight together, one softmax rescale per group (1: one
-# position at a time, each load's round trip waited on before the next). A
-# step's attention reads the whole context's keys and values, and one
-# position at a time that loop was most of a step at long contexts. 8: H200,
-# one row, greedy, full / FR-Spec 32k us per launch at depth 2 (depth 3),
-# 1 -> 8: 32,768 positions 1,153 / 939 (1,699 / 1,377) -> 684 / 468 (998 /
-# 673), cut 1.23x -> 1.46x; 4,096 positions 511.5 / 293.7 (758.0 / 432.7)
-# -> 464.0 / 250.1 (689.8 / 365.7), 1.74x -> 1.85x; 48 positions 428.7 /
-# 211.6 (627.8 / 304.7) -> 437.2 / 219.6 (644.9 / 317.6), 2.03x -> 1.99x,
-# on another lease (within the spread between machines, not yet compared
-# in one lease). Drafts at 2,048 positions equal to the float32 MLX
-# step's in every launch form, greedy and sampled, both heads (twenty-first
-# session, bench/RESULTS.md).
-ATT_UNROLL = 8
+# values' loads in flight together (held as loaded, converted where used),
+# one softmax rescale per group (1: one position at a time, each load's
+# round trip waited on before the next). A step's attention reads the whole
+# context's keys and values, and one position at a time that loop was most
+# of a step at long contexts (twenty-first session: 32,768 positions 1,153 /
+# 939 us per depth-2 launch, full / FR-Spec 32k, against 684 / 468 with 8).
+# 4, as measured in one lease (H200, one row, depth 2, full / FR us; 1 / 4 /
+# 8): greedy at 48 positions 434.4 / 213.8, 435.0 / 213.0, 439.8 / 219.2
+# (a split there holds six positions: adjacent groups of 8 put them all on
+# one warp); Qwen's sampling 459.3 / 230.0, 463.4 / 233.0, 463.6 / 233.7;
+# greedy at 4,096 positions 480.9 / 260.6 with 4, 485.5 / 264.3 with 8; at
+# 32,768, 730.0 / 510.8 with 4, 695.3 / 473.2 with 8. Drafts at 2,048
+# positions equal to the float32 MLX step's in every launch form, greedy
+# and sampled, both heads (twenty-second session, bench/RESULTS.md).
+ATT_UNROLL = 4
 # Whether a warp's ATT_UNROLL cached positions at once are NWARP apart
-# (positions w, w + 8, ... of a split for warp w) instead of adjacent: at a
-# short context (48 positions: 6 per split) the split's positions then go
-# to six warps, one each, instead of all to warp 0; a long split keeps
-# ATT_UNROLL loads per warp in flight either way.
-ATT_SPREAD = True
+# (positions w, w + 8, ... of a split for warp w; none loaded past the
+# split's end) instead of adjacent: a short split's positions then go to
+# several warps, one each, while a long split keeps ATT_UNROLL loads per
+# warp in flight: 8 without the short-context cost, by design.
+# Compile-checked (168-185 registers at Qwen3-Next's sizes with 8), not yet
+# run on a device: `SETS="none ATT_SPREAD,ATT_UNROLL=8" ... switches` at 48
+# and 32,768 positions, then its drafts (`fused_probe.py --att-spread
+# --att-unroll 8 --context 2048 --agree-only`).
+ATT_SPREAD = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -1095,11 +1100,12 @@ _SOURCE = r"""
       typename Packed<DPL * sizeof(W)>::type kr[AU], vr[AU];
       float dots[AU];
 #pragma unroll
-      for (int u = 0; u < AU; ++u) {  // (past the split's end: no load, zeros)
+      for (int u = 0; u < AU; ++u) {  // (SPREAD, past the split's end: no load, zeros)
         const int j = j0 + u * u_step;
+        const bool load = !SPREAD || j < n;
         const size_t at = (cache_row + a0 + min(j, n - 1)) * D + lane * DPL;
-        kr[u] = j < n ? load_packed<W, DPL>(keys + at) : typename Packed<DPL * sizeof(W)>::type{};
-        vr[u] = j < n ? load_packed<W, DPL>(values + at) : typename Packed<DPL * sizeof(W)>::type{};
+        kr[u] = load ? load_packed<W, DPL>(keys + at) : typename Packed<DPL * sizeof(W)>::type{};
+        vr[u] = load ? load_packed<W, DPL>(values + at) : typename Packed<DPL * sizeof(W)>::type{};
       }
 #pragma unroll
       for (int u = 0; u < AU; ++u) {

@@ -564,13 +564,13 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("moe", True, True, True, 1, 2, 3, ("-ACQ_REL_BARRIER",)),
         ("moe", False, False, False, 3, 1, 2, ("-ACQ_REL_BARRIER",)),
         # attention's cache positions one per warp at a time (ATT_UNROLL's
-        # other arm), and four at once (greedy and sampled, dense and MoE)
+        # other arm), and eight at once (greedy and sampled, dense and MoE)
         ("moe", True, True, True, 1, 2, 3, ("ATT_UNROLL=1",)),
-        ("moe", False, False, False, 3, 1, 2, ("ATT_UNROLL=4",)),
+        ("moe", False, False, False, 3, 1, 2, ("ATT_UNROLL=8",)),
         ("dense", False, True, False, 2, 1, 2, ("ATT_UNROLL=1",)),
-        # a warp's cached positions at once adjacent (ATT_SPREAD's off arm)
-        ("moe", True, True, True, 1, 2, 3, ("-ATT_SPREAD",)),
-        ("moe", False, False, False, 3, 1, 2, ("-ATT_SPREAD",)),
+        # a warp's cached positions at once NWARP apart (ATT_SPREAD, off)
+        ("moe", True, True, True, 1, 2, 3, ("ATT_SPREAD", "ATT_UNROLL=8")),
+        ("moe", False, False, False, 3, 1, 2, ("ATT_SPREAD",)),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
