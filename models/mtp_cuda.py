@@ -2503,6 +2503,10 @@ class FusedStep:
         per-row inputs derived by the kernel (`derived_round`); `ids`, `last`,
         `starts`, `seeds` and `steps` are then not read (`ids` is
         `samples`)."""
+        if ATT_UNROLL < 1:  # (0 would never leave attention's loop)
+            raise ValueError(
+                f"models.mtp_cuda.ATT_UNROLL must be at least 1, got {ATT_UNROLL}"
+            )
         w, s = self.weights, self.weights.shape
         rows, length = hidden.shape[0], hidden.shape[1]
         if count > 1 and not first and length != 1:

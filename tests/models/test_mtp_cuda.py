@@ -614,6 +614,15 @@ def test_the_step_kernel_compiles_without_spills(
     assert compiled.registers is not None and compiled.registers * 256 <= 65536
 
 
+def test_an_attention_unroll_below_one_is_refused(
+    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATT_UNROLL 0 would never leave attention's loop: refused before a launch."""
+    monkeypatch.setattr(mtp_cuda, "ATT_UNROLL", 0)
+    with pytest.raises(ValueError, match="ATT_UNROLL must be at least 1, got 0"):
+        step_kernel_source(monkeypatch, *moe, (True, False, False, 1, 1, 1), {})
+
+
 def derived_round_call(
     target: Any,
     head: MtpHead,
