@@ -69,8 +69,7 @@
 # (twenty-second session, three leases: `setup-min` then `switches` with BLOCK=512 (could not launch: 254
 #  registers at Qwen3-Next's sizes), then SETS of none / ATT_UNROLL=1 / -PACKED_KV / ATT_UNROLL=4 at CONTEXT=48,
 #  4096 and 32768, fused_probe.py --context 2048 --att-unroll 4 --agree-only by hand: ATT_UNROLL=4 since;
-#  next: `SETS="none ATT_SPREAD,ATT_UNROLL=8" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48
-#  setup-min switches`, the same at CONTEXT=32768 greedy, then fused_probe.py --att-spread --att-unroll 8)
+#  next: `setup-min spread` (ATT_SPREAD with eight positions per warp against the defaults, then its drafts))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -305,6 +304,16 @@ for step in "$@"; do
     [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} \
         --samplings greedy,qwen --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} \
         --out $OUT/fused-probe-next-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+    ;;
+  spread)  # a warp's attention positions at once NWARP apart (ATT_SPREAD, off) with eight per warp, against
+    # the defaults (ATT_UNROLL=4, adjacent): time at 48 positions (both samplings) and at 32,768 (greedy),
+    # then the drafts at 2,048 positions (one and three rows)
+    SETS=${SETS:-none ATT_SPREAD,ATT_UNROLL=8} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} \
+        CONTEXT=48 bash $0 switches
+    SETS=${SETS:-none ATT_SPREAD,ATT_UNROLL=8} SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2 CONTEXT=32768 bash $0 switches
+    timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings greedy,qwen \
+        --agree-only --repeats 1 --context 2048 --att-spread --att-unroll 8 \
+        --out $OUT/fused-probe-next-spread-ctx2048-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)

@@ -249,9 +249,8 @@ ATT_UNROLL = 4
 # several warps, one each, while a long split keeps ATT_UNROLL loads per
 # warp in flight: 8 without the short-context cost, by design.
 # Compile-checked (168-185 registers at Qwen3-Next's sizes with 8), not yet
-# run on a device: `SETS="none ATT_SPREAD,ATT_UNROLL=8" ... switches` at 48
-# and 32,768 positions, then its drafts (`fused_probe.py --att-spread
-# --att-unroll 8 --context 2048 --agree-only`).
+# run on a device: `bash bench/h200_run.sh setup-min spread` times it at 48
+# and 32,768 positions against the defaults, then checks its drafts.
 ATT_SPREAD = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
