@@ -1094,8 +1094,9 @@ _SOURCE = r"""
                            int j_step, int u_step, float& mx_, float& l, float (&acc)[DPL]) {
     for (int j0 = j_first; j0 < n; j0 += j_step) {
       // (held as loaded, DPL elements of W per load, converted where used:
-      // half the registers of floats; at head_dim 256 the floats took the
-      // kernel to 254 registers, 168-182 so; the same time at 48 positions)
+      // half the registers of floats; at head_dim 256 and eight positions
+      // the floats took the kernel to 254 registers, packed 168-182, at the
+      // same time per launch)
       typename Packed<DPL * sizeof(W)>::type kr[AU], vr[AU];
       float dots[AU];
 #pragma unroll
