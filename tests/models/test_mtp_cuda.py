@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from attrs import evolve
 from nvrtc_support import compile_source, source
 
 from models import gated_delta_cuda, mtp_cuda
@@ -713,8 +714,14 @@ QWEN3_NEXT_CONSTANTS = {
     sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
 )
 @pytest.mark.parametrize(
-    ("rows", "width", "greedy"),
-    [(1, 3, True), (1, 3, False), (3, 2, True), (3, 2, False)],
+    ("rows", "width", "greedy", "experts"),
+    [
+        (1, 3, True, 64),
+        (1, 3, False, 64),
+        (3, 2, True, 64),
+        (3, 2, False, 64),
+        (1, 3, False, 512),  # the released model's 512: the router in its own phase
+    ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
     moe: tuple[Any, MtpHead],
@@ -723,6 +730,7 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
     rows: int,
     width: int,
     greedy: bool,
+    experts: int,
 ) -> None:
     """The derived whole round compiled at Qwen3-Next's sizes, for the
     H200's architecture as MLX compiles it (sm_90a), spills nothing and fits
@@ -732,6 +740,13 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
     seen, _ = derived_round_call(*moe, monkeypatch, rows, width, greedy)
     constants = {k: str(v) for k, v in QWEN3_NEXT_CONSTANTS.items()}
     constants["M"] = str(rows * width)
+    constants["E"] = str(experts)
+    weights = fused_weights(*moe, 0)
+    assert weights is not None
+    if not evolve(weights.shape, experts=experts).foldable:
+        constants["FOLD"] = (
+            "0"  # as FusedStep.folds: past 127 experts, the router's own phase
+        )
     compiled = compile_source(step_text(seen, constants), tmp_path, "sm_90a")
     assert compiled.ok, compiled.log[:4000]
     assert compiled.spill_bytes == 0, compiled.log
