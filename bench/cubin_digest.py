@@ -10,9 +10,10 @@ equal run the same instructions, so a change that should not touch the
 measured kernel (removing a switch that is off, a comment, a refactor) is
 checked without device time: run it before and after and compare.
 `--switches=SET` compiles another arm (`NAME` on, `-NAME` off; the `=` form, since an off arm starts with a dash).
-One form, the dense sampled eight-row step, compiles to other bytes from
-one run to the next on the same source (same size and registers; seen
-2026-12-04): compare its size and registers, not its hash.
+Some forms compile to other bytes from one run to the next on the same
+source, with the same size and registers (seen 2026-12-04: the dense
+sampled eight-row step often, the dense greedy first step once): rerun a
+differing dense form before reading a change into it.
 
     python bench/cubin_digest.py > /tmp/before.txt   # then after the change:
     python bench/cubin_digest.py | diff /tmp/before.txt - && echo same code

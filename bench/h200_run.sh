@@ -295,7 +295,7 @@ for step in "$@"; do
     SAMPLINGS=greedy,qwen ROWS=${AGREE_ROWS:-1,3} PROBE_FLAGS="--no-acq-rel-barrier" PROBE_TAG=-fenced \
         LIMIT=${LIMIT:-200} bash $0 agree
     ;;
-  unroll)  # attention's cached positions eight per warp at once (ATT_UNROLL, on) against one at a time,
+  unroll)  # attention's cached positions several per warp at once (ATT_UNROLL, 4) against one at a time,
     # in one lease, at each of CONTEXTS (draft device time), then (unless NO_AGREE) the drafts at a long context
     for c in ${CONTEXTS:-48 4096 32768}; do
       CONTEXT=$c SETS=${SETS:-none ATT_UNROLL=1} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 \

@@ -1097,15 +1097,16 @@ _SOURCE = r"""
       // half the registers of floats; at head_dim 256 and eight positions
       // the floats took the kernel to 254 registers, packed 168-182, at the
       // same time per launch)
-      typename Packed<DPL * sizeof(W)>::type kr[AU], vr[AU];
+      using KV = typename Packed<DPL * sizeof(W)>::type;
+      KV kr[AU], vr[AU];
       float dots[AU];
 #pragma unroll
       for (int u = 0; u < AU; ++u) {  // (SPREAD, past the split's end: no load, zeros)
         const int j = j0 + u * u_step;
         const bool load = !SPREAD || j < n;
         const size_t at = (cache_row + a0 + min(j, n - 1)) * D + lane * DPL;
-        kr[u] = load ? load_packed<W, DPL>(keys + at) : typename Packed<DPL * sizeof(W)>::type{};
-        vr[u] = load ? load_packed<W, DPL>(values + at) : typename Packed<DPL * sizeof(W)>::type{};
+        kr[u] = load ? load_packed<W, DPL>(keys + at) : KV{};
+        vr[u] = load ? load_packed<W, DPL>(values + at) : KV{};
       }
 #pragma unroll
       for (int u = 0; u < AU; ++u) {
