@@ -130,6 +130,7 @@ _SWITCHES = [
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
     ("acq-rel-barrier", "ACQ_REL_BARRIER", "the grid barrier by release / acquire operations"),
     ("att-spread", "ATT_SPREAD", "a warp's cached positions at once NWARP apart, not adjacent"),
+    ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
 ]
 
 

@@ -315,6 +315,17 @@ for step in "$@"; do
         --agree-only --repeats 1 --context 2048 --att-spread --att-unroll 8 \
         --out $OUT/fused-probe-next-spread-ctx2048-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
+  grouped)  # attention per kv head, its cached keys and values staged in shared memory (ATT_GROUPED, off),
+    # against the defaults: the drafts first (one row: two tiles a split at 4,096 positions; three rows: seven),
+    # then the time at each of CONTEXTS (both samplings at 48 positions, greedy beyond)
+    [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} \
+        --samplings greedy,qwen --agree-only --repeats 1 --context ${AGREE_CONTEXT:-4096} --att-grouped \
+        --out $OUT/fused-probe-next-grouped-ctx${AGREE_CONTEXT:-4096}-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+    for c in ${CONTEXTS:-32768 4096 48}; do
+      SETS=${SETS:-none ATT_GROUPED} SAMPLINGS=$([ $c = 48 ] && echo "greedy qwen" || echo greedy) NO_AGREE=1 \
+          DEPTHS=${DEPTHS:-2} CONTEXT=$c bash $0 switches
+    done
+    ;;
   keep)  # the layer's rows kept in L2 for a launch's next step (KEEP_FC / KEEP_QKV / KEEP_O), device time
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)
     SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \

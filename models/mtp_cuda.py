@@ -252,6 +252,29 @@ ATT_UNROLL = 4
 # run on a device: `bash bench/h200_run.sh setup-min spread` times it at 48
 # and 32,768 positions against the defaults, then checks its drafts.
 ATT_SPREAD = False
+# Whether attention's items are (row, kv head, split) instead of (row, query
+# head, split), where a kv head's query heads are at most a block's warps: a
+# block stages its split's cached keys and values in shared memory, ATT_TILE
+# positions a tile (asynchronous copies, the next tile in flight while the
+# warps read the last), and each warp attends for one of the group's query
+# heads. Qwen3-Next's eight query heads per kv head read each key and value
+# from L2 eight times per step otherwise: at 32,768 positions 64 MB of keys
+# and values, more than L2 holds. The row's cached positions are split over
+# at most NBLK / (rows x kv heads) blocks, at least ATT_MIN_SHARE positions
+# each. Compile-checked, not yet run on a device.
+ATT_GROUPED = False
+ATT_TILE = 32
+ATT_MIN_SHARE = 16
+# Whether bfloat16 weights, keys and values convert to float by a shift or a
+# mask of their 32-bit words instead of the compiler's conversion (the same
+# values): ptxas lowers a word's high half by inserting it into the result
+# register's old bits, which keeps that register live from the kernel's
+# start (nvdisasm's register life ranges: 52 registers of the default step
+# live from its entry). On: the steps' code ~3 % smaller (e.g. 256,552 ->
+# 249,128 bytes, bench/cubin_digest.py), registers +-8. A sampled step is
+# bound by fetching its code (DRAW_HEADS's note). Compile-checked, not yet
+# run on a device.
+BF16_SHIFTS = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first
@@ -303,6 +326,21 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
+// Element i of the elements of W packed in raw. With SP_BF16_SHIFTS
+// (`BF16_SHIFTS`) bfloat16 by a shift or a mask of its 32-bit word (the same
+// value): the compiler's own conversion of a word's high half inserts it
+// into its result register's old bits, which keeps that register live from
+// the kernel's start.
+template <typename W, typename P>
+__device__ __forceinline__ float elem(const P& raw, int i) {
+  if constexpr (SP_BF16_SHIFTS && cuda::std::is_same<W, __nv_bfloat16>::value) {
+    const unsigned int w = reinterpret_cast<const unsigned int*>(&raw)[i >> 1];
+    return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16));
+  } else {
+    return static_cast<float>(reinterpret_cast<const W*>(&raw)[i]);
+  }
+}
+
 // N elements of W from p (16, 8 or 4 bytes at once where they make that
 // many; COHERENT: written by other blocks of this launch, read from L2).
 template <typename W, int N, bool COHERENT>
@@ -310,21 +348,18 @@ __device__ __forceinline__ void load_n(const W* p, float* out) {
   if constexpr (N * sizeof(W) == 16) {
     const uint4 raw = COHERENT ? __ldcg(reinterpret_cast<const uint4*>(p))
                                : __ldg(reinterpret_cast<const uint4*>(p));
-    const W* e = reinterpret_cast<const W*>(&raw);
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+    for (int i = 0; i < N; ++i) out[i] = elem<W>(raw, i);
   } else if constexpr (N * sizeof(W) == 8) {
     const uint2 raw = COHERENT ? __ldcg(reinterpret_cast<const uint2*>(p))
                                : __ldg(reinterpret_cast<const uint2*>(p));
-    const W* e = reinterpret_cast<const W*>(&raw);
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+    for (int i = 0; i < N; ++i) out[i] = elem<W>(raw, i);
   } else if constexpr (N * sizeof(W) == 4) {
     const unsigned int raw = COHERENT ? __ldcg(reinterpret_cast<const unsigned int*>(p))
                                       : __ldg(reinterpret_cast<const unsigned int*>(p));
-    const W* e = reinterpret_cast<const W*>(&raw);
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+    for (int i = 0; i < N; ++i) out[i] = elem<W>(raw, i);
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
@@ -344,12 +379,21 @@ __device__ __forceinline__ typename Packed<N * sizeof(W)>::type load_packed(cons
   return __ldg(reinterpret_cast<const typename Packed<N * sizeof(W)>::type*>(p));
 }
 
+// Asynchronous 16-byte copies from global into shared memory (sm_80+):
+// issued, committed as a group, waited for (all but the newest N groups).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned int at = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 template <typename W, int N, typename P>
 __device__ __forceinline__ void unpack_n(const P& raw, float* out) {
   static_assert(sizeof(P) == N * sizeof(W), "a packed load of N elements");
-  const W* e = reinterpret_cast<const W*>(&raw);
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = static_cast<float>(e[i]);
+  for (int i = 0; i < N; ++i) out[i] = elem<W>(raw, i);
 }
 
 // Eight weights (read-only for the launch) in one 16-byte load.
@@ -605,10 +649,9 @@ __device__ __forceinline__ void product(
           for (int q = 0; q < R; ++q)
 #pragma unroll
             for (int j = 0; j < NDOT; ++j) {
-              const W* e = reinterpret_cast<const W*>(&raw[q][u][j]);
               float s = 0.0f;
 #pragma unroll
-              for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
+              for (int i = 0; i < 8; ++i) s += elem<W>(raw[q][u][j], i) * x[i];
               acc[q][v][j] += s;
             }
         }
@@ -807,8 +850,12 @@ _SOURCE = r"""
   // attention partials per (row, head, split): max, sum, D weighted values
   constexpr int SPLITS = NBLK / (B * HQ) > 0 ? NBLK / (B * HQ) : 1;
   constexpr int PART = D + 2;
+  // ATT_GROUPED (where a kv head's query heads fit a block's warps): per
+  // (row, kv head) splits instead, GROUP heads' partials each
+  constexpr bool GROUPED = ATT_GROUPED && GROUP <= NWARP;
+  constexpr int GSPLITS = NBLK / (B * HKV) > 0 ? NBLK / (B * HKV) : 1;
   // each (row, head)'s splits combined, times sigmoid(gate): o_proj's input
-  constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * SPLITS * PART);
+  constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * (GROUPED ? GSPLITS : SPLITS) * PART);
   constexpr size_t O_R1 = O_COMB + align8((size_t)B * HQ * D);
   constexpr size_t O_ACT = O_R1 + align8((size_t)B * H);
   // MoE: router logits and shared gate [B, E + 1] | shared act [B, IS] |
@@ -840,7 +887,7 @@ _SOURCE = r"""
   u64 goal = 0;
   bool gave_up = false;
 
-  extern __shared__ float dyn[];  // the head's normed inputs [B, H], then logits
+  extern __shared__ __align__(16) float dyn[];  // the head's normed inputs [B, H], then logits
   __shared__ float red[NWARP];
   __shared__ float s_m[NWARP], s_l[NWARP];
   __shared__ float s_acc[NWARP][D];
@@ -852,6 +899,7 @@ _SOURCE = r"""
   __shared__ int s_eid[B][KE > 0 ? KE : 1];
   __shared__ float s_split[2 * SPLITS];  // a combining block's split (max, sum)s, then weights
   __shared__ bool s_combines;
+  __shared__ int s_ticket;  // GROUPED: a split's arrival order
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
   __shared__ float s_inv[B], s_rlog[FOLD ? B * EP : 1];  // FOLD: the norm's scale, the router's logits
 
@@ -1085,28 +1133,25 @@ _SOURCE = r"""
       v[i] = static_cast<float>(static_cast<W>(__ldcg(row + 2 * HQ * D + HKV * D + g * D + lane * DPL + i)));
     }
   };
-  // online softmax (max mx_, sum l, weighted values acc) over the cached
-  // positions a0 .. a0 + n - 1 of the kv head at cache_row, AU per iteration
-  // from position a0 + j_first on, every j_step: their keys' and values'
-  // loads all in flight together, the dots reduced by interleaved shuffles,
-  // one rescale per AU positions
-  auto attend_cached = [&](const float (&q)[DPL], size_t cache_row, int a0, int n, int j_first,
-                           int j_step, int u_step, float& mx_, float& l, float (&acc)[DPL]) {
+  // online softmax (max mx_, sum l, weighted values acc) over n positions,
+  // AU per iteration from position j_first on, every j_step (u_step apart
+  // within an iteration): `kv(j, kr, vr)` loads position j's key and value
+  // (packed, DPL elements of W each), all AU loads in flight together, the
+  // dots reduced by interleaved shuffles, one rescale per AU positions
+  using KV = typename Packed<DPL * sizeof(W)>::type;
+  auto attend = [&](const float (&q)[DPL], int n, int j_first, int j_step, int u_step, auto&& kv,
+                    float& mx_, float& l, float (&acc)[DPL]) {
     for (int j0 = j_first; j0 < n; j0 += j_step) {
-      // (held as loaded, DPL elements of W per load, converted where used:
-      // half the registers of floats; at head_dim 256 and eight positions
-      // the floats took the kernel to 254 registers, packed 168-182, at the
-      // same time per launch)
-      using KV = typename Packed<DPL * sizeof(W)>::type;
+      // (held as loaded, converted where used: half the registers of
+      // floats; at head_dim 256 and eight positions the floats took the
+      // kernel to 254 registers, packed 168-182, at the same time per launch)
       KV kr[AU], vr[AU];
       float dots[AU];
 #pragma unroll
-      for (int u = 0; u < AU; ++u) {  // (SPREAD, past the split's end: no load, zeros)
+      for (int u = 0; u < AU; ++u) {  // (SPREAD, past the end: no load, zeros)
         const int j = j0 + u * u_step;
-        const bool load = !SPREAD || j < n;
-        const size_t at = (cache_row + a0 + min(j, n - 1)) * D + lane * DPL;
-        kr[u] = load ? load_packed<W, DPL>(keys + at) : KV{};
-        vr[u] = load ? load_packed<W, DPL>(values + at) : KV{};
+        if (!SPREAD || j < n) kv(min(j, n - 1), kr[u], vr[u]);
+        else { kr[u] = KV{}; vr[u] = KV{}; }
       }
 #pragma unroll
       for (int u = 0; u < AU; ++u) {
@@ -1140,136 +1185,340 @@ _SOURCE = r"""
       mx_ = mnew;
     }
   };
-  // items (row, head, split): a split attends over one contiguous share of
-  // the row's positions; phase 4 combines the splits (flash-decoding)
-  for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
-    const int split = item % SPLITS, bh = item / SPLITS;
-    const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
-    // step s (s > 0: a chained step) sits s positions after the first
-    // step's query, at window slot lb + s: the window's slots below it hold
-    // the first step's keys / values (0 .. TT - 1) overwritten from lb + 1
-    // on by the later steps' (knew, vnew, this launch's)
-    const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
-    const int mq = b * TT + lb;  // every step's query row (later steps: all rows alike)
-    // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
-    const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
-    float q[DPL];
-    normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q,
-                 item == blk ? 8 : -1);
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) q[i] *= scale;
-    if (item == blk) mark(2);
-    float mx_ = -SP_INF, l = 0.0f, acc[DPL];
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-    const size_t cache_row = ((size_t)b * HKV + g) * C;
-    const int positions = st0 + qslot + 1;
-    const int share = (positions + SPLITS - 1) / SPLITS;
-    const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
-    // AU > 1 (`ATT_UNROLL`): the split's positions in the cache (before
-    // the window's) AU per warp at once (`attend_cached`)
-    const int wa0 = AU > 1 ? max(a0, min(st0, a0 + n_att)) : a0;  // the rest from here on
-    if constexpr (AU > 1)
-      attend_cached(q, cache_row, a0, wa0 - a0, SPREAD ? warp : warp * AU, NWARP * AU, SPREAD ? NWARP : 1,
-                    mx_, l, acc);
-    // one loop, one copy of the window keys' code: first the window slots
-    // this item stores for head g (split 0 of its group's first head: the
-    // step's own slots), then the positions it attends over (from wa0 on)
-    const int n_store = (hq % GROUP == 0 && split == 0) ? (s == 0 ? TT : 1) : 0;
-    const int n_rest = a0 + n_att - wa0;
-    for (int j = warp; j < n_store + n_rest; j += NWARP) {
-      const bool store = j < n_store;
-      const int p = store ? st0 + (s == 0 ? j : qslot) : wa0 + j - n_store;
-      float k[DPL], v[DPL];
-      const int slot = p - st0;
-      if (slot < 0) {
-        load_n<W, DPL, false>(keys + (cache_row + p) * D + lane * DPL, k);
-        load_n<W, DPL, false>(values + (cache_row + p) * D + lane * DPL, v);
-      } else if (s > 0 && slot < qslot) {  // an earlier step of this launch
-        load_n<W, DPL, true>(knew + (window_row + slot) * D + lane * DPL, k);
-        load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
-      } else {
-        window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, p, k, v);
-      }
-      if (store) {
-        const size_t at = (window_row + slot) * D + lane * DPL;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          knew[at + i] = static_cast<W>(k[i]);
-          vnew[at + i] = static_cast<W>(v[i]);
+  // position j's key and value, packed loads: of the cache (read-only for
+  // the launch) from position a0 of cache row `row`, or of a tile staged in
+  // shared memory ([positions, D] keys at k, values at v)
+  auto cached_kv = [&](size_t row, int a0) {
+    return [=](int j, KV& kr, KV& vr) {
+      const size_t at = (row + a0 + j) * D + lane * DPL;
+      kr = load_packed<W, DPL>(keys + at);
+      vr = load_packed<W, DPL>(values + at);
+    };
+  };
+  auto shared_kv = [&](const W* k, const W* v) {
+    return [=](int j, KV& kr, KV& vr) {
+      kr = *reinterpret_cast<const KV*>(k + j * D + lane * DPL);
+      vr = *reinterpret_cast<const KV*>(v + j * D + lane * DPL);
+    };
+  };
+  // step s (s > 0: a chained step) sits s positions after the first step's
+  // query, at window slot lb + s: the window's slots below it hold the first
+  // step's keys / values (0 .. TT - 1) overwritten from lb + 1 on by the
+  // later steps' (knew, vnew, this launch's)
+  if constexpr (GROUPED) {
+    // GROUPED (`ATT_GROUPED`): items (row, kv head, split); a block stages
+    // its split's cached keys and values in shared memory, TP positions a
+    // tile (cp.async, the next tile's copies in flight while the warps read
+    // the last), and its warps attend for the group's GROUP query heads
+    // (warp w: head w % GROUP, every NSUB-th group of AU positions): each
+    // key and value crosses DRAM and L2 once per step instead of once per
+    // query head. Split 0 also takes the window's slots (computed, stored
+    // for the cache, attended from shared memory). Each (row, head)'s splits
+    // are combined by one of the group's first min(splits, GROUP) blocks
+    // to finish, once all have (a counter tagged with the step's grid
+    // barrier target: nothing to reset, no stale count from an earlier
+    // launch).
+    constexpr int NSUB = NWARP / GROUP;
+    constexpr int TP = ATT_TILE;
+    constexpr int TILE = TP * D;  // elements of a tile's keys (and of its values)
+    constexpr int CH = 16 / (int)sizeof(W);  // elements per 16-byte copy
+    W* tiles = reinterpret_cast<W*>(dyn);  // 2 stages of [keys TP x D | values TP x D]
+    const int hw = warp % GROUP, sub = warp / GROUP;
+    const bool active = warp < NSUB * GROUP;
+    for (int item = blk; item < B * HKV * GSPLITS; item += NBLK) {
+      const int split = item % GSPLITS, bg = item / GSPLITS;
+      const int b = bg / HKV, g = bg % HKV, hq = g * GROUP + hw;
+      const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
+      const int mq = b * TT + lb;
+      // splits of the row's cached positions: at least ATT_MIN_SHARE each
+      const int nsp = min(GSPLITS, max(1, (st0 + ATT_MIN_SHARE - 1) / ATT_MIN_SHARE));
+      if (split >= nsp) continue;  // (the whole block)
+      const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
+      const size_t cache_row = ((size_t)b * HKV + g) * C;
+      const int share = (st0 + nsp - 1) / nsp;
+      const int a0 = split * share, n_c = max(0, min(st0, a0 + share) - a0);
+      const int ntiles = (n_c + TP - 1) / TP;
+      auto issue = [&](int t) {  // tile t of the split's positions into stage t & 1
+        W* sk = tiles + (size_t)(t & 1) * 2 * TILE;
+        const int np = min(TP, n_c - t * TP);
+        const W* gk = keys + (cache_row + a0 + t * TP) * D;
+        const W* gv = values + (cache_row + a0 + t * TP) * D;
+        for (int i = tid; i < np * D / CH; i += blockDim.x) {
+          cp_async16(sk + i * CH, gk + i * CH);
+          cp_async16(sk + TILE + i * CH, gv + i * CH);
         }
-        continue;
+        cp_async_commit();
+      };
+      if (ntiles > 0) issue(0);
+      float q[DPL];
+      normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q,
+                   item == blk ? 8 : -1);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) q[i] *= scale;
+      if (item == blk) mark(2);
+      float mx_ = -SP_INF, l = 0.0f, acc[DPL];
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+      const int j_first = active ? sub * AU : TP, j_step = NSUB * AU;
+      if (split == 0) {
+        // the window's slots through stage 1 (tile 0 loads into stage 0
+        // meanwhile): the first step's TT slots (all stored, 0 .. lb
+        // attended), a later step's 0 .. qslot (qslot computed and stored,
+        // the slots below it read back); at most TP (the host sees to it:
+        // in TP-slot chunks the loop took the kernel to 255 registers)
+        const int n_slot = min(TP, s == 0 ? TT : qslot + 1);
+        W* wk = tiles + 2 * TILE;
+        {
+          for (int j = warp; j < n_slot; j += NWARP) {
+            float k[DPL], v[DPL];
+            if (s > 0 && j < qslot) {  // an earlier step of this launch
+              load_n<W, DPL, true>(knew + (window_row + j) * D + lane * DPL, k);
+              load_n<W, DPL, true>(vnew + (window_row + j) * D + lane * DPL, v);
+            } else {
+              window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + j : mq) * QKVN, g, st0 + j, k, v);
+              const size_t at = (window_row + j) * D + lane * DPL;
+#pragma unroll
+              for (int i = 0; i < DPL; ++i) {
+                knew[at + i] = static_cast<W>(k[i]);
+                vnew[at + i] = static_cast<W>(v[i]);
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+              wk[j * D + lane * DPL + i] = static_cast<W>(k[i]);
+              wk[TILE + j * D + lane * DPL + i] = static_cast<W>(v[i]);
+            }
+          }
+          __syncthreads();
+          attend(q, min(qslot + 1, n_slot), j_first, j_step, 1, shared_kv(wk, wk + TILE), mx_, l, acc);
+          __syncthreads();
+        }
       }
-      float dot = 0.0f;
+      for (int t = 0; t < ntiles; ++t) {
+        if (t + 1 < ntiles) {
+          issue(t + 1);
+          cp_async_wait<1>();
+        } else {
+          cp_async_wait<0>();
+        }
+        __syncthreads();
+        const W* sk = tiles + (size_t)(t & 1) * 2 * TILE;
+        attend(q, min(TP, n_c - t * TP), j_first, j_step, 1, shared_kv(sk, sk + TILE), mx_, l, acc);
+        __syncthreads();
+      }
+      if (lane == 0) { s_m[warp] = mx_; s_l[warp] = l; }
 #pragma unroll
-      for (int i = 0; i < DPL; ++i) dot += q[i] * k[i];
-      dot = warp_sum(dot);
-      const float mnew = fmaxf(mx_, dot);
-      const float corr = expf(mx_ - mnew);
-      const float e = expf(dot - mnew);
-      l = l * corr + e;
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * corr + e * v[i];
-      mx_ = mnew;
-    }
-    if (lane == 0) { s_m[warp] = mx_; s_l[warp] = l; }
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) s_acc[warp][lane * DPL + i] = acc[i];
-    __syncthreads();
-    if (item == blk) mark(3);
-    // this split's partial: its max, its sum, its weighted values (unscaled)
-    float top = -SP_INF;
-    for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_l[w] > 0.0f ? s_m[w] : -SP_INF);
-    float* part = S + O_ATT + (size_t)item * PART;
-    for (int d = tid; d < D; d += blockDim.x) {
-      float num = 0.0f;
-      for (int w = 0; w < NWARP; ++w)
-        if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
-      part[2 + d] = num;
-    }
-    if (tid == 0) {
-      float den = 0.0f;
-      for (int w = 0; w < NWARP; ++w)
-        if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
-      part[0] = top;
-      part[1] = den;  // 0 for an empty split
-    }
-    // the last of the (row, head)'s splits to finish combines them (its
-    // counter back to 0 for the next step: no split of it is left to count)
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      u64* count = bar + 2 + bh;
-      s_combines = atomicAdd(count, 1ULL) == (u64)(SPLITS - 1);
-      if (s_combines) *count = 0ULL;
-    }
-    __syncthreads();
-    if (s_combines) {
-      __threadfence();
-      const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
-      if (tid < 2 * SPLITS) s_split[tid] = __ldcg(parts + (tid >> 1) * PART + (tid & 1));
+      for (int i = 0; i < DPL; ++i) s_acc[warp][lane * DPL + i] = acc[i];
       __syncthreads();
-      if (tid == 0) {  // each split's weight exp(max_s - max) / sum
+      if (item == blk) mark(3);
+      // this split's partial of each head of the group (its NSUB warps'
+      // combined): max, sum, weighted values (unscaled)
+      for (int x = tid; x < GROUP * PART; x += blockDim.x) {
+        const int h = x / PART, d = x % PART;
         float top = -SP_INF;
-        for (int sp = 0; sp < SPLITS; ++sp)
-          if (s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
-        float den = 0.0f;
-        for (int sp = 0; sp < SPLITS; ++sp) {
-          const float l = s_split[2 * sp + 1];
-          s_split[2 * sp] = l > 0.0f ? expf(s_split[2 * sp] - top) : 0.0f;  // 0: an empty split
-          den += l * s_split[2 * sp];
-        }
-        for (int sp = 0; sp < SPLITS; ++sp) s_split[2 * sp] /= den;
-      }
-      __syncthreads();
-      const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-      for (int d = tid; d < D; d += blockDim.x) {
-        float n = 0.0f;
 #pragma unroll
-        for (int sp = 0; sp < SPLITS; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
-        S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
+        for (int u = 0; u < NSUB; ++u)
+          if (s_l[h + u * GROUP] > 0.0f) top = fmaxf(top, s_m[h + u * GROUP]);
+        float r = top;
+        if (d > 0) {
+          r = 0.0f;
+#pragma unroll
+          for (int u = 0; u < NSUB; ++u) {
+            const int w = h + u * GROUP;
+            if (s_l[w] > 0.0f) r += (d == 1 ? s_l[w] : s_acc[w][d - 2]) * expf(s_m[w] - top);
+          }
+        }
+        S[O_ATT + ((size_t)(b * HQ + g * GROUP + h) * GSPLITS + split) * PART + d] = r;
+      }
+      __threadfence();
+      __syncthreads();
+      const int n_comb = min(nsp, GROUP);
+      if (tid == 0) {
+        u64* count = bar + GCOUNT + bg;  // (goal << 16) | splits finished
+        u64 old = *(volatile u64*)count;
+        while (true) {
+          const u64 next = (old >> 16) == goal ? old + 1 : ((goal << 16) | 1ULL);
+          const u64 seen = atomicCAS(reinterpret_cast<unsigned long long*>(count), old, next);
+          if (seen == old) break;
+          old = seen;
+        }
+        const int ticket = (old >> 16) == goal ? (int)(old & 0xFFFFu) : 0;
+        s_ticket = ticket;
+        if (ticket < n_comb && !gave_up) {  // a combiner: all splits first
+          const u64 t0 = now_ns();
+          while (true) {
+            const u64 c = *(volatile u64*)count;
+            if ((c >> 16) == goal && (int)(c & 0xFFFFu) >= nsp) break;
+            if (now_ns() - t0 > 200000000ULL) {
+              gave_up = true;
+              atomicAdd(bar + 1, 1ULL);
+              break;
+            }
+          }
+        }
+        __threadfence();
       }
       __syncthreads();
+      const int ticket = s_ticket;
+      float* wts = dyn;  // (the tiles are spent) each split's weight exp(max_s - max) / sum
+      for (int h = ticket; h < GROUP && ticket < n_comb; h += n_comb) {
+        const int bh = b * HQ + g * GROUP + h;
+        const float* parts = S + O_ATT + (size_t)bh * GSPLITS * PART;
+        if (warp == 0) {
+          float top = -SP_INF;
+          for (int sp = lane; sp < nsp; sp += 32)
+            if (__ldcg(parts + sp * PART + 1) > 0.0f) top = fmaxf(top, __ldcg(parts + sp * PART));
+          top = warp_max(top);
+          float den = 0.0f;
+          for (int sp = lane; sp < nsp; sp += 32) {
+            const float ls = __ldcg(parts + sp * PART + 1);
+            const float e = ls > 0.0f ? expf(__ldcg(parts + sp * PART) - top) : 0.0f;  // 0: an empty split
+            wts[sp] = e;
+            den += ls * e;
+          }
+          den = warp_sum(den);
+          __syncwarp();
+          for (int sp = lane; sp < nsp; sp += 32) wts[sp] /= den;
+        }
+        __syncthreads();
+        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)(g * GROUP + h) * 2 * D + D;
+        for (int d = tid; d < D; d += blockDim.x) {
+          float n = 0.0f;
+#pragma unroll 1
+          for (int sp = 0; sp < nsp; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * wts[sp];
+          S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
+        }
+        __syncthreads();
+      }
+    }
+  } else {
+    // items (row, head, split): a split attends over one contiguous share of
+    // the row's positions; phase 4 combines the splits (flash-decoding)
+    for (int item = blk; item < B * HQ * SPLITS; item += NBLK) {
+      const int split = item % SPLITS, bh = item / SPLITS;
+      const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
+      const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
+      const int mq = b * TT + lb;  // every step's query row (later steps: all rows alike)
+      // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
+      const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
+      float q[DPL];
+      normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q,
+                   item == blk ? 8 : -1);
+  #pragma unroll
+      for (int i = 0; i < DPL; ++i) q[i] *= scale;
+      if (item == blk) mark(2);
+      float mx_ = -SP_INF, l = 0.0f, acc[DPL];
+  #pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+      const size_t cache_row = ((size_t)b * HKV + g) * C;
+      const int positions = st0 + qslot + 1;
+      const int share = (positions + SPLITS - 1) / SPLITS;
+      const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
+      // AU > 1 (`ATT_UNROLL`): the split's positions in the cache (before
+      // the window's) AU per warp at once (`attend_cached`)
+      const int wa0 = AU > 1 ? max(a0, min(st0, a0 + n_att)) : a0;  // the rest from here on
+      if constexpr (AU > 1)
+        attend(q, wa0 - a0, SPREAD ? warp : warp * AU, NWARP * AU, SPREAD ? NWARP : 1,
+               cached_kv(cache_row, a0), mx_, l, acc);
+      // one loop, one copy of the window keys' code: first the window slots
+      // this item stores for head g (split 0 of its group's first head: the
+      // step's own slots), then the positions it attends over (from wa0 on)
+      const int n_store = (hq % GROUP == 0 && split == 0) ? (s == 0 ? TT : 1) : 0;
+      const int n_rest = a0 + n_att - wa0;
+      for (int j = warp; j < n_store + n_rest; j += NWARP) {
+        const bool store = j < n_store;
+        const int p = store ? st0 + (s == 0 ? j : qslot) : wa0 + j - n_store;
+        float k[DPL], v[DPL];
+        const int slot = p - st0;
+        if (slot < 0) {
+          load_n<W, DPL, false>(keys + (cache_row + p) * D + lane * DPL, k);
+          load_n<W, DPL, false>(values + (cache_row + p) * D + lane * DPL, v);
+        } else if (s > 0 && slot < qslot) {  // an earlier step of this launch
+          load_n<W, DPL, true>(knew + (window_row + slot) * D + lane * DPL, k);
+          load_n<W, DPL, true>(vnew + (window_row + slot) * D + lane * DPL, v);
+        } else {
+          window_kv(S + O_QKV + (size_t)(s == 0 ? b * TT + slot : mq) * QKVN, g, p, k, v);
+        }
+        if (store) {
+          const size_t at = (window_row + slot) * D + lane * DPL;
+  #pragma unroll
+          for (int i = 0; i < DPL; ++i) {
+            knew[at + i] = static_cast<W>(k[i]);
+            vnew[at + i] = static_cast<W>(v[i]);
+          }
+          continue;
+        }
+        float dot = 0.0f;
+  #pragma unroll
+        for (int i = 0; i < DPL; ++i) dot += q[i] * k[i];
+        dot = warp_sum(dot);
+        const float mnew = fmaxf(mx_, dot);
+        const float corr = expf(mx_ - mnew);
+        const float e = expf(dot - mnew);
+        l = l * corr + e;
+  #pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * corr + e * v[i];
+        mx_ = mnew;
+      }
+      if (lane == 0) { s_m[warp] = mx_; s_l[warp] = l; }
+  #pragma unroll
+      for (int i = 0; i < DPL; ++i) s_acc[warp][lane * DPL + i] = acc[i];
+      __syncthreads();
+      if (item == blk) mark(3);
+      // this split's partial: its max, its sum, its weighted values (unscaled)
+      float top = -SP_INF;
+      for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_l[w] > 0.0f ? s_m[w] : -SP_INF);
+      float* part = S + O_ATT + (size_t)item * PART;
+      for (int d = tid; d < D; d += blockDim.x) {
+        float num = 0.0f;
+        for (int w = 0; w < NWARP; ++w)
+          if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
+        part[2 + d] = num;
+      }
+      if (tid == 0) {
+        float den = 0.0f;
+        for (int w = 0; w < NWARP; ++w)
+          if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
+        part[0] = top;
+        part[1] = den;  // 0 for an empty split
+      }
+      // the last of the (row, head)'s splits to finish combines them (its
+      // counter back to 0 for the next step: no split of it is left to count)
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        u64* count = bar + 2 + bh;
+        s_combines = atomicAdd(count, 1ULL) == (u64)(SPLITS - 1);
+        if (s_combines) *count = 0ULL;
+      }
+      __syncthreads();
+      if (s_combines) {
+        __threadfence();
+        const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
+        if (tid < 2 * SPLITS) s_split[tid] = __ldcg(parts + (tid >> 1) * PART + (tid & 1));
+        __syncthreads();
+        if (tid == 0) {  // each split's weight exp(max_s - max) / sum
+          float top = -SP_INF;
+          for (int sp = 0; sp < SPLITS; ++sp)
+            if (s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
+          float den = 0.0f;
+          for (int sp = 0; sp < SPLITS; ++sp) {
+            const float l = s_split[2 * sp + 1];
+            s_split[2 * sp] = l > 0.0f ? expf(s_split[2 * sp] - top) : 0.0f;  // 0: an empty split
+            den += l * s_split[2 * sp];
+          }
+          for (int sp = 0; sp < SPLITS; ++sp) s_split[2 * sp] /= den;
+        }
+        __syncthreads();
+        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+        for (int d = tid; d < D; d += blockDim.x) {
+          float n = 0.0f;
+  #pragma unroll
+          for (int sp = 0; sp < SPLITS; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
+          S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
+        }
+        __syncthreads();
+      }
     }
   }
   // the MLP's first product, weight row j of its output r: dense, gate
@@ -1560,11 +1809,10 @@ _SOURCE = r"""
           float s = 0.0f;
 #pragma unroll
           for (int q = 0; q < (c < KE ? CH : SCH); ++q) {
-            const W* e = reinterpret_cast<const W*>(&raw[c * CH + q]);
             float x[8];
             smem8(xa + q * 256 + lane * 8, x);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) s += static_cast<float>(e[i]) * x[i];
+            for (int i = 0; i < 8; ++i) s += elem<W>(raw[c * CH + q], i) * x[i];
           }
           part += weight * s;
         }
@@ -1937,16 +2185,22 @@ def compact(text: str) -> str:
     return "\n".join(lines)
 
 
+def header_text(shifts: bool) -> str:
+    """The kernel's header with `BF16_SHIFTS` as given (a macro: the header's
+    conversions are not templates of the kernel's constants)."""
+    return f"#define SP_BF16_SHIFTS {int(shifts)}\n" + _COMPACT_HEADER
+
+
 @cache
-def _kernel(shared: int) -> Callable[..., list[mx.array]]:
+def _kernel(shared: int, shifts: bool) -> Callable[..., list[mx.array]]:
     return cast(
         Callable[..., list[mx.array]],
         mx.fast.cuda_kernel(
-            name=f"specpipe_mtp_step_{shared}",
+            name=f"specpipe_mtp_step_{shared}" + ("_shifts" if shifts else ""),
             input_names=_INPUTS,
             output_names=_OUTPUTS,
             source=_COMPACT_SOURCE,
-            header=_COMPACT_HEADER,
+            header=header_text(shifts),
             shared_memory=shared,
         ),
     )
@@ -1972,6 +2226,18 @@ class LayerShape:
     shared_intermediate: int
     norm_top: bool
 
+    def grouped(self, slots: int) -> bool:
+        """Whether attention takes items per kv head (`ATT_GROUPED`) in a
+        launch whose window slots (its positions plus its chained steps) are
+        `slots`: where a kv head's query heads are at most a block's warps
+        and the slots fit one tile."""
+        return (
+            ATT_GROUPED
+            and self.heads // self.kv_heads <= BLOCK // 32
+            and slots <= ATT_TILE
+            and 2 * 2 * ATT_TILE * self.head_dim * 2 <= MAX_SHARED
+        )
+
     @property
     def foldable(self) -> bool:
         """Whether the kernel can fold the router into o_proj's phase
@@ -1979,12 +2245,20 @@ class LayerShape:
         return not self.dense and 0 < self.experts + 1 <= 128
 
     def scratch(
-        self, vectors: int, rows: int, candidates: int, blocks: int, fold: bool = False
+        self,
+        vectors: int,
+        rows: int,
+        candidates: int,
+        blocks: int,
+        fold: bool = False,
+        grouped: bool = False,
     ) -> int:
         """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
-        splits = max(1, blocks // (rows * self.heads))  # attention's per (row, head)
+        # attention's splits per (row, head): per (row, kv head) when grouped
+        per = self.kv_heads if grouped else self.heads
+        splits = max(1, blocks // (rows * per))
         parts = [
             vectors * h,
             vectors * qkv,
@@ -2008,11 +2282,17 @@ class LayerShape:
         return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
     def shared_bytes(
-        self, vectors: int, rows: int, vocab: int, greedy: bool, blocks: int
+        self,
+        vectors: int,
+        rows: int,
+        vocab: int,
+        greedy: bool,
+        blocks: int,
+        grouped: bool = False,
     ) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
-        sampling)."""
+        sampling), grouped attention's tiles."""
         h = self.hidden
         mlp = (
             rows * self.intermediate
@@ -2031,7 +2311,10 @@ class LayerShape:
             * rows
             * (self.experts + 1),  # FOLD: o_proj's warps' router sums
         )
-        return 4 * floats
+        # grouped attention's two stages of a tile's keys and values (2-byte
+        # elements), then its combining weights (at most `blocks` floats)
+        tiles = 2 * 2 * ATT_TILE * self.head_dim * 2 if grouped else 0
+        return max(4 * floats, tiles, 4 * blocks)
 
     def static_shared(self, rows: int, blocks: int) -> int:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
@@ -2309,7 +2592,11 @@ class FusedStep:
             blocks = min(BLOCKS, count)
         # the grid barrier's counter, the barriers that gave up, then a
         # counter of finished attention splits per (row, head)
-        sync = mx.zeros((2 + MAX_ROWS * weights.shape.heads,), dtype=mx.uint64)
+        # (ATT_GROUPED: then a tagged counter per (row, kv head))
+        shape = weights.shape
+        sync = mx.zeros(
+            (2 + MAX_ROWS * (shape.heads + shape.kv_heads),), dtype=mx.uint64
+        )
         mx.eval(sync)
         # the subset's ids, which every block's draw reads, in device memory
         ids = None if subset_ids is None else device_copy(subset_ids)
@@ -2518,7 +2805,8 @@ class FusedStep:
         # MLX lifts a kernel's shared-memory limit only for more than 48000
         # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
         # (one block per multiprocessor anyway), in steps of 16 KiB.
-        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks)
+        grouped = s.grouped(length + count - 1)
+        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks, grouped)
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         lean = -(-needed // 1024) * 1024
         if LEAN_SHARED and lean + s.static_shared(rows, self.blocks) <= 48000:
@@ -2564,6 +2852,10 @@ class FusedStep:
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("ATT_UNROLL", ATT_UNROLL),
             ("SPREAD", ATT_SPREAD),
+            ("ATT_GROUPED", grouped),
+            ("ATT_TILE", ATT_TILE),
+            ("ATT_MIN_SHARE", ATT_MIN_SHARE),
+            ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
@@ -2573,7 +2865,7 @@ class FusedStep:
             keys.shape if kv_out else (rows, s.kv_heads, length + count - 1, s.head_dim)
         )
         sub_ids = self.subset_ids if self.subset_ids is not None else last
-        outputs = _kernel(shared)(
+        outputs = _kernel(shared, BF16_SHIFTS)(
             inputs=[
                 ids.reshape(-1),
                 hidden.reshape(vectors, s.hidden),
@@ -2601,7 +2893,7 @@ class FusedStep:
                 (rows, 1, s.hidden),
                 window,
                 window,
-                (s.scratch(vectors, rows, candidates, self.blocks, fold),),
+                (s.scratch(vectors, rows, candidates, self.blocks, fold, grouped),),
                 (rows, 4),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,

@@ -477,7 +477,7 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
     is overridden: E=512)."""
     text = source(
         "mtp_step",
-        mtp_cuda._COMPACT_HEADER,
+        mtp_cuda.header_text(mtp_cuda.BF16_SHIFTS),
         mtp_cuda._COMPACT_SOURCE,
         list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
@@ -572,6 +572,15 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # a warp's cached positions at once NWARP apart (ATT_SPREAD, off)
         ("moe", True, True, True, 1, 2, 3, ("ATT_SPREAD", "ATT_UNROLL=8")),
         ("moe", False, False, False, 3, 1, 2, ("ATT_SPREAD",)),
+        # attention per kv head, its keys and values staged in shared memory
+        # (ATT_GROUPED, off): a round, a chain, a first step; dense and MoE
+        ("moe", True, True, True, 1, 2, 3, ("ATT_GROUPED",)),
+        ("moe", False, False, False, 3, 1, 2, ("ATT_GROUPED",)),
+        ("dense", False, True, False, 2, 1, 2, ("ATT_GROUPED", "ATT_UNROLL=8")),
+        ("dense", True, True, True, 1, 4, 1, ("ATT_GROUPED", "ATT_UNROLL=1")),
+        # bfloat16 converted by shifts and masks (BF16_SHIFTS, off)
+        ("moe", False, True, True, 1, 2, 3, ("BF16_SHIFTS",)),
+        ("dense", True, False, False, 1, 1, 4, ("BF16_SHIFTS", "ATT_GROUPED")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
@@ -714,13 +723,19 @@ QWEN3_NEXT_CONSTANTS = {
     sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
 )
 @pytest.mark.parametrize(
-    ("rows", "width", "greedy", "experts"),
+    ("rows", "width", "greedy", "experts", "switches"),
     [
-        (1, 3, True, 64),
-        (1, 3, False, 64),
-        (3, 2, True, 64),
-        (3, 2, False, 64),
-        (1, 3, False, 512),  # the released model's 512: the router in its own phase
+        (1, 3, True, 64, ()),
+        (1, 3, False, 64, ()),
+        (3, 2, True, 64, ()),
+        (3, 2, False, 64, ()),
+        (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
+        # attention per kv head (ATT_GROUPED, off), bfloat16 by shifts (BF16_SHIFTS, off)
+        (1, 3, True, 64, ("ATT_GROUPED",)),
+        (1, 3, False, 64, ("ATT_GROUPED",)),
+        (3, 2, False, 64, ("ATT_GROUPED",)),
+        (1, 3, False, 64, ("BF16_SHIFTS",)),
+        (3, 2, True, 64, ("BF16_SHIFTS", "ATT_GROUPED")),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
@@ -731,12 +746,15 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
     width: int,
     greedy: bool,
     experts: int,
+    switches: tuple[str, ...],
 ) -> None:
     """The derived whole round compiled at Qwen3-Next's sizes, for the
     H200's architecture as MLX compiles it (sm_90a), spills nothing and fits
     a 256-thread block's register file: the kernel's register use is set by
     the real sizes (252-254 registers with ATT_UNROLL=8, 2026-12-04), not by
     the fixtures'."""
+    for switch in switches:
+        monkeypatch.setattr(mtp_cuda, switch, True)
     seen, _ = derived_round_call(*moe, monkeypatch, rows, width, greedy)
     constants = {k: str(v) for k, v in QWEN3_NEXT_CONSTANTS.items()}
     constants["M"] = str(rows * width)
