@@ -261,7 +261,10 @@ ATT_SPREAD = False
 # from L2 eight times per step otherwise: at 32,768 positions 64 MB of keys
 # and values, more than L2 holds. The row's cached positions are split over
 # at most NBLK / (rows x kv heads) blocks, at least ATT_MIN_SHARE positions
-# each. Compile-checked, not yet run on a device.
+# each. A launch whose window slots (positions plus chained steps) pass
+# ATT_TILE keeps the per-query-head form. Compile-checked (165-168 registers
+# at Qwen3-Next's sizes), not yet run on a device: `bash bench/h200_run.sh
+# setup-min grouped` checks its drafts and times it.
 ATT_GROUPED = False
 ATT_TILE = 32
 ATT_MIN_SHARE = 16
@@ -270,10 +273,10 @@ ATT_MIN_SHARE = 16
 # values): ptxas lowers a word's high half by inserting it into the result
 # register's old bits, which keeps that register live from the kernel's
 # start (nvdisasm's register life ranges: 52 registers of the default step
-# live from its entry). On: the steps' code ~3 % smaller (e.g. 256,552 ->
-# 249,128 bytes, bench/cubin_digest.py), registers +-8. A sampled step is
-# bound by fetching its code (DRAW_HEADS's note). Compile-checked, not yet
-# run on a device.
+# live from its entry). On: the compile test's steps 1-4 % less code
+# (bench/cubin_digest.py), Qwen3-Next's sampled round 291,864 -> 284,184
+# bytes at the same 168 registers; a sampled step is bound by fetching its
+# code (DRAW_HEADS's note). Compile-checked, not yet run on a device.
 BF16_SHIFTS = False
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
