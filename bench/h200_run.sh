@@ -70,6 +70,9 @@
 #  registers at Qwen3-Next's sizes), then SETS of none / ATT_UNROLL=1 / -PACKED_KV / ATT_UNROLL=4 at CONTEXT=48,
 #  4096 and 32768, fused_probe.py --context 2048 --att-unroll 4 --agree-only by hand: ATT_UNROLL=4 since;
 #  next: `setup-min spread` (ATT_SPREAD with eight positions per warp against the defaults, then its drafts))
+# (twenty-third session: no device lent; next: `setup-min grouped` (ATT_GROUPED's drafts at 4,096 positions,
+#  then its time against the defaults at 32,768, 4,096 and 48), then `SETS="none BF16_SHIFTS" SAMPLINGS="greedy
+#  qwen" DEPTHS=2,3 CONTEXT=48 NO_AGREE=1 switches`, then `spread`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
