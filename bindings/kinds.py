@@ -225,6 +225,132 @@ def _native_mtp(
     )
 
 
+def _is_dflash_artifact(artifact: DraftArtifact) -> bool:
+    config = artifact.config
+    if config is None:
+        return False
+    architectures = config.get("architectures") or []
+    return "dflash_config" in config or any("DFlash" in str(a) for a in architectures)
+
+
+def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+    import mlx.core as mx
+
+    from models.dflash import DFlashSettings, build_dflash
+    from models.layers import model_dtype
+    from schemas.converter import hf, structure
+    from schemas.hf import DecoderArgs, normalize_hf_config
+    from specpipe.drafts.dflash import DFlashDrafter
+
+    assert request.source is not None
+    folder = Path(request.source)
+    where = str(folder)
+    config = DraftArtifact(folder).config
+    if config is None:
+        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    inner = config.get("dflash_config")
+    second = any("DFlash2" in str(a) for a in config.get("architectures") or []) or (
+        isinstance(inner, dict) and "selector_rank" in inner
+    )
+    if second:
+        return Failure(
+            BindingError(
+                f"{where}: a DFlash2 drafter (its candidate selector and dynamic "
+                "convolutions) is not supported yet; DFlash (v1) drafters are"
+            )
+        )
+    if request.draft_vocab not in (None, "off"):
+        return Failure(
+            BindingError(
+                "a draft vocabulary (--draft-vocab) is not supported with a DFlash "
+                "draft yet; drop the option"
+            )
+        )
+    settings = DFlashSettings.of(config)
+    if not isinstance(settings, Success):
+        return Failure(BindingError(f"{where}: {settings.failure().message}"))
+    dflash = settings.unwrap()
+    args = structure(hf, normalize_hf_config(config), DecoderArgs, where)
+    if not isinstance(args, Success):
+        return Failure(BindingError(f"{where}: {args.failure().message}"))
+    draft_args = args.unwrap()
+    target = request.target
+    model = target.model
+    if not hasattr(model, "tap"):
+        return Failure(
+            BindingError(
+                f"{where}: a DFlash draft reads the target's layer outputs, which the "
+                f"{target.args.model_type} target does not expose yet (llama, qwen2 "
+                "and qwen3 targets do)"
+            )
+        )
+    problems = []
+    if draft_args.hidden_size != target.args.hidden_size:
+        problems.append(
+            f"its hidden size is {draft_args.hidden_size}, the target's "
+            f"{target.args.hidden_size}"
+        )
+    if dflash.mask_token >= target.args.vocab_size:
+        problems.append(
+            f"its mask token {dflash.mask_token} is past the target's vocabulary "
+            f"({target.args.vocab_size})"
+        )
+    layers = target.args.num_hidden_layers
+    outside = [i for i in dflash.target_layers if i >= layers]
+    if outside:
+        problems.append(f"it reads target layers {outside}; the target has {layers}")
+    if problems:
+        return Failure(
+            BindingError(
+                f"{where}: the DFlash draft does not fit the target: "
+                + "; ".join(problems)
+            )
+        )
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return Failure(BindingError(f"{folder}: no *.safetensors weight files"))
+    weights: dict[str, Any] = {}
+    try:
+        for file in files:
+            loaded = mx.load(str(file))
+            assert isinstance(loaded, dict)
+            weights.update(loaded)
+    except Exception as exc:
+        return Failure(
+            BindingError(f"{folder}: cannot read the DFlash weights ({exc})")
+        )
+    built = build_dflash(draft_args, dflash, weights, model_dtype(model))
+    if not isinstance(built, Success):
+        return Failure(BindingError(f"{where}: {built.failure().message}"))
+    draft = built.unwrap()
+    width = dflash.block_size - 1  # a block-trained drafter: at most its block
+    graph = GraphCapabilities.for_decoder(target.args)
+    needs = DraftNeeds(
+        kind="dflash",
+        default_width=width,
+        max_width=width,
+        hidden_size=draft_args.hidden_size,
+        tap_layers=dflash.target_layers,
+        shares=frozenset({"embedding", "lm_head"}),
+    )
+
+    def bound(width: int) -> LoadedDraft:
+        model.tap(dflash.target_layers)  # the target's forwards return them now
+        drafter = DFlashDrafter(model, draft, request.policy)
+        # (the drafter times its own rounds for calibration: `calibration_round`)
+        return LoadedDraft(drafter, width, "dflash", drafter, where)
+
+    return bind(graph, needs, request.width).map(lambda b: bound(b.width))
+
+
+DFLASH = DraftKind(
+    kind="dflash",
+    artifact=True,
+    default_width=15,
+    load=_load_dflash,
+    detect=_is_dflash_artifact,
+)
+
 MTP = DraftKind(
     kind="mtp",
     artifact=True,
@@ -248,6 +374,7 @@ TWO_MODEL = DraftKind(
 def default_registry() -> DraftRegistry:
     return (
         DraftRegistry()
+        .register(DFLASH)
         .register(MTP)
         .register(TWO_MODEL)
         .register(NGRAM)

@@ -41,6 +41,10 @@ class ModelOutput:
     # round, not the model): drafters that derive their next inputs on the
     # device read them
     draws: mx.array | None = None
+    # [B, L, n * H]: the outputs of the layers the model taps (`taps`, set by
+    # a draft binding that reads them: DFlash), concatenated in tap order;
+    # None where it taps none
+    features: mx.array | None = None
 
 
 class ModelCache(Protocol):

@@ -9,6 +9,7 @@ Reference: transformers `models/llama/modeling_llama.py`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,15 +62,23 @@ class LlamaModel(nn.Module):
         ids: mx.array,  # [B, L] int32
         cache: KVCache,
         offsets: Sequence[int],
+        taps: Sequence[int] = (),
+        tapped: list[mx.array] | None = None,
     ) -> mx.array:  # [B, L, H], before the final norm
+        """The last layer's output; the outputs of layers `taps` appended to
+        `tapped` in that order."""
         batch, length = ids.shape
         assert len(offsets) == batch, "one offset per row"
         cache.reserve(max(offsets) + length)
         mask = attention_mask(offsets, length, cache.key_span(offsets, length))
         rope_at = rope_offset(offsets)
         h = self.embed_tokens(ids)
-        for block in self.layers:
+        outputs: dict[int, mx.array] = {}
+        for i, block in enumerate(self.layers):
             h = block(h, cache, offsets, mask, rope_at)
+            outputs[i] = h
+        if tapped is not None:
+            tapped.extend(outputs[i] for i in taps)
         return h
 
 
@@ -104,8 +113,31 @@ class Model(nn.Module):
         *,
         prefill: bool = False,  # attention rolls back by position: nothing to skip
     ) -> ModelOutput:
-        hidden = self.model(ids, cache, offsets)
-        return ModelOutput(logits=self.lm_head(hidden), hidden=hidden)
+        taps = self.taps
+        if not taps:
+            hidden = self.model(ids, cache, offsets)
+            return ModelOutput(logits=self.lm_head(hidden), hidden=hidden)
+        tapped: list[mx.array] = []
+        hidden = self.model(ids, cache, offsets, taps, tapped)
+        features = mx.concatenate(tapped, axis=-1)
+        return ModelOutput(
+            logits=self.lm_head(hidden), hidden=hidden, features=features
+        )
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The layers whose outputs a forward returns as `ModelOutput.features`."""
+        return cast(tuple[int, ...], self.__dict__.get("_taps", ()))
+
+    def tap(self, layers: Sequence[int]) -> None:
+        """Return the outputs of `layers` (indices into the blocks) with every
+        forward from now on (a draft binding's choice; () for none)."""
+        n = self.args.num_hidden_layers
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"layers {bad} are not among the model's {n} layers")
+        # an instance attribute, not a module child: no parameter of the model
+        object.__setattr__(self, "_taps", tuple(layers))
 
     def make_cache(self, batch: int) -> KVCache:
         return KVCache(

@@ -18,7 +18,8 @@ def prefill_rows(
 ) -> tuple[Any, mx.array | None]:
     """A new cache for `rows` with every row prefilled, and (with `keep_hidden`)
     the last layer's hidden states `[B, L, H]` of the processed tokens, right-
-    padded. Graphs that cannot take right padding (recurrent layers) prefill
+    padded (a model that taps layers for its draft: their features instead,
+    `ModelOutput.features`). Graphs that cannot take right padding (recurrent layers) prefill
     row by row and stack the rows."""
     if model.padding_safe or len(rows) == 1:
         cache = model.make_cache(len(rows))
@@ -54,7 +55,8 @@ def prefill(
     longest = max(lengths)
     hidden: list[mx.array] = []
     if longest == 0:
-        return mx.zeros((len(rows), 0, model.args.hidden_size)) if keep_hidden else None
+        width = model.args.hidden_size * max(1, len(getattr(model, "taps", ())))
+        return mx.zeros((len(rows), 0, width)) if keep_hidden else None
     grid = [list(row.tokens[:-1]) + [0] * (longest - row.length) for row in rows]
     cache.reserve(longest)
     for start in range(0, longest, PREFILL_CHUNK):
@@ -65,6 +67,6 @@ def prefill(
                 [min(PREFILL_CHUNK, max(row.length - start, 0)) for row in rows]
             )
         if keep_hidden:
-            hidden.append(out.hidden)
+            hidden.append(out.features if out.features is not None else out.hidden)
         mx.eval(cache.arrays(), hidden)
     return mx.concatenate(hidden, axis=1) if keep_hidden else None

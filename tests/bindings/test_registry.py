@@ -148,11 +148,18 @@ def test_several_fallbacks_keep_their_order_after_every_other_kind(
 
 def test_the_default_registry_falls_back_to_two_model(tmp_path: Path) -> None:
     registry = default_registry()
-    assert set(registry.names()) == {"mtp", "two-model", "ngram"}
+    assert set(registry.names()) == {"dflash", "mtp", "two-model", "ngram"}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert registry.detect(tmp_path) == Success("two-model")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next_mtp"}))
     assert registry.detect(tmp_path) == Success("mtp")
+    # a DFlash drafter: a qwen3 config carrying dflash_config (or its class name)
+    dflash = {"model_type": "qwen3", "dflash_config": {"target_layer_ids": [1]}}
+    (tmp_path / "config.json").write_text(json.dumps(dflash))
+    assert registry.detect(tmp_path) == Success("dflash")
+    named = {"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}
+    (tmp_path / "config.json").write_text(json.dumps(named))
+    assert registry.detect(tmp_path) == Success("dflash")
     assert [k.kind for k in registry.natives] == ["mtp"]
 
 

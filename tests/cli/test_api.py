@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from schemas.request import GenerationLimits, SamplingParams
@@ -123,3 +125,56 @@ def test_a_two_model_draft_takes_the_pipeline_dtype(
     draft_model = pipeline.draft.drafter.model  # type: ignore[attr-defined]
     assert draft_model.model.embed_tokens.weight.dtype == mx.bfloat16
     assert pipeline.target.model.model.embed_tokens.weight.dtype == mx.bfloat16  # type: ignore[attr-defined]
+
+
+def _dflash_folder(folder: Path, target: Path) -> Path:
+    """A random DFlash drafter (v1) for the tiny target: two layers reading
+    the target's layers 0 and 1, blocks of 4."""
+    from mlx.utils import tree_flatten
+
+    from models.dflash import DFlashDraft, DFlashSettings
+    from schemas.converter import hf, structure
+    from schemas.hf import DecoderArgs, normalize_hf_config
+
+    target_config = json.loads((target / "config.json").read_text())
+    config = {
+        **target_config,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "head_dim": 16,
+        "dflash_config": {
+            "target_layer_ids": [0, 1],
+            "block_size": 4,
+            "mask_token_id": target_config["vocab_size"] - 1,
+        },
+    }
+    args = structure(hf, normalize_hf_config(config), DecoderArgs, "dflash").unwrap()
+    mx.random.seed(3)
+    draft = DFlashDraft(args, DFlashSettings.of(config).unwrap())
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(
+        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
+    )
+    return folder
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_a_dflash_draft_through_the_pipeline_is_plain_decoding(
+    tiny_model: Path, tmp_path: Path, adaptive: bool
+) -> None:
+    """`--draft FOLDER` detects a DFlash drafter, binds it at its block's
+    width and leaves the output plain decoding's (greedy and sampled);
+    adaptive drafting calibrates its rounds first."""
+    folder = _dflash_folder(tmp_path / "dflash", tiny_model)
+    pipeline = load(str(tiny_model), draft=str(folder), adaptive=adaptive).unwrap()
+    assert pipeline.draft is not None
+    assert pipeline.draft.kind == "dflash" and pipeline.draft.width == 3
+    limits = GenerationLimits(max_tokens=16)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=2)):
+        plain = load(str(tiny_model)).unwrap().generate("def fib", sampling, limits)
+        spec = pipeline.generate("def fib", sampling, limits).unwrap()
+        assert spec.tokens == plain.unwrap().tokens
+        assert spec.stats.draft_errors == ()
+        if not adaptive:  # (adaptive drafting may judge a random draft not worth it)
+            assert spec.stats.drafted > 0

@@ -1,0 +1,191 @@
+"""DFlash drafting: a whole block of drafts from one forward of a small
+draft model that reads the target's hidden states (models/dflash.py).
+
+Per row the draft keeps the context keys and values of the positions it has
+seen in its own KV cache, and the target's features (the tapped layers'
+outputs, `ModelOutput.features`) of the positions committed since, which it
+stores at the start of its next proposal. A proposal of `depth` drafts is
+one forward over the block [pending token, mask x depth] at the pending
+token's position; block position i + 1's output is the draft for the
+target's position length + i + 1, drawn with that position's step key, so
+the draft and the target read the same point of their CDFs.
+
+The commit keeps the features of the positions the round committed (the
+pending token and the accepted drafts: the verify window's first
+accepted + 1 positions). Nothing a round writes into the draft's cache lies
+below a row's committed context, so a rejected round needs no undo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+from attrs import evolve, field, frozen
+
+from models.base import CausalLM, ModelOutput
+from models.cache import KVCache
+from models.dflash import DFlashDraft
+from models.vocab_head import HeadWeights
+from schemas.request import DraftPolicy, SamplingParams
+from specpipe.draft import DraftRows, Proposal
+from specpipe.sample_window import sample_window
+from specpipe.state import RowState
+from specpipe.transaction import Prepared
+
+
+@frozen
+class DFlashRows:
+    needs_target_hidden = True
+    target: CausalLM
+    draft: DFlashDraft
+    head: HeadWeights
+    policy: DraftPolicy
+    cache: KVCache
+    cached: tuple[int, ...]  # per row: positions whose context the cache holds
+    # per row: [n, n_taps * H] the target's features of positions cached ..
+    # cached + n - 1, not yet stored
+    pending: tuple[mx.array, ...]
+
+    def _store_pending(self) -> tuple[int, ...]:
+        """Store every row's pending features; the rows' context lengths."""
+        longest = max(int(p.shape[0]) for p in self.pending)
+        if longest:
+            width = self.pending[0].shape[-1]
+            padded = [
+                p
+                if p.shape[0] == longest
+                else mx.concatenate(
+                    [p, mx.zeros((longest - p.shape[0], width), p.dtype)]
+                )
+                for p in self.pending
+            ]
+            self.draft.write_context(mx.stack(padded), self.cache, self.cached)
+        return tuple(
+            c + int(p.shape[0]) for c, p in zip(self.cached, self.pending, strict=True)
+        )
+
+    def propose(self, rows: Sequence[RowState], depth: int) -> Proposal:
+        if depth < 1:
+            return Proposal.empty(len(rows))
+        starts = self._store_pending()
+        lengths = tuple(row.length for row in rows)
+        assert starts == lengths, f"draft context {starts} != rows {lengths}"
+        mask = self.draft.settings.mask_token
+        ids = mx.array([[row.pending] + [mask] * depth for row in rows], dtype=mx.int32)
+        x = self.target.embed(ids)
+        scale = self.draft.settings.embedding_scale
+        if scale != 1.0:
+            x = x * scale
+        normed = self.draft(x, self.cache, starts)[:, 1:]
+        logits = self.draft.logits(normed, self.head)
+        params = [self.policy.draft_params(row.sampling) for row in rows]
+        return Proposal(depth, device=sample_window(logits, None, rows, params))
+
+    def prepare_commit(
+        self,
+        rows: Sequence[RowState],
+        proposal: Proposal,
+        drafts: Sequence[tuple[int, ...]],
+        accepted: Sequence[int],
+        verified: ModelOutput,
+    ) -> Prepared[DraftRows]:
+        features = verified.features
+        if features is None:
+            raise RuntimeError(
+                "a DFlash draft reads the target's tapped layers, and the target's "
+                "forward returned none (its taps were cleared after binding)"
+            )
+        # the round's proposal stored the pending features (`propose`)
+        stored = proposal.depth > 0
+        cached = tuple(row.length for row in rows) if stored else self.cached
+        pending = tuple(
+            features[b, : a + 1]
+            if stored
+            else mx.concatenate([self.pending[b], features[b, : a + 1]])
+            for b, a in enumerate(accepted)
+        )
+        return Prepared(lambda: evolve(self, cached=cached, pending=pending))
+
+    def take_rows(self, keep: Sequence[int]) -> DraftRows:
+        return evolve(
+            self,
+            cache=self.cache.take_rows(keep),
+            cached=tuple(self.cached[i] for i in keep),
+            pending=tuple(self.pending[i] for i in keep),
+        )
+
+    def join(self, other: DraftRows) -> DraftRows:
+        assert isinstance(other, DFlashRows)
+        return evolve(
+            self,
+            cache=KVCache.concat_rows([self.cache, other.cache]),
+            cached=self.cached + other.cached,
+            pending=self.pending + other.pending,
+        )
+
+
+@frozen
+class DFlashDrafter:
+    """A loaded DFlash draft bound to its target (whose forward taps the
+    draft's `target_layer_ids`: `models.llama.Model.tap`)."""
+
+    needs_target_hidden = True
+    target: CausalLM
+    draft: DFlashDraft
+    policy: DraftPolicy = field(factory=DraftPolicy)
+    kind: str = "dflash"
+
+    @property
+    def calibration_key(self) -> str:
+        return self.kind
+
+    def calibration_round(
+        self, context: mx.array, hidden: mx.array
+    ) -> Callable[[int], mx.array]:
+        """A draft round of any depth as decoding runs it
+        (`specpipe.calibrate.DraftRound`): rows opened on the context (its
+        features from the target's own forward: `hidden` is the last layer's
+        only) with all but one position stored, so each call stores one
+        committed position and drafts one block; greedy. Its cache writes are
+        scratch: every call drafts from the same state."""
+        ids: list[int] = context.reshape(-1).tolist()  # type: ignore[assignment]
+        rows = [RowState.start(tuple(ids), 64, SamplingParams())]
+        out = self.target(context[:, :-1], self.target.make_cache(1), [0])
+        assert out.features is not None, "the target taps no layers"
+        opened = self.open(rows, out.features)
+        assert isinstance(opened, DFlashRows)
+        length = rows[0].length
+        opened.draft.write_context(
+            out.features[:, : length - 1], opened.cache, opened.cached
+        )
+        ready_rows = evolve(
+            opened, cached=(length - 1,), pending=(out.features[0, length - 1 :],)
+        )
+
+        def run(depth: int) -> mx.array:  # [1, depth] int32
+            drafted = ready_rows.propose(rows, depth)
+            assert drafted.device is not None
+            return drafted.device
+
+        return run
+
+    def open(self, rows: Sequence[RowState], hidden: mx.array | None) -> DraftRows:
+        """`hidden`: the target's features over each row's processed prompt
+        (right-padded), as prefill returns them for a tapping target."""
+        assert hidden is not None, "a DFlash draft needs the prompt's features"
+        width = len(self.draft.settings.target_layers) * self.draft.args.hidden_size
+        if hidden.shape[-1] != width:
+            raise RuntimeError(
+                f"the target returned features of width {hidden.shape[-1]}, the "
+                f"DFlash draft reads {width} (its taps were changed after binding)"
+            )
+        return DFlashRows(
+            self.target,
+            self.draft,
+            self.target.head_weights(),
+            self.policy,
+            self.draft.make_cache(len(rows)),
+            tuple(0 for _ in rows),
+            tuple(hidden[b, : row.length] for b, row in enumerate(rows)),
+        )

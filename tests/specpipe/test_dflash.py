@@ -1,0 +1,410 @@
+"""DFlash block drafting (models/dflash.py, specpipe/drafts/dflash.py).
+
+- The draft's forward with its cached context equals the same forward
+  computed in one piece from the module's formulas (context in two chunks,
+  rows of different lengths, a causal sliding-window variant).
+- A commit of any accepted counts leaves the draft where a draft opened
+  fresh over the committed tokens is.
+- Lossless: greedy and seeded sampled output == plain decoding, B=1 and B=4,
+  depths up to the block.
+- Binding: detection, the width pinned to the block, the target's taps; and
+  clear errors for drafts that do not fit the target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from returns.result import Failure, Success
+from spec_support import PROMPTS, VOCAB, PlainReference, run, tiny_model
+
+from bindings.kinds import default_registry
+from bindings.registry import DraftLoadRequest
+from models.base import CausalLM
+from models.dflash import DFlashDraft, DFlashSettings
+from schemas.converter import hf, structure
+from schemas.hf import DecoderArgs, normalize_hf_config
+from schemas.request import SamplingParams
+from specpipe.draft import Proposal
+from specpipe.drafts.dflash import DFlashDrafter, DFlashRows
+from specpipe.state import RowState
+
+MASK = VOCAB - 1
+BLOCK = 5
+
+
+def dflash_config(**overrides: Any) -> dict[str, Any]:
+    """A tiny DFlash draft for the tiny target (hidden 64, two layers)."""
+    config: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": VOCAB,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "dflash_config": {
+            "target_layer_ids": [0, 1],
+            "block_size": BLOCK,
+            "mask_token_id": MASK,
+        },
+    }
+    config.update(overrides)
+    return config
+
+
+def draft_args(config: dict[str, Any]) -> DecoderArgs:
+    return structure(hf, normalize_hf_config(config), DecoderArgs, "dflash").unwrap()
+
+
+def random_draft(
+    config: dict[str, Any], seed: int = 5, gain: float = 2.5
+) -> DFlashDraft:
+    mx.random.seed(seed)
+    draft = DFlashDraft(draft_args(config), DFlashSettings.of(config).unwrap())
+    draft.update(
+        tree_unflatten(
+            [
+                (k, v * gain if v.ndim == 2 else v)
+                for k, v in tree_flatten(draft.parameters())
+            ]
+        )
+    )
+    mx.eval(draft.parameters())
+    return draft
+
+
+@pytest.fixture(scope="module")
+def tapped() -> CausalLM:
+    """The session target's weights (seed 1) in a model of its own, tapping
+    the draft's layers (the session target stays untapped)."""
+    model = tiny_model(1)
+    model.tap((0, 1))  # type: ignore[attr-defined]
+    return model
+
+
+def _rms(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def reference_block(
+    draft: DFlashDraft,
+    features: mx.array,  # [1, P, n H] every context position's
+    x: mx.array,  # [1, L, H] the block's embeddings
+) -> mx.array:
+    """The draft's output for one row, from the formulas of models/dflash.py,
+    all context at once and no cache."""
+    args, settings = draft.args, draft.settings
+    eps = args.rms_norm_eps
+    params = dict(tree_flatten(draft.parameters()))
+    heads, kv, dim = args.num_attention_heads, args.num_key_value_heads, 16
+    context_len, length = features.shape[1], x.shape[1]
+    positions = mx.arange(context_len + length)
+    ctx = _rms(features @ params["fc.weight"].T, params["hidden_norm.weight"], eps)
+
+    def rope(t: mx.array, at: mx.array) -> mx.array:  # [n, heads, dim]
+        half = dim // 2
+        freqs = 1.0 / (10000.0 ** (mx.arange(half) * 2 / dim))
+        angle = at[:, None, None] * freqs[None, None, :]
+        a, b = t[..., :half], t[..., half:]
+        cos, sin = mx.cos(angle), mx.sin(angle)
+        return mx.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    h = x[0]
+    for i in range(args.num_hidden_layers):
+        p = f"layers.{i}."
+        normed = _rms(h, params[p + "input_layernorm.weight"], eps)
+        both = mx.concatenate([ctx[0], normed])
+        q = (normed @ params[p + "self_attn.q_proj.weight"].T).reshape(
+            length, heads, dim
+        )
+        k = (both @ params[p + "self_attn.k_proj.weight"].T).reshape(-1, kv, dim)
+        v = (both @ params[p + "self_attn.v_proj.weight"].T).reshape(-1, kv, dim)
+        q = rope(
+            _rms(q, params[p + "self_attn.q_norm.weight"], eps), positions[context_len:]
+        )
+        k = rope(_rms(k, params[p + "self_attn.k_norm.weight"], eps), positions)
+        k = mx.repeat(k, heads // kv, axis=1)
+        v = mx.repeat(v, heads // kv, axis=1)
+        scores = mx.einsum("qhd,khd->hqk", q, k) / dim**0.5
+        query_pos = positions[context_len:][:, None]
+        key_pos = positions[None, :]
+        visible = mx.ones(scores.shape[1:], dtype=mx.bool_)
+        if settings.causal:
+            visible = visible & (key_pos <= query_pos)
+        if settings.window is not None:
+            visible = visible & (mx.abs(query_pos - key_pos) < settings.window)
+        scores = mx.where(visible[None], scores, -mx.inf)
+        attended = mx.einsum("hqk,khd->qhd", mx.softmax(scores, axis=-1), v)
+        h = h + attended.reshape(length, -1) @ params[p + "self_attn.o_proj.weight"].T
+        normed = _rms(h, params[p + "post_attention_layernorm.weight"], eps)
+        gate = normed @ params[p + "mlp.gate_proj.weight"].T
+        up = normed @ params[p + "mlp.up_proj.weight"].T
+        h = h + (gate * mx.sigmoid(gate) * up) @ params[p + "mlp.down_proj.weight"].T
+    return _rms(h, params["norm.weight"], eps)[None]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"is_causal": True},
+        {"layer_types": ["sliding_attention"] * 2, "sliding_window": 6},
+    ],
+    ids=["bidirectional", "causal", "sliding-window"],
+)
+def test_the_cached_forward_is_the_one_piece_forward(
+    tapped: CausalLM, overrides: dict[str, Any]
+) -> None:
+    config = dflash_config(**overrides)
+    draft = random_draft(config)
+    prompts = [list(range(3, 14)), [7, 8, 9, 10, 11]]  # 11 and 5 positions
+    features = []
+    for prompt in prompts:
+        out = tapped(mx.array([prompt]), tapped.make_cache(1), [0])
+        assert out.features is not None
+        features.append(out.features)
+    cache = draft.make_cache(2)
+    # the context in two chunks per row, of different lengths
+    first = [4, 2]
+    padded = [
+        mx.concatenate([f[:, :n], mx.zeros((1, 4 - n, f.shape[-1]))], axis=1)
+        for f, n in zip(features, first, strict=True)
+    ]
+    draft.write_context(mx.concatenate(padded), cache, [0, 0])
+    rest = [f[:, n:] for f, n in zip(features, first, strict=True)]
+    longest = max(r.shape[1] for r in rest)
+    padded = [
+        mx.concatenate([r, mx.zeros((1, longest - r.shape[1], r.shape[-1]))], axis=1)
+        for r in rest
+    ]
+    draft.write_context(mx.concatenate(padded), cache, first)
+    block = mx.array([[20] + [MASK] * (BLOCK - 1), [30] + [MASK] * (BLOCK - 1)])
+    x = tapped.embed(block)
+    got = draft(x, cache, [len(p) for p in prompts])
+    for b, prompt in enumerate(prompts):
+        want = reference_block(draft, features[b][:, : len(prompt)], x[b : b + 1])
+        assert mx.allclose(got[b : b + 1], want, atol=2e-4, rtol=2e-4).item(), b
+
+
+def _rows(prompts: list[list[int]], sampling: SamplingParams) -> list[RowState]:
+    return [RowState.start(tuple(p), 32, sampling) for p in prompts]
+
+
+@pytest.mark.parametrize("depth", [3, 0], ids=["drafted", "plain-round"])
+def test_a_commit_leaves_the_draft_of_a_fresh_open(
+    tapped: CausalLM, depth: int
+) -> None:
+    """After a round (drafted: accepted 0, 2 and 3 of 3; or a plain round,
+    where the draft was not asked and stores nothing), the draft's context
+    is a fresh draft's over the committed tokens."""
+    draft = random_draft(dflash_config())
+    drafter = DFlashDrafter(tapped, draft)
+    prompts = [list(range(3, 14)), [7, 8, 9, 10, 11], [42]]
+    rows = _rows(prompts, SamplingParams())
+    prefill = [
+        tapped(mx.array([p[:-1]]), tapped.make_cache(1), [0]).features
+        if len(p) > 1
+        else mx.zeros((1, 0, 128))
+        for p in prompts
+    ]
+    longest = max(f.shape[1] for f in prefill if f is not None)
+    hidden = mx.concatenate(
+        [
+            mx.concatenate([f, mx.zeros((1, longest - f.shape[1], 128))], axis=1)
+            for f in prefill
+            if f is not None
+        ]
+    )
+    state = drafter.open(rows, hidden)
+    assert isinstance(state, DFlashRows)
+    proposal = state.propose(rows, depth) if depth else Proposal.empty(len(rows))
+    drafted = proposal.device.tolist() if proposal.device is not None else [[]] * 3
+    # the verify window [pending, drafts] through the target, each row at its length
+    windows = [[row.pending, *d] for row, d in zip(rows, drafted, strict=True)]
+    verified = tapped(
+        mx.array(windows), _prefilled(tapped, prompts), [row.length for row in rows]
+    )
+    accepted = [0, 2, 3] if depth else [0, 0, 0]
+    committed = state.prepare_commit(
+        rows, proposal, [tuple(d) for d in drafted], accepted, verified
+    ).commit()
+    assert isinstance(committed, DFlashRows)
+    # the rows after the round: pending + accepted drafts committed, a new pending
+    after = [
+        row.advanced((*d[:a], 1 + b))
+        for b, (row, d, a) in enumerate(zip(rows, drafted, accepted, strict=True))
+    ]
+    fresh_prompts = [list(r.tokens) for r in after]
+    fresh_features = [
+        tapped(mx.array([p[:-1]]), tapped.make_cache(1), [0]).features
+        for p in fresh_prompts
+    ]
+    longest = max(f.shape[1] for f in fresh_features if f is not None)
+    fresh_hidden = mx.concatenate(
+        [
+            mx.concatenate([f, mx.zeros((1, longest - f.shape[1], 128))], axis=1)
+            for f in fresh_features
+            if f is not None
+        ]
+    )
+    fresh = drafter.open(after, fresh_hidden)
+    assert isinstance(fresh, DFlashRows)
+    # the same context lengths, then the same block outputs
+    assert (
+        committed._store_pending()
+        == fresh._store_pending()
+        == tuple(r.length for r in after)
+    )
+    block = mx.array([[r.pending] + [MASK] * 3 for r in after])
+    x = tapped.embed(block)
+    lengths = [r.length for r in after]
+    a = committed.draft(x, committed.cache, lengths)
+    b = fresh.draft(x, fresh.cache, lengths)
+    assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item()
+
+
+def _prefilled(model: CausalLM, prompts: list[list[int]]) -> Any:
+    """A target cache with each prompt's processed tokens (all but the last)."""
+    cache = model.make_cache(len(prompts))
+    longest = max(len(p) - 1 for p in prompts)
+    grid = [p[:-1] + [0] * (longest - len(p) + 1) for p in prompts]
+    if longest:
+        model(mx.array(grid), cache, [0] * len(prompts))
+    return cache
+
+
+SAMPLINGS = {
+    "greedy": SamplingParams(),
+    "t0.8-topk": SamplingParams(temperature=0.8, top_k=20, seed=3),
+    "t1.0-topp-minp": SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02, seed=9),
+}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+@pytest.mark.parametrize("depth", [1, 3, BLOCK - 1])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dflash_output_is_plain_decoding(
+    tapped: CausalLM, plain: PlainReference, sampling: str, depth: int, batch: int
+) -> None:
+    prompts = PROMPTS[:batch]
+    params = SAMPLINGS[sampling]
+    drafter = DFlashDrafter(tapped, random_draft(dflash_config(), seed=7))
+    tokens, results = run(tapped, prompts, params, drafter, depth=depth)
+    assert all(r.finish == "length" for r in results)
+    # the draft ran every round (a failing draft is switched off, not raised)
+    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    assert tokens == plain(prompts, params)
+
+
+# --- binding -------------------------------------------------------------------
+
+
+def write_artifact(folder: Path, config: dict[str, Any], draft: DFlashDraft) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(
+        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
+    )
+    return folder
+
+
+def _target() -> Any:
+    model = tiny_model(1)
+    return SimpleNamespace(model=model, args=model.args, source="tiny")
+
+
+def test_a_dflash_artifact_binds_with_its_block_width(tmp_path: Path) -> None:
+    config = dflash_config()
+    folder = write_artifact(tmp_path / "d", config, random_draft(config))
+    registry = default_registry()
+    assert registry.detect(folder) == Success("dflash")
+    target = _target()
+    assert target.model.taps == ()
+    loaded = registry.load(
+        "dflash", DraftLoadRequest(target=target, source=str(folder))
+    )
+    assert isinstance(loaded, Success), loaded
+    assert loaded.unwrap().width == BLOCK - 1 and loaded.unwrap().kind == "dflash"
+    assert target.model.taps == (0, 1)
+    # a wider request is pinned to the block, a narrower one kept
+    wide = registry.load(
+        "dflash", DraftLoadRequest(target=_target(), source=str(folder), width=9)
+    )
+    assert wide.unwrap().width == BLOCK - 1
+    narrow = registry.load(
+        "dflash", DraftLoadRequest(target=_target(), source=str(folder), width=2)
+    )
+    assert narrow.unwrap().width == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": 32, "intermediate_size": 64}, "hidden size is 32"),
+        (
+            {"dflash_config": {"target_layer_ids": [0, 5], "mask_token_id": MASK}},
+            "target layers [5]",
+        ),
+        (
+            {"dflash_config": {"target_layer_ids": [0], "mask_token_id": VOCAB + 3}},
+            "mask token",
+        ),
+        ({"dflash_config": {"target_layer_ids": [0]}}, "mask_token_id"),
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "mixed"),
+    ],
+    ids=["hidden", "layers", "mask", "no-mask", "dflash2", "mixed-layers"],
+)
+def test_a_dflash_draft_that_does_not_fit_is_refused(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    good = dflash_config()
+    folder = write_artifact(tmp_path / "d", good, random_draft(good))
+    (folder / "config.json").write_text(json.dumps({**good, **change}))
+    target = _target()
+    loaded = default_registry().load(
+        "dflash", DraftLoadRequest(target=target, source=str(folder))
+    )
+    assert isinstance(loaded, Failure)
+    assert message in loaded.failure().message, loaded.failure().message
+    assert target.model.taps == ()  # nothing bound, nothing tapped
+
+
+def test_dflash_weights_that_do_not_match_are_refused(tmp_path: Path) -> None:
+    config = dflash_config()
+    draft = random_draft(config)
+    folder = write_artifact(tmp_path / "d", config, draft)
+    weights = dict(tree_flatten(draft.parameters()))
+    del weights["fc.weight"]
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    loaded = default_registry().load(
+        "dflash", DraftLoadRequest(target=_target(), source=str(folder))
+    )
+    assert isinstance(loaded, Failure)
+    assert "missing ['fc.weight']" in loaded.failure().message
+
+
+def test_a_target_that_cannot_tap_is_refused(tmp_path: Path) -> None:
+    config = dflash_config()
+    folder = write_artifact(tmp_path / "d", config, random_draft(config))
+    model = tiny_model(1)
+    untappable = SimpleNamespace(
+        model=SimpleNamespace(), args=model.args, source="tiny"
+    )
+    loaded = default_registry().load(
+        "dflash", DraftLoadRequest(target=untappable, source=str(folder))
+    )
+    assert isinstance(loaded, Failure)
+    assert "does not expose" in loaded.failure().message
