@@ -49,8 +49,9 @@ class DFlashSettings:
     target_layers: tuple[int, ...]
     block_size: int
     mask_token: int
-    causal: bool
-    window: int | None  # a sliding window over positions; None: all
+    # per draft layer: whether its block is causal, and its sliding window
+    # over positions (None: all)
+    attention: tuple[tuple[bool, int | None], ...]
     embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     softcap: float | None = None
@@ -64,6 +65,11 @@ class DFlashSettings:
             return inner.get(name, config.get(name, default))
 
         layers = value("target_layer_ids")
+        targets = config.get("num_target_layers")
+        if layers is None and isinstance(targets, int) and targets > 0:
+            layers = default_target_layers(
+                targets, int(config.get("num_hidden_layers", 1))
+            )
         if not (
             isinstance(layers, list)
             and layers
@@ -72,7 +78,8 @@ class DFlashSettings:
             return Failure(
                 LoadError(
                     "a DFlash config needs dflash_config.target_layer_ids, a list of "
-                    f"target layer indices; got {layers!r}"
+                    "target layer indices (or num_target_layers, to space them "
+                    f"evenly); got {layers!r}"
                 )
             )
         mask = value("mask_token_id")
@@ -88,41 +95,71 @@ class DFlashSettings:
             return Failure(
                 LoadError(f"a DFlash block_size must be an integer >= 2, got {block!r}")
             )
-        kinds = config.get("layer_types")
-        kind = "full_attention"
-        if isinstance(kinds, list) and kinds:
-            if len(set(kinds)) != 1:
-                return Failure(
-                    LoadError(
-                        "DFlash layers of mixed attention kinds are not supported "
-                        f"(layer_types {sorted(set(kinds))})"
-                    )
-                )
-            kind = str(kinds[0])
-        if kind not in ("full_attention", "sliding_attention"):
-            return Failure(LoadError(f"unsupported DFlash layer type {kind!r}"))
-        sliding = kind == "sliding_attention"
-        causal = config.get("is_causal")
-        window = config.get("sliding_window") if sliding else None
+        # Qwen3's config rules: a window only with use_sliding_window, layer
+        # types from max_window_layers where the config lists none; a sliding
+        # layer is causal unless is_causal says otherwise
+        count = int(config.get("num_hidden_layers", 1))
+        window = (
+            config.get("sliding_window") if config.get("use_sliding_window") else None
+        )
         if window is not None and (not isinstance(window, int) or window < 1):
             return Failure(
                 LoadError(
                     f"a DFlash sliding_window must be a positive integer, got {window!r}"
                 )
             )
+        kinds = config.get("layer_types")
+        if not isinstance(kinds, list) or not kinds:
+            start = int(config.get("max_window_layers", count))
+            kinds = [
+                "sliding_attention"
+                if window is not None and i >= start
+                else "full_attention"
+                for i in range(count)
+            ]
+        unknown = sorted(
+            {str(k) for k in kinds} - {"full_attention", "sliding_attention"}
+        )
+        if unknown or len(kinds) != count:
+            return Failure(
+                LoadError(
+                    f"DFlash layer_types must name {count} layers, each full_attention "
+                    f"or sliding_attention; got {kinds!r}"
+                )
+            )
+        causal = config.get("is_causal")
+        attention = tuple(
+            (
+                kind == "sliding_attention" if causal is None else bool(causal),
+                window if kind == "sliding_attention" else None,
+            )
+            for kind in kinds
+        )
         softcap = value("final_logit_softcapping")
         return Success(
             cls(
                 tuple(layers),
                 block,
                 mask,
-                sliding if causal is None else bool(causal),
-                window,
+                attention,
                 float(value("input_embedding_scale", 1.0)),
                 float(value("output_multiplier", 1.0)),
                 float(softcap) if softcap is not None and float(softcap) > 0 else None,
             )
         )
+
+
+def default_target_layers(target_layers: int, draft_layers: int) -> list[int]:
+    """The target layers a DFlash config that names none reads (the
+    reference's convention): the middle one for a one-layer draft, else one
+    per draft layer spread evenly from layer 1 to layer n - 3."""
+    if draft_layers == 1:
+        return [target_layers // 2]
+    first, last = 1, target_layers - 3
+    return [
+        round(first + i * (last - first) / (draft_layers - 1))
+        for i in range(draft_layers)
+    ]
 
 
 class DFlashAttention(Attention):
@@ -236,7 +273,14 @@ class DFlashDraft(nn.Module):
             keys, values = layer.self_attn.context(ctx, rope_at)
             cache.write(i, keys, values, offsets)
 
-    def block_mask(self, starts: Sequence[int], length: int, span: int) -> mx.array:
+    def block_mask(
+        self,
+        starts: Sequence[int],
+        length: int,
+        span: int,
+        causal: bool,
+        window: int | None,
+    ) -> mx.array:
         """[B, 1, L, span + L] bool: block query i of row b (at position
         starts[b] + i) sees the row's context positions j < starts[b] and the
         block (all of it, or up to itself when causal), within the window."""
@@ -246,10 +290,9 @@ class DFlashDraft(nn.Module):
         sees_context = context < start
         block = start + mx.arange(length, dtype=mx.int32)[None, None, None, :]
         sees_block = mx.broadcast_to(
-            block <= query if self.settings.causal else mx.array(True),
+            block <= query if causal else mx.array(True),
             (len(starts), 1, length, length),
         )
-        window = self.settings.window
         if window is not None:
             sees_context = sees_context & (query - context < window)
             sees_block = sees_block & (mx.abs(query - block) < window)
@@ -265,10 +308,14 @@ class DFlashDraft(nn.Module):
         length = x.shape[1]
         span = max(starts)
         cache.reserve(span)
-        mask = self.block_mask(starts, length, span)
+        masks = {
+            kind: self.block_mask(starts, length, span, *kind)
+            for kind in set(self.settings.attention)
+        }
         rope_at = rope_offset(starts)
         h = x
         for i, layer in enumerate(self.layers):
+            mask = masks[self.settings.attention[i]]
             keys = cache.keys[i][:, :, :span] if span else _empty(cache)
             values = cache.values[i][:, :, :span] if span else _empty(cache)
             h = layer(h, keys, values, rope_at, mask)

@@ -141,10 +141,11 @@ def reference_block(
         query_pos = positions[context_len:][:, None]
         key_pos = positions[None, :]
         visible = mx.ones(scores.shape[1:], dtype=mx.bool_)
-        if settings.causal:
+        causal, window = settings.attention[i]
+        if causal:
             visible = visible & (key_pos <= query_pos)
-        if settings.window is not None:
-            visible = visible & (mx.abs(query_pos - key_pos) < settings.window)
+        if window is not None:
+            visible = visible & (mx.abs(query_pos - key_pos) < window)
         scores = mx.where(visible[None], scores, -mx.inf)
         attended = mx.einsum("hqk,khd->qhd", mx.softmax(scores, axis=-1), v)
         h = h + attended.reshape(length, -1) @ params[p + "self_attn.o_proj.weight"].T
@@ -160,9 +161,19 @@ def reference_block(
     [
         {},
         {"is_causal": True},
-        {"layer_types": ["sliding_attention"] * 2, "sliding_window": 6},
+        {
+            "layer_types": ["sliding_attention"] * 2,
+            "sliding_window": 6,
+            "use_sliding_window": True,
+        },
+        {
+            "layer_types": ["full_attention", "sliding_attention"],
+            "sliding_window": 3,
+            "use_sliding_window": True,
+            "is_causal": False,
+        },
     ],
-    ids=["bidirectional", "causal", "sliding-window"],
+    ids=["bidirectional", "causal", "sliding-window", "mixed-layers"],
 )
 def test_the_cached_forward_is_the_one_piece_forward(
     tapped: CausalLM, overrides: dict[str, Any]
@@ -363,9 +374,9 @@ def test_a_dflash_artifact_binds_with_its_block_width(tmp_path: Path) -> None:
         ),
         ({"dflash_config": {"target_layer_ids": [0]}}, "mask_token_id"),
         ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, "mixed"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
     ],
-    ids=["hidden", "layers", "mask", "no-mask", "dflash2", "mixed-layers"],
+    ids=["hidden", "layers", "mask", "no-mask", "dflash2", "layer-kinds"],
 )
 def test_a_dflash_draft_that_does_not_fit_is_refused(
     tmp_path: Path, change: dict[str, Any], message: str
