@@ -306,8 +306,11 @@ class DFlashDraft(nn.Module):
         starts: Sequence[int],  # row b's block sits at starts[b] .. + L - 1
     ) -> mx.array:  # [B, L, H] after the draft's norm
         length = x.shape[1]
-        span = max(starts)
-        cache.reserve(span)
+        cache.reserve(max(starts))
+        # on a GPU the context's keys span the whole capacity (a multiple of
+        # 256) under the mask: MLX compiles its attention per key length, so
+        # a length that grows every round would compile every round
+        span = cache.capacity if cache.bucket_windows else max(starts)
         masks = {
             kind: self.block_mask(starts, length, span, *kind)
             for kind in set(self.settings.attention)
