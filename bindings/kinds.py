@@ -225,12 +225,18 @@ def _native_mtp(
     )
 
 
-def _is_dflash_artifact(artifact: DraftArtifact) -> bool:
+def _dflash_generation(artifact: DraftArtifact) -> int:
+    """2 for a DFlash2 drafter's config, 1 for a DFlash (v1) one, else 0."""
     config = artifact.config
     if config is None:
-        return False
-    architectures = config.get("architectures") or []
-    return "dflash_config" in config or any("DFlash" in str(a) for a in architectures)
+        return 0
+    architectures = [str(a) for a in config.get("architectures") or []]
+    inner = config.get("dflash_config")
+    if any("DFlash2" in a for a in architectures) or (
+        isinstance(inner, dict) and "selector_rank" in inner
+    ):
+        return 2
+    return 1 if inner is not None or any("DFlash" in a for a in architectures) else 0
 
 
 def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
@@ -248,17 +254,6 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     config = DraftArtifact(folder).config
     if config is None:
         return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
-    inner = config.get("dflash_config")
-    second = any("DFlash2" in str(a) for a in config.get("architectures") or []) or (
-        isinstance(inner, dict) and "selector_rank" in inner
-    )
-    if second:
-        return Failure(
-            BindingError(
-                f"{where}: a DFlash2 drafter (its candidate selector and dynamic "
-                "convolutions) is not supported yet; DFlash (v1) drafters are"
-            )
-        )
     if request.draft_vocab not in (None, "off"):
         return Failure(
             BindingError(
@@ -270,6 +265,14 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if not isinstance(settings, Success):
         return Failure(BindingError(f"{where}: {settings.failure().message}"))
     dflash = settings.unwrap()
+    named_second = any("DFlash2" in str(a) for a in config.get("architectures") or [])
+    if named_second and not (dflash.conv and dflash.selector):
+        return Failure(
+            BindingError(
+                f"{where}: a DFlash2 config needs dflash_config's conv_kernel_size, "
+                "conv_group_size, selector_rank and selector_top_k"
+            )
+        )
     args = structure(hf, normalize_hf_config(config), DecoderArgs, where)
     if not isinstance(args, Success):
         return Failure(BindingError(f"{where}: {args.failure().message}"))
@@ -285,6 +288,11 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
             )
         )
     problems = []
+    if dflash.selector is not None and draft_args.vocab_size != target.args.vocab_size:
+        problems.append(
+            f"its candidate codebooks cover {draft_args.vocab_size} tokens, the "
+            f"target's vocabulary {target.args.vocab_size}"
+        )
     if draft_args.hidden_size != target.args.hidden_size:
         problems.append(
             f"its hidden size is {draft_args.hidden_size}, the target's "
@@ -326,7 +334,7 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     width = dflash.block_size - 1  # a block-trained drafter: at most its block
     graph = GraphCapabilities.for_decoder(target.args)
     needs = DraftNeeds(
-        kind="dflash",
+        kind="dflash2" if dflash.second else "dflash",
         default_width=width,
         max_width=width,
         hidden_size=draft_args.hidden_size,
@@ -334,11 +342,13 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
         shares=frozenset({"embedding", "lm_head"}),
     )
 
+    kind = "dflash2" if dflash.second else "dflash"
+
     def bound(width: int) -> LoadedDraft:
         model.tap(dflash.target_layers)  # the target's forwards return them now
-        drafter = DFlashDrafter(model, draft, request.policy)
+        drafter = DFlashDrafter(model, draft, request.policy, kind)
         # (the drafter times its own rounds for calibration: `calibration_round`)
-        return LoadedDraft(drafter, width, "dflash", drafter, where)
+        return LoadedDraft(drafter, width, kind, drafter, where)
 
     return bind(graph, needs, request.width).map(lambda b: bound(b.width))
 
@@ -348,7 +358,16 @@ DFLASH = DraftKind(
     artifact=True,
     default_width=15,
     load=_load_dflash,
-    detect=_is_dflash_artifact,
+    detect=lambda artifact: _dflash_generation(artifact) == 1,
+)
+# DFlash2 (z-lab): DFlash layers with dynamic convolutions and a candidate
+# selector; the same loader (the config says which it builds)
+DFLASH2 = DraftKind(
+    kind="dflash2",
+    artifact=True,
+    default_width=15,
+    load=_load_dflash,
+    detect=lambda artifact: _dflash_generation(artifact) == 2,
 )
 
 MTP = DraftKind(
@@ -374,6 +393,7 @@ TWO_MODEL = DraftKind(
 def default_registry() -> DraftRegistry:
     return (
         DraftRegistry()
+        .register(DFLASH2)
         .register(DFLASH)
         .register(MTP)
         .register(TWO_MODEL)

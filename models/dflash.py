@@ -14,12 +14,17 @@ q/k RMS norms, SwiGLU) that draft a whole block in one forward:
     drafts = target projection(norm(x)) at block positions 1 .. L - 1
              (times `output_multiplier`, soft-capped where set)
 
+DFlash2 adds, per layer, grouped dynamic causal convolutions over the
+block's positions around the attention and around the MLP (`DynamicConv`),
+and a candidate selector that rescores each position's top-k logits against
+the token drafted before it (`CandidateSelector`), the drafts chosen in order.
+
 The context keys and values of a layer depend only on the target's features,
 never on the block, so each position's are computed once, when it is
 committed, and kept in the draft's own KV cache (`write_context`); a round's
 block keys and values are never stored. References: z-lab/dflash
-`dflash/model.py` (`DFlashDraftModel`, `Qwen3DFlashAttention`); vLLM's
-`dflash.py`.
+`dflash/model.py` (`DFlashDraftModel`, `Qwen3DFlashAttention`,
+`DFlash2DraftModel`); vLLM's `dflash.py`.
 """
 
 from __future__ import annotations
@@ -55,6 +60,16 @@ class DFlashSettings:
     embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     softcap: float | None = None
+    # DFlash2: each layer's grouped dynamic causal convolutions around its
+    # attention and its MLP (kernel size, channels per group), and the
+    # candidate selector (codebook rank, candidates per position)
+    conv: tuple[int, int] | None = None
+    selector: tuple[int, int] | None = None
+
+    @property
+    def second(self) -> bool:
+        """Whether this is a DFlash2 draft (convolutions and selector)."""
+        return self.conv is not None
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Result[DFlashSettings, LoadError]:
@@ -136,6 +151,26 @@ class DFlashSettings:
             for kind in kinds
         )
         softcap = value("final_logit_softcapping")
+        extras = [value(k) for k in _SECOND]
+        if any(e is not None for e in extras) and not all(
+            isinstance(e, int) and e > 0 for e in extras
+        ):
+            return Failure(
+                LoadError(
+                    "a DFlash2 config needs positive integers "
+                    + ", ".join(
+                        f"{k}={v!r}" for k, v in zip(_SECOND, extras, strict=True)
+                    )
+                )
+            )
+        kernel, group, rank, top = extras
+        hidden = config.get("hidden_size")
+        if kernel is not None and isinstance(hidden, int) and hidden % group:
+            return Failure(
+                LoadError(
+                    f"a DFlash2 conv_group_size ({group}) must divide hidden_size ({hidden})"
+                )
+            )
         return Success(
             cls(
                 tuple(layers),
@@ -145,8 +180,13 @@ class DFlashSettings:
                 float(value("input_embedding_scale", 1.0)),
                 float(value("output_multiplier", 1.0)),
                 float(softcap) if softcap is not None and float(softcap) > 0 else None,
+                None if kernel is None else (kernel, group),
+                None if rank is None else (rank, top),
             )
         )
+
+
+_SECOND = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def default_target_layers(target_layers: int, draft_layers: int) -> list[int]:
@@ -202,8 +242,83 @@ class DFlashAttention(Attention):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
+class DynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution over a block's positions:
+    out[t] = sum over o < K of (base[o] + dynamic[t, o]) * x[t - o] (0 before
+    the block), one dynamic weight per group of channels, from a projection
+    of the layer's normed input (`prepare`: the kernels of both the input's
+    and the sublayer output's convolution)."""
+
+    def __init__(self, hidden: int, kernel: int, group: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.group = group
+        self.groups = hidden // group
+        self.base_kernel = mx.zeros((2, kernel, hidden))
+        self.kernel_projection = Linear(hidden, 2 * kernel * self.groups, bias=False)
+
+    def _convolve(self, x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
+        batch, length, hidden = x.shape  # dynamic [B, L, K, groups], base [K, H]
+        blocks = x.reshape(batch, length, self.groups, self.group)
+        out = mx.zeros_like(blocks)
+        for offset in range(self.kernel):
+            shifted = blocks
+            if offset:
+                pad = mx.zeros(
+                    (batch, min(offset, length), self.groups, self.group), x.dtype
+                )
+                kept = blocks[:, : max(0, length - offset)]
+                shifted = mx.concatenate([pad, kept], axis=1)
+            weight = base[offset].reshape(1, 1, self.groups, self.group)
+            out = out + weight * shifted + dynamic[:, :, offset, :, None] * shifted
+        return out.reshape(batch, length, hidden)
+
+    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        batch, length, _ = x.shape
+        dynamic = self.kernel_projection(x).reshape(
+            batch, length, 2, self.kernel, self.groups
+        )
+        base = self.base_kernel.astype(x.dtype)
+        return self._convolve(x, dynamic[:, :, 0], base[0]), dynamic[:, :, 1]
+
+    def finish(self, x: mx.array, dynamic: mx.array) -> mx.array:
+        return self._convolve(x, dynamic, self.base_kernel[1].astype(x.dtype))
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's selector: each draft position's top-k candidates rescored by
+    a bilinear term of the previous drafted token and the candidate,
+    conditioned on the position's hidden state, chosen in order (`scores`)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top: int) -> None:
+        super().__init__()
+        self.top = top
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook = nn.Embedding(vocab, rank)
+        self.hidden_projection = Linear(hidden, rank, bias=False)
+
+    def candidates(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """[B, D, k] candidate ids (the k best logits of each position, in
+        no particular order) and their logits."""
+        ids = mx.argpartition(-logits, self.top - 1, axis=-1)[..., : self.top]
+        return ids, mx.take_along_axis(logits, ids, axis=-1)
+
+    def scores(
+        self,
+        projected: mx.array,  # [B, r] the position's hidden_projection
+        predecessor: mx.array,  # [B] the token drafted before the position
+        ids: mx.array,  # [B, k] the position's candidates
+        unary: mx.array,  # [B, k] their logits
+    ) -> mx.array:  # [B, k]
+        query = self.predecessor_codebook(predecessor) * projected  # [B, r]
+        keys = self.successor_codebook(ids)  # [B, k, r]
+        return unary + (keys @ query[:, :, None])[..., 0]
+
+
 class DFlashLayer(nn.Module):
-    def __init__(self, args: DecoderArgs, layer: int) -> None:
+    def __init__(
+        self, args: DecoderArgs, layer: int, conv: tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
         spec = BlockSpec(
             qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm=True
@@ -214,6 +329,10 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(
             args.hidden_size, eps=args.rms_norm_eps
         )
+        self.convolved = conv is not None
+        if conv is not None:
+            self.attention_conv = DynamicConv(args.hidden_size, *conv)
+            self.mlp_conv = DynamicConv(args.hidden_size, *conv)
 
     def __call__(
         self,
@@ -223,10 +342,15 @@ class DFlashLayer(nn.Module):
         rope_at: int | mx.array,
         mask: mx.array,
     ) -> mx.array:
-        h = x + self.self_attn.block(
-            self.input_layernorm(x), keys, values, rope_at, mask
-        )
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed = self.input_layernorm(x)
+        if not self.convolved:
+            h = x + self.self_attn.block(normed, keys, values, rope_at, mask)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        normed, after = self.attention_conv.prepare(normed)
+        attended = self.self_attn.block(normed, keys, values, rope_at, mask)
+        h = x + self.attention_conv.finish(attended, after)
+        normed, after = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(normed), after)
 
 
 class DFlashDraft(nn.Module):
@@ -241,8 +365,14 @@ class DFlashDraft(nn.Module):
         hidden = args.hidden_size
         self.fc = Linear(len(settings.target_layers) * hidden, hidden, bias=False)
         self.hidden_norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-        self.layers = [DFlashLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [
+            DFlashLayer(args, i, settings.conv) for i in range(args.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+        if settings.selector is not None:
+            self.candidate_selector = CandidateSelector(
+                hidden, args.vocab_size, *settings.selector
+            )
 
     def make_cache(self, batch: int) -> KVCache:
         """The context keys / values of every layer, per row."""
@@ -351,6 +481,10 @@ def build_dflash(
     draft = DFlashDraft(args, settings)
     names = {k.removeprefix("model."): v for k, v in weights.items()}
     names = {k: v for k, v in names.items() if not k.endswith("rotary_emb.inv_freq")}
+    for codebook in ("predecessor_codebook", "successor_codebook"):  # (DFlash2's
+        bare = f"candidate_selector.{codebook}"  # checkpoints drop ".weight")
+        if bare in names:
+            names[bare + ".weight"] = names.pop(bare)
     expected = flat_parameters(draft)
     missing = sorted(set(expected) - set(names))
     unexpected = sorted(set(names) - set(expected))

@@ -80,7 +80,45 @@ class DFlashRows:
         normed = self.draft(x, self.cache, starts)[:, 1:]
         logits = self.draft.logits(normed, self.head)
         params = [self.policy.draft_params(row.sampling) for row in rows]
-        return Proposal(depth, device=sample_window(logits, None, rows, params))
+        if self.draft.settings.selector is None:
+            return Proposal(depth, device=sample_window(logits, None, rows, params))
+        return Proposal(
+            depth, device=self._select(normed, logits, ids[:, 0], rows, params)
+        )
+
+    def _select(
+        self,
+        normed: mx.array,  # [B, D, H] the draft's outputs at the draft positions
+        logits: mx.array,  # [B, D, V]
+        first: mx.array,  # [B] the block's first token (the pending one)
+        rows: Sequence[RowState],
+        params: Sequence[SamplingParams],
+    ) -> mx.array:  # [B, D] int32
+        """DFlash2: position by position, the candidates rescored against the
+        token drafted before (`CandidateSelector`), then drawn with the
+        position's step key over a vocabulary-wide vector that holds the
+        scores at the candidates' ids (-inf elsewhere): the draw is coupled
+        with the target's as a plain draft's is."""
+        selector = self.draft.candidate_selector
+        ids, unary = selector.candidates(logits)
+        projected = selector.hidden_projection(normed)
+        batch, depth, vocab = logits.shape
+        predecessor = first
+        drafted = []
+        for i in range(depth):
+            scores = selector.scores(
+                projected[:, i], predecessor, ids[:, i], unary[:, i]
+            )
+            spread = mx.put_along_axis(
+                mx.full((batch, vocab), -mx.inf, dtype=mx.float32),
+                ids[:, i],
+                scores.astype(mx.float32),
+                axis=-1,
+            )
+            ahead = [evolve(row, step=row.step + i) for row in rows]
+            predecessor = sample_window(spread[:, None], None, ahead, params)[:, 0]
+            drafted.append(predecessor)
+        return mx.stack(drafted, axis=1)
 
     def prepare_commit(
         self,

@@ -148,7 +148,7 @@ def test_several_fallbacks_keep_their_order_after_every_other_kind(
 
 def test_the_default_registry_falls_back_to_two_model(tmp_path: Path) -> None:
     registry = default_registry()
-    assert set(registry.names()) == {"dflash", "mtp", "two-model", "ngram"}
+    assert set(registry.names()) == {"dflash2", "dflash", "mtp", "two-model", "ngram"}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert registry.detect(tmp_path) == Success("two-model")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next_mtp"}))
@@ -160,6 +160,9 @@ def test_the_default_registry_falls_back_to_two_model(tmp_path: Path) -> None:
     named = {"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}
     (tmp_path / "config.json").write_text(json.dumps(named))
     assert registry.detect(tmp_path) == Success("dflash")
+    second = {"model_type": "qwen3", "architectures": ["DFlash2DraftModel"]}
+    (tmp_path / "config.json").write_text(json.dumps(second))
+    assert registry.detect(tmp_path) == Success("dflash2")
     assert [k.kind for k in registry.natives] == ["mtp"]
 
 

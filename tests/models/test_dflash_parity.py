@@ -16,13 +16,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from dflash.model import DFlashDraftModel
+from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from transformers import Qwen3Config
 
 from models.dflash import DFlashSettings, build_dflash, default_target_layers
 from models.vocab_head import HeadWeights
 from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
+from schemas.request import DraftPolicy, SamplingParams
+from specpipe.drafts.dflash import DFlashRows
+from specpipe.state import RowState
 
 HIDDEN, VOCAB = 64, 97
 
@@ -67,7 +70,7 @@ def reference(settings: dict[str, Any]) -> DFlashDraftModel:
     return model
 
 
-def ours(settings: dict[str, Any], model: DFlashDraftModel) -> Any:
+def ours(settings: dict[str, Any], model: torch.nn.Module) -> Any:
     args = structure(hf, normalize_hf_config(settings), DecoderArgs, "dflash").unwrap()
     weights = {k: mx.array(v.detach().numpy()) for k, v in model.state_dict().items()}
     return build_dflash(args, DFlashSettings.of(settings).unwrap(), weights).unwrap()
@@ -144,3 +147,88 @@ def test_target_layers_a_config_leaves_out_are_the_reference_s(
     assert default_target_layers(targets, drafts) == want
     got = DFlashSettings.of(settings).unwrap().target_layers
     assert list(got) == want
+
+
+def config2(**overrides: Any) -> dict[str, Any]:
+    """A DFlash2 draft: convolutions of kernel 2 over groups of 16 channels,
+    a selector of rank 8 over 6 candidates."""
+    settings = config(architectures=["DFlash2DraftModel"], **overrides)
+    settings["dflash_config"] = {
+        **settings["dflash_config"],
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 6,
+    }
+    return settings
+
+
+def reference2(settings: dict[str, Any]) -> DFlash2DraftModel:
+    torch.manual_seed(0)
+    model = DFlash2DraftModel(Qwen3Config(**settings)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("base_kernel"):  # (left uninitialized by the reference)
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.ndim == 2:
+                p.mul_(10.0)
+            elif name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "layer_types": ["sliding_attention"] * 2,
+            "sliding_window": 4,
+            "use_sliding_window": True,
+            "is_causal": False,
+        },
+    ],
+    ids=["full", "sliding"],
+)
+def test_the_dflash2_forward_and_greedy_selection_are_the_reference_s(
+    overrides: dict[str, Any],
+) -> None:
+    settings = config2(**overrides)
+    model = reference2(settings)
+    draft = ours(settings, model)
+    rng = np.random.default_rng(2)
+    context, block = 7, 5
+    features = rng.standard_normal((2, context, 3 * HIDDEN)).astype(np.float32)
+    noise = rng.standard_normal((2, block, HIDDEN)).astype(np.float32)
+    with torch.no_grad():
+        want = model(
+            position_ids=torch.arange(context + block)[None],
+            noise_embedding=torch.from_numpy(noise),
+            target_hidden=torch.from_numpy(features),
+        )
+    cache = draft.make_cache(2)
+    draft.write_context(mx.array(features), cache, [0, 0])
+    got = draft(mx.array(noise), cache, [context, context])
+    assert np.allclose(np.array(got), want.numpy(), atol=1e-4, rtol=1e-4)
+
+    # the selector's greedy path over the draft positions (1 ..), from the
+    # block's first token, through the reference's head
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    anchors = torch.tensor([5, 17])
+    with torch.no_grad():
+        path, _, _ = model.propose(want[:, 1:], anchors, head, 0.0)
+    rows = DFlashRows(
+        None,  # type: ignore[arg-type]  (the selection reads no target)
+        draft,
+        HeadWeights(mx.array(head.weight.detach().numpy())),
+        DraftPolicy(),
+        cache,
+        (context, context),
+        (mx.zeros((0, 3 * HIDDEN)),) * 2,
+    )
+    normed = got[:, 1:]
+    logits = draft.logits(normed, rows.head)
+    greedy = [RowState.start((1, 2, 3), 8, SamplingParams()) for _ in range(2)]
+    params = [SamplingParams()] * 2
+    selected = rows._select(normed, logits, mx.array(anchors.numpy()), greedy, params)
+    assert np.array(selected).tolist() == path.numpy().tolist()

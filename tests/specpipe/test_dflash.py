@@ -64,6 +64,19 @@ def dflash_config(**overrides: Any) -> dict[str, Any]:
     return config
 
 
+def dflash2_config() -> dict[str, Any]:
+    """The same with DFlash2's convolutions and candidate selector."""
+    config = dflash_config(architectures=["DFlash2DraftModel"])
+    config["dflash_config"] = {
+        **config["dflash_config"],
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 6,
+    }
+    return config
+
+
 def draft_args(config: dict[str, Any]) -> DecoderArgs:
     return structure(hf, normalize_hf_config(config), DecoderArgs, "dflash").unwrap()
 
@@ -81,6 +94,10 @@ def random_draft(
             ]
         )
     )
+    for layer in draft.layers:  # DFlash2's base kernels (zeros as built)
+        if layer.convolved:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel = 0.3 * mx.random.normal(conv.base_kernel.shape)
     mx.eval(draft.parameters())
     return draft
 
@@ -309,14 +326,22 @@ SAMPLINGS = {
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
-@pytest.mark.parametrize("depth", [1, 3, BLOCK - 1])
+@pytest.mark.parametrize(
+    ("generation", "depth"), [(1, 1), (1, 3), (1, BLOCK - 1), (2, BLOCK - 1)]
+)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_dflash_output_is_plain_decoding(
-    tapped: CausalLM, plain: PlainReference, sampling: str, depth: int, batch: int
+    tapped: CausalLM,
+    plain: PlainReference,
+    sampling: str,
+    generation: int,
+    depth: int,
+    batch: int,
 ) -> None:
     prompts = PROMPTS[:batch]
     params = SAMPLINGS[sampling]
-    drafter = DFlashDrafter(tapped, random_draft(dflash_config(), seed=7))
+    config = dflash_config() if generation == 1 else dflash2_config()
+    drafter = DFlashDrafter(tapped, random_draft(config, seed=7))
     tokens, results = run(tapped, prompts, params, drafter, depth=depth)
     assert all(r.finish == "length" for r in results)
     # the draft ran every round (a failing draft is switched off, not raised)
@@ -339,6 +364,31 @@ def write_artifact(folder: Path, config: dict[str, Any], draft: DFlashDraft) -> 
 def _target() -> Any:
     model = tiny_model(1)
     return SimpleNamespace(model=model, args=model.args, source="tiny")
+
+
+def test_a_dflash2_artifact_binds_as_dflash2(tmp_path: Path) -> None:
+    """Detected apart from DFlash; its checkpoint's codebooks without the
+    `.weight` suffix (as released) load."""
+    config = dflash2_config()
+    draft = random_draft(config)
+    folder = write_artifact(tmp_path / "d2", config, draft)
+    weights = dict(tree_flatten(draft.parameters()))
+    for book in ("predecessor_codebook", "successor_codebook"):
+        name = f"candidate_selector.{book}"
+        weights[name] = weights.pop(name + ".weight")
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    registry = default_registry()
+    assert registry.detect(folder) == Success("dflash2")
+    target = _target()
+    loaded = registry.load(
+        "dflash2", DraftLoadRequest(target=target, source=str(folder))
+    )
+    assert isinstance(loaded, Success), loaded
+    assert (loaded.unwrap().kind, loaded.unwrap().width) == ("dflash2", BLOCK - 1)
+    bound = loaded.unwrap().drafter
+    assert isinstance(bound, DFlashDrafter)
+    books = bound.draft.candidate_selector.predecessor_codebook.weight
+    assert mx.array_equal(books, draft.candidate_selector.predecessor_codebook.weight)
 
 
 def test_a_dflash_artifact_binds_with_its_block_width(tmp_path: Path) -> None:
@@ -378,7 +428,7 @@ def test_a_dflash_artifact_binds_with_its_block_width(tmp_path: Path) -> None:
             "mask token",
         ),
         ({"dflash_config": {"target_layer_ids": [0]}}, "mask_token_id"),
-        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
+        ({"architectures": ["DFlash2DraftModel"]}, "conv_kernel_size"),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
     ],
     ids=["hidden", "layers", "mask", "no-mask", "dflash2", "layer-kinds"],
