@@ -246,6 +246,7 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     from models.layers import model_dtype
     from schemas.converter import hf, structure
     from schemas.hf import DecoderArgs, normalize_hf_config
+    from specpipe.draft_vocab import SubsetHead, configured
     from specpipe.drafts.dflash import DFlashDrafter
 
     assert request.source is not None
@@ -254,13 +255,6 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     config = DraftArtifact(folder).config
     if config is None:
         return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
-    if request.draft_vocab not in (None, "off"):
-        return Failure(
-            BindingError(
-                "a draft vocabulary (--draft-vocab) is not supported with a DFlash "
-                "draft yet; drop the option"
-            )
-        )
     settings = DFlashSettings.of(config)
     if not isinstance(settings, Success):
         return Failure(BindingError(f"{where}: {settings.failure().message}"))
@@ -331,6 +325,23 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if not isinstance(built, Success):
         return Failure(BindingError(f"{where}: {built.failure().message}"))
     draft = built.unwrap()
+    # FR-Spec: the draft projects through the target's head, so a list of
+    # the target's rows applies as it does to an MTP head
+    vocab = configured(request.draft_vocab, target.args.vocab_size, folder)
+    if not isinstance(vocab, Success):
+        return Failure(BindingError(f"draft vocabulary: {vocab.failure().message}"))
+    listed = vocab.unwrap()
+    if (
+        listed is not None
+        and dflash.selector is not None
+        and listed.size < dflash.selector[1]
+    ):
+        return Failure(
+            BindingError(
+                f"draft vocabulary: {listed.size} rows, fewer than the DFlash2 "
+                f"selector's {dflash.selector[1]} candidates per position"
+            )
+        )
     width = dflash.block_size - 1  # a block-trained drafter: at most its block
     graph = GraphCapabilities.for_decoder(target.args)
     needs = DraftNeeds(
@@ -346,7 +357,8 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
 
     def bound(width: int) -> LoadedDraft:
         model.tap(dflash.target_layers)  # the target's forwards return them now
-        drafter = DFlashDrafter(model, draft, request.policy, kind)
+        subset = SubsetHead.of(model, listed) if listed is not None else None
+        drafter = DFlashDrafter(model, draft, request.policy, kind, subset)
         # (the drafter times its own rounds for calibration: `calibration_round`)
         return LoadedDraft(drafter, width, kind, drafter, where)
 

@@ -29,6 +29,7 @@ from models.dflash import DFlashDraft
 from models.vocab_head import HeadWeights
 from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, Proposal
+from specpipe.draft_vocab import SubsetHead
 from specpipe.sample_window import sample_window
 from specpipe.state import RowState
 from specpipe.transaction import Prepared
@@ -39,6 +40,8 @@ class DFlashRows:
     needs_target_hidden = True
     target: CausalLM
     draft: DFlashDraft
+    # the projection the drafts are drawn over: the target's head, or its
+    # FR-Spec rows (`ids`: the token id of each row; None: row = token id)
     head: HeadWeights
     policy: DraftPolicy
     cache: KVCache
@@ -46,6 +49,7 @@ class DFlashRows:
     # per row: [n, n_taps * H] the target's features of positions cached ..
     # cached + n - 1, not yet stored
     pending: tuple[mx.array, ...]
+    ids: mx.array | None = None
 
     def _store_pending(self) -> tuple[int, ...]:
         """Store every row's pending features; the rows' context lengths."""
@@ -80,11 +84,13 @@ class DFlashRows:
         normed = self.draft(x, self.cache, starts)[:, 1:]
         logits = self.draft.logits(normed, self.head)
         params = [self.policy.draft_params(row.sampling) for row in rows]
-        if self.draft.settings.selector is None:
-            return Proposal(depth, device=sample_window(logits, None, rows, params))
-        return Proposal(
-            depth, device=self._select(normed, logits, ids[:, 0], rows, params)
-        )
+        if self.draft.settings.selector is not None:
+            drafted = self._select(normed, logits, ids[:, 0], rows, params)
+        else:
+            drafted = sample_window(logits, None, rows, params)
+            if self.ids is not None:  # FR-Spec: row index -> token id
+                drafted = mx.take(self.ids, drafted)
+        return Proposal(depth, device=drafted)
 
     def _select(
         self,
@@ -101,8 +107,11 @@ class DFlashRows:
         with the target's as a plain draft's is."""
         selector = self.draft.candidate_selector
         ids, unary = selector.candidates(logits)
+        if self.ids is not None:  # FR-Spec: candidates' row indices -> token ids
+            ids = mx.take(self.ids, ids)
         projected = selector.hidden_projection(normed)
-        batch, depth, vocab = logits.shape
+        batch, depth = logits.shape[:2]
+        vocab = self.target.args.vocab_size
         predecessor = first
         drafted = []
         for i in range(depth):
@@ -173,10 +182,19 @@ class DFlashDrafter:
     draft: DFlashDraft
     policy: DraftPolicy = field(factory=DraftPolicy)
     kind: str = "dflash"
+    # FR-Spec: the drafts drawn over these rows of the target's head only
+    subset: SubsetHead | None = None
+
+    def calibration_head(self) -> HeadWeights | None:
+        """The head rows a draft projects onto (its FR-Spec list), if not all."""
+        return self.subset.weights if self.subset is not None else None
 
     @property
     def calibration_key(self) -> str:
-        return self.kind
+        """What sets a draft round's cost apart in the calibration cache."""
+        if self.subset is None:
+            return self.kind
+        return f"{self.kind}/vocab={int(self.subset.ids.shape[0])}"
 
     def calibration_round(
         self, context: mx.array, hidden: mx.array
@@ -218,12 +236,14 @@ class DFlashDrafter:
                 f"the target returned features of width {hidden.shape[-1]}, the "
                 f"DFlash draft reads {width} (its taps were changed after binding)"
             )
+        subset = self.subset
         return DFlashRows(
             self.target,
             self.draft,
-            self.target.head_weights(),
+            self.target.head_weights() if subset is None else subset.weights,
             self.policy,
             self.draft.make_cache(len(rows)),
             tuple(0 for _ in rows),
             tuple(hidden[b, : row.length] for b, row in enumerate(rows)),
+            None if subset is None else subset.ids,
         )

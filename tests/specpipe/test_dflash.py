@@ -32,6 +32,7 @@ from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
 from schemas.request import SamplingParams
 from specpipe.draft import Proposal
+from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.drafts.dflash import DFlashDrafter, DFlashRows
 from specpipe.state import RowState
 
@@ -474,3 +475,92 @@ def test_a_target_that_cannot_tap_is_refused(tmp_path: Path) -> None:
     )
     assert isinstance(loaded, Failure)
     assert "does not expose" in loaded.failure().message
+
+
+# --- FR-Spec -----------------------------------------------------------------
+
+
+def _subset(model: CausalLM, ids: list[int]) -> SubsetHead:
+    return SubsetHead.of(model, DraftVocabulary.create(ids, VOCAB).unwrap())
+
+
+@pytest.mark.parametrize("generation", [1, 2])
+@pytest.mark.parametrize("sampling", ["greedy", "t0.8-topk"])
+def test_dflash_drafts_over_a_draft_vocabulary_are_lossless(
+    tapped: CausalLM, plain: PlainReference, generation: int, sampling: str
+) -> None:
+    """Drafts drawn over every third row of the head (token ids, not row
+    indices, reach the round) leave the output plain decoding's."""
+    listed = list(range(0, VOCAB, 3))
+    config = dflash_config() if generation == 1 else dflash2_config()
+    drafter = DFlashDrafter(
+        tapped, random_draft(config, seed=7), subset=_subset(tapped, listed)
+    )
+    params = SAMPLINGS[sampling]
+    tokens, results = run(tapped, PROMPTS, params, drafter, depth=BLOCK - 1)
+    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    assert tokens == plain(PROMPTS, params)
+    # the drafts are token ids of the list
+    rows = _rows([list(range(3, 14))], params)
+    features = tapped(
+        mx.array([list(range(3, 13))]), tapped.make_cache(1), [0]
+    ).features
+    proposal = drafter.open(rows, features).propose(rows, BLOCK - 1)
+    assert proposal.device is not None
+    assert all(t in listed for t in proposal.device.tolist()[0])
+
+
+@pytest.mark.parametrize("generation", [1, 2])
+def test_a_draft_vocabulary_of_every_row_drafts_as_the_full_head(
+    tapped: CausalLM, generation: int
+) -> None:
+    config = dflash_config() if generation == 1 else dflash2_config()
+    draft = random_draft(config, seed=9)
+    rows = _rows(
+        [list(range(3, 14)), [7, 8, 9, 10, 11]], SamplingParams(temperature=0.9, seed=4)
+    )
+    hidden = mx.concatenate(
+        [
+            tapped(mx.array([list(range(3, 13))]), tapped.make_cache(1), [0]).features,
+            mx.concatenate(
+                [
+                    tapped(
+                        mx.array([[7, 8, 9, 10]]), tapped.make_cache(1), [0]
+                    ).features,
+                    mx.zeros((1, 6, 128)),
+                ],
+                axis=1,
+            ),
+        ]
+    )
+    full = DFlashDrafter(tapped, draft).open(rows, hidden).propose(rows, 4)
+    every = DFlashDrafter(tapped, draft, subset=_subset(tapped, list(range(VOCAB))))
+    listed = every.open(rows, hidden).propose(rows, 4)
+    assert full.device is not None and listed.device is not None
+    assert full.device.tolist() == listed.device.tolist()
+
+
+def test_a_dflash2_vocabulary_smaller_than_its_candidates_is_refused(
+    tmp_path: Path,
+) -> None:
+    config = dflash2_config()
+    folder = write_artifact(tmp_path / "d2", config, random_draft(config))
+    DraftVocabulary.create([1, 2, 3], VOCAB).unwrap().write(tmp_path / "v.json")
+    loaded = default_registry().load(
+        "dflash2",
+        DraftLoadRequest(
+            target=_target(), source=str(folder), draft_vocab=str(tmp_path / "v.json")
+        ),
+    )
+    assert isinstance(loaded, Failure)
+    assert "fewer than the DFlash2 selector's 6" in loaded.failure().message
+    # a list beside the drafter loads with it (as an MTP companion's does)
+    DraftVocabulary.create(list(range(0, VOCAB, 2)), VOCAB).unwrap().write(
+        folder / "draft_vocab.json"
+    )
+    bound = default_registry().load(
+        "dflash2", DraftLoadRequest(target=_target(), source=str(folder))
+    )
+    drafter = bound.unwrap().drafter
+    assert isinstance(drafter, DFlashDrafter) and drafter.subset is not None
+    assert drafter.calibration_key == f"dflash2/vocab={len(range(0, VOCAB, 2))}"
