@@ -365,22 +365,20 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     return bind(graph, needs, request.width).map(lambda b: bound(b.width))
 
 
-DFLASH = DraftKind(
-    kind="dflash",
-    artifact=True,
-    default_width=15,
-    load=_load_dflash,
-    detect=lambda artifact: _dflash_generation(artifact) == 1,
-)
-# DFlash2 (z-lab): DFlash layers with dynamic convolutions and a candidate
-# selector; the same loader (the config says which it builds)
-DFLASH2 = DraftKind(
-    kind="dflash2",
-    artifact=True,
-    default_width=15,
-    load=_load_dflash,
-    detect=lambda artifact: _dflash_generation(artifact) == 2,
-)
+def _dflash_kind(kind: str, generation: int) -> DraftKind:
+    """DFlash (1) or DFlash2 (2: dynamic convolutions and a candidate
+    selector): one loader, the config says which it builds."""
+    return DraftKind(
+        kind=kind,
+        artifact=True,
+        default_width=15,
+        load=_load_dflash,
+        detect=lambda artifact: _dflash_generation(artifact) == generation,
+    )
+
+
+DFLASH = _dflash_kind("dflash", 1)
+DFLASH2 = _dflash_kind("dflash2", 2)
 
 MTP = DraftKind(
     kind="mtp",
