@@ -111,7 +111,7 @@ class DFlashRows:
             ids = mx.take(self.ids, ids)
         projected = selector.hidden_projection(normed)
         batch, depth = logits.shape[:2]
-        vocab = self.target.args.vocab_size
+        vocab = self.draft.args.vocab_size  # (the target's: checked at binding)
         predecessor = first
         drafted = []
         for i in range(depth):
