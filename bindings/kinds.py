@@ -277,8 +277,8 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
         return Failure(
             BindingError(
                 f"{where}: a DFlash draft reads the target's layer outputs, which the "
-                f"{target.args.model_type} target does not expose yet (llama, qwen2 "
-                "and qwen3 targets do)"
+                f"{target.args.model_type} target does not expose yet (specpipe's "
+                "llama, qwen2, qwen3, qwen3_next and qwen3_5 models do)"
             )
         )
     problems = []

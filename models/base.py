@@ -11,7 +11,7 @@ mask for a window.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,6 +55,34 @@ class ModelCache(Protocol):
     def arrays(self) -> list[mx.array]: ...
 
     def take_rows(self, rows: Sequence[int]) -> ModelCache: ...
+
+
+class Tapping:
+    """A model whose forwards can also return some layers' outputs
+    (`ModelOutput.features`), as a draft binding that reads them asks
+    (`tap`): DFlash drafts read the target's hidden states of several layers."""
+
+    args: DecoderArgs
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The layers whose outputs a forward returns as `ModelOutput.features`."""
+        return cast(tuple[int, ...], self.__dict__.get("_taps", ()))
+
+    def tap(self, layers: Sequence[int]) -> None:
+        """Return the outputs of `layers` (indices into the decoder layers)
+        with every forward from now on (() for none)."""
+        n = self.args.num_hidden_layers
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"layers {bad} are not among the model's {n} layers")
+        # an instance attribute, not a module child: no parameter of the model
+        object.__setattr__(self, "_taps", tuple(layers))
+
+    @staticmethod
+    def features(outputs: Sequence[mx.array]) -> mx.array | None:
+        """The tapped layers' outputs as one array [B, L, n * H] (None: none)."""
+        return mx.concatenate(list(outputs), axis=-1) if outputs else None
 
 
 class CausalLM(Protocol):

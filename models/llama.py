@@ -9,12 +9,11 @@ Reference: transformers `models/llama/modeling_llama.py`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask, ModelOutput, attention_mask, rope_offset
+from models.base import Mask, ModelOutput, Tapping, attention_mask, rope_offset
 from models.cache import KVCache
 from models.layers import MLP, Attention, BlockSpec, model_dtype
 from models.parallel import Embedding, Linear
@@ -82,7 +81,7 @@ class LlamaModel(nn.Module):
         return h
 
 
-class Model(nn.Module):
+class Model(nn.Module, Tapping):
     """The causal LM: implements `models.base.CausalLM`."""
 
     padding_safe = True
@@ -123,21 +122,6 @@ class Model(nn.Module):
         return ModelOutput(
             logits=self.lm_head(hidden), hidden=hidden, features=features
         )
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        """The layers whose outputs a forward returns as `ModelOutput.features`."""
-        return cast(tuple[int, ...], self.__dict__.get("_taps", ()))
-
-    def tap(self, layers: Sequence[int]) -> None:
-        """Return the outputs of `layers` (indices into the blocks) with every
-        forward from now on (a draft binding's choice; () for none)."""
-        n = self.args.num_hidden_layers
-        bad = [i for i in layers if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"layers {bad} are not among the model's {n} layers")
-        # an instance attribute, not a module child: no parameter of the model
-        object.__setattr__(self, "_taps", tuple(layers))
 
     def make_cache(self, batch: int) -> KVCache:
         return KVCache(

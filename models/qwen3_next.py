@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask, ModelOutput, RoPE, attention_mask, rope_offset
+from models.base import Mask, ModelOutput, RoPE, Tapping, attention_mask, rope_offset
 from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
@@ -392,7 +392,11 @@ class Qwen3NextModel(nn.Module):
         cache: HybridCache,
         offsets: Sequence[int],
         prefill: bool = False,
+        taps: Sequence[int] = (),
+        tapped: list[mx.array] | None = None,
     ) -> tuple[mx.array, list[WindowStates]]:  # [B, L, H] before the final norm
+        """The last layer's output and the linear layers' window states; the
+        outputs of layers `taps` appended to `tapped` in that order."""
         batch, length = ids.shape
         assert len(offsets) == batch, "one offset per row"
         cache.reserve(max(offsets) + length)
@@ -402,16 +406,20 @@ class Qwen3NextModel(nn.Module):
         per_position = not prefill and length <= PER_POSITION_MAX
         windows: list[WindowStates] = []
         h = self.embed_tokens(ids)
-        for layer in self.layers:
+        outputs: dict[int, mx.array] = {}
+        for i, layer in enumerate(self.layers):
             if isinstance(layer, LinearLayer):
                 h, states = layer(h, cache, per_position)
                 windows.append(states)
             else:
                 h = layer(h, cache.kv, offsets, mask, rope_at)
+            outputs[i] = h
+        if tapped is not None:
+            tapped.extend(outputs[i] for i in taps)
         return h, windows
 
 
-class Model(nn.Module):
+class Model(nn.Module, Tapping):
     """The causal LM: implements `models.base.CausalLM`."""
 
     padding_safe = False
@@ -437,11 +445,17 @@ class Model(nn.Module):
         *,
         prefill: bool = False,
     ) -> ModelOutput:
-        hidden, windows = self.model(ids, cache, offsets, prefill)
+        tapped: list[mx.array] = []
+        hidden, windows = self.model(ids, cache, offsets, prefill, self.taps, tapped)
         delta = HybridDelta(
             cache, ids.shape[1], self.hybrid.linear_conv_kernel_dim, windows
         )
-        return ModelOutput(logits=self.lm_head(hidden), hidden=hidden, delta=delta)
+        return ModelOutput(
+            logits=self.lm_head(hidden),
+            hidden=hidden,
+            delta=delta,
+            features=self.features(tapped),
+        )
 
     @property
     def hybrid(self) -> HybridArgs:

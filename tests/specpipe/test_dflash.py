@@ -27,9 +27,11 @@ from spec_support import PROMPTS, VOCAB, PlainReference, run, tiny_model
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
 from models.base import CausalLM
+from models.build import build_model
 from models.dflash import DFlashDraft, DFlashSettings
 from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
+from schemas.hf_hybrid import hybrid_args
 from schemas.request import SamplingParams
 from specpipe.draft import Proposal
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
@@ -564,3 +566,64 @@ def test_a_dflash2_vocabulary_smaller_than_its_candidates_is_refused(
     drafter = bound.unwrap().drafter
     assert isinstance(drafter, DFlashDrafter) and drafter.subset is not None
     assert drafter.calibration_key == f"dflash2/vocab={len(range(0, VOCAB, 2))}"
+
+
+# --- a hybrid target -------------------------------------------------------------
+
+HYBRID: dict[str, Any] = {
+    "model_type": "qwen3_next",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> CausalLM:
+    """A Qwen3-Next target (linear and full attention layers, MoE), tapping
+    a linear layer's output and a full attention layer's."""
+    mx.random.seed(0)
+    model = build_model(hybrid_args(HYBRID, "hybrid").unwrap()).unwrap()
+    model.update(
+        tree_unflatten(
+            [
+                (k, v * 2.5 if v.ndim >= 2 else v)
+                for k, v in tree_flatten(model.parameters())
+            ]
+        )
+    )
+    mx.eval(model.parameters())
+    model.tap((0, 3))  # type: ignore[attr-defined]
+    return model
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "t0.8-topk"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dflash_on_a_hybrid_target_is_plain_decoding(
+    hybrid: CausalLM, sampling: str, batch: int
+) -> None:
+    """The rounds' recurrent-state commits and the draft's context agree on
+    a hybrid target too (its rows prefill one by one)."""
+    prompts = PROMPTS[:batch]
+    params = SAMPLINGS[sampling]
+    plain, _ = run(hybrid, prompts, params, max_tokens=14)
+    config = dflash_config()
+    config["dflash_config"] = {**config["dflash_config"], "target_layer_ids": [0, 3]}
+    drafter = DFlashDrafter(hybrid, random_draft(config, seed=13))
+    spec, results = run(hybrid, prompts, params, drafter, depth=3, max_tokens=14)
+    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    assert spec == plain
