@@ -171,15 +171,26 @@ class DFlashSettings:
                     f"a DFlash2 conv_group_size ({group}) must divide hidden_size ({hidden})"
                 )
             )
+        try:
+            scale = float(value("input_embedding_scale", 1.0))
+            multiplier = float(value("output_multiplier", 1.0))
+            cap = None if softcap is None or float(softcap) <= 0 else float(softcap)
+        except (TypeError, ValueError):
+            return Failure(
+                LoadError(
+                    "a DFlash config's input_embedding_scale, output_multiplier and "
+                    "final_logit_softcapping must be numbers"
+                )
+            )
         return Success(
             cls(
                 tuple(layers),
                 block,
                 mask,
                 attention,
-                float(value("input_embedding_scale", 1.0)),
-                float(value("output_multiplier", 1.0)),
-                float(softcap) if softcap is not None and float(softcap) > 0 else None,
+                scale,
+                multiplier,
+                cap,
                 None if kernel is None else (kernel, group),
                 None if rank is None else (rank, top),
             )

@@ -433,8 +433,9 @@ def test_a_dflash_artifact_binds_with_its_block_width(tmp_path: Path) -> None:
         ({"dflash_config": {"target_layer_ids": [0]}}, "mask_token_id"),
         ({"architectures": ["DFlash2DraftModel"]}, "conv_kernel_size"),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+        ({"output_multiplier": "half"}, "must be numbers"),
     ],
-    ids=["hidden", "layers", "mask", "no-mask", "dflash2", "layer-kinds"],
+    ids=["hidden", "layers", "mask", "no-mask", "dflash2", "layer-kinds", "multiplier"],
 )
 def test_a_dflash_draft_that_does_not_fit_is_refused(
     tmp_path: Path, change: dict[str, Any], message: str
