@@ -190,14 +190,10 @@ def _declared_quantization(
     return Success(DeclaredQuantization(block))
 
 
-def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+def _read_weights(folder: Path, what: str) -> Result[dict[str, Any], BindingError]:
+    """Every array of a draft folder's *.safetensors files."""
     import mlx.core as mx
 
-    assert request.source is not None
-    folder = Path(request.source)
-    config = DraftArtifact(folder).config
-    if config is None:
-        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return Failure(BindingError(f"{folder}: no *.safetensors weight files"))
@@ -208,7 +204,23 @@ def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
             assert isinstance(loaded, dict)
             weights.update(loaded)
     except Exception as exc:
-        return Failure(BindingError(f"{folder}: cannot read the MTP weights ({exc})"))
+        return Failure(
+            BindingError(f"{folder}: cannot read the {what} weights ({exc})")
+        )
+    return Success(weights)
+
+
+def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+
+    assert request.source is not None
+    folder = Path(request.source)
+    config = DraftArtifact(folder).config
+    if config is None:
+        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    read = _read_weights(folder, "MTP")
+    if not isinstance(read, Success):
+        return Failure(read.failure())
+    weights = read.unwrap()
     return _declared_quantization(config, str(folder)).bind(
         lambda declared: _mtp_drafter(
             request.target, weights, config, request, folder, str(folder), declared
@@ -240,7 +252,6 @@ def _dflash_generation(artifact: DraftArtifact) -> int:
 
 
 def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
-    import mlx.core as mx
 
     from models.dflash import DFlashSettings, build_dflash
     from models.layers import model_dtype
@@ -308,19 +319,11 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
                 + "; ".join(problems)
             )
         )
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return Failure(BindingError(f"{folder}: no *.safetensors weight files"))
-    weights: dict[str, Any] = {}
-    try:
-        for file in files:
-            loaded = mx.load(str(file))
-            assert isinstance(loaded, dict)
-            weights.update(loaded)
-    except Exception as exc:
-        return Failure(
-            BindingError(f"{folder}: cannot read the DFlash weights ({exc})")
-        )
+    read = _read_weights(folder, "DFlash")
+    if not isinstance(read, Success):
+        return Failure(read.failure())
+    weights = read.unwrap()
+
     built = build_dflash(draft_args, dflash, weights, model_dtype(model))
     if not isinstance(built, Success):
         return Failure(BindingError(f"{where}: {built.failure().message}"))

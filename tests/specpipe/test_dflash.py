@@ -23,6 +23,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
 from spec_support import PROMPTS, VOCAB, PlainReference, run, tiny_model
+from test_mtp import CONFIG as MTP_TARGET
 
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
@@ -571,26 +572,8 @@ def test_a_dflash2_vocabulary_smaller_than_its_candidates_is_refused(
 
 # --- a hybrid target -------------------------------------------------------------
 
-HYBRID: dict[str, Any] = {
-    "model_type": "qwen3_next",
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 4,
-    "layer_types": ["linear_attention", "full_attention"] * 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 8,
-    "linear_value_head_dim": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 48,
-    "max_position_embeddings": 512,
-}
+# test_mtp.py's Qwen3-Next target, over this file's vocabulary
+HYBRID: dict[str, Any] = {**MTP_TARGET, "vocab_size": VOCAB}
 
 
 @pytest.fixture(scope="module")
