@@ -851,6 +851,42 @@ def test_chains_of_any_length_share_one_compiled_kernel(
     assert counts == [[2], [5]]
 
 
+def test_grouped_attention_keeps_to_launches_whose_window_fits_a_tile(
+    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ATT_GROUPED on, a launch whose window slots (its positions plus
+    its chained steps) pass ATT_TILE compiles the per-query-head form: the
+    grouped form stages the window in one tile."""
+    monkeypatch.setattr(mtp_cuda, "ATT_GROUPED", True)
+    target, head = moe
+    weights = fused_weights(target, head, 0)
+    assert weights is not None
+    step = FusedStep.make(weights, target.head_weights().weight, None, blocks=64)
+    assert step is not None
+    cache = head.make_cache(1)
+    cache.reserve(64)
+    grouped = []
+    for count in (mtp_cuda.ATT_TILE, mtp_cuda.ATT_TILE + 1):  # slots = count
+        seen = captured_kernel(monkeypatch, mtp_cuda)
+        step(
+            False,
+            True,
+            0,
+            mtp_cuda.draw_params(1e-6, 0.0, 1.0, 0.0),
+            mx.zeros((1, 1), dtype=mx.int32),
+            mx.zeros((1, 1, 256), dtype=mx.bfloat16),
+            mx.zeros((1,), dtype=mx.int32),
+            mx.zeros((1,), dtype=mx.int32),
+            cache.keys[0],
+            cache.values[0],
+            mx.zeros((1,), dtype=mx.uint32),
+            mx.zeros((1,), dtype=mx.uint32),
+            count=count,
+        )
+        grouped.append(dict(seen["template"])["ATT_GROUPED"])
+    assert grouped == [True, False]
+
+
 def test_compact_source_drops_comments_and_indentation_only() -> None:
     text = (
         "  // a comment line\n"
