@@ -272,8 +272,9 @@ ATT_MIN_SHARE = 16
 # mask of their 32-bit words instead of the compiler's conversion (the same
 # values): ptxas lowers a word's high half by inserting it into the result
 # register's old bits, which keeps that register live from the kernel's
-# start (nvdisasm's register life ranges: 52 registers of the default step
-# live from its entry). On: the compile test's steps 1-4 % less code
+# start (nvdisasm's register life ranges, the compile test's sampled
+# two-row first step: 50 registers live at the first instruction, 41 with
+# the switch; such inserts 76 -> 2). On: the compile test's steps 1-4 % less code
 # (bench/cubin_digest.py), Qwen3-Next's sampled round 291,864 -> 284,184
 # bytes at the same 168 registers; a sampled step is bound by fetching its
 # code (DRAW_HEADS's note). Compile-checked, not yet run on a device.
