@@ -353,6 +353,32 @@ def test_dflash_output_is_plain_decoding(
     assert tokens == plain(prompts, params)
 
 
+@pytest.mark.parametrize("generation", [1, 2])
+def test_dflash_in_the_host_first_round_and_ahead_is_plain_decoding(
+    tapped: CausalLM, plain: PlainReference, generation: int
+) -> None:
+    """The round's other forms: host-first (drafts read back before the
+    verify window is built) and with the next drafts launched ahead (a
+    drafter without that form proposes as usual)."""
+    params = SAMPLINGS["t0.8-topk"]
+    config = dflash_config() if generation == 1 else dflash2_config()
+    for device_round, ahead in ((False, False), (True, True)):
+        drafter = DFlashDrafter(tapped, random_draft(config, seed=7))
+        tokens, results = run(
+            tapped,
+            PROMPTS,
+            params,
+            drafter,
+            depth=3,
+            device_round=device_round,
+            draft_ahead=ahead,
+        )
+        assert all(
+            not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results
+        )
+        assert tokens == plain(PROMPTS, params)
+
+
 # --- binding -------------------------------------------------------------------
 
 
