@@ -58,16 +58,39 @@ def config(**overrides: Any) -> dict[str, Any]:
     return base
 
 
-def reference(settings: dict[str, Any]) -> DFlashDraftModel:
+def reference(
+    settings: dict[str, Any], kind: type[DFlashDraftModel] = DFlashDraftModel
+) -> DFlashDraftModel:
+    """The reference model (DFlash or DFlash2) with random weights larger than
+    its init's 0.02 std, so that outputs differ."""
     torch.manual_seed(0)
-    model = DFlashDraftModel(Qwen3Config(**settings)).eval()
-    with torch.no_grad():  # larger than the init's 0.02 std: outputs that differ
+    model = kind(Qwen3Config(**settings)).eval()
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2:
+            if name.endswith("base_kernel"):  # (DFlash2's: left uninitialized)
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.ndim == 2:
                 p.mul_(10.0)
             elif name.endswith("norm.weight"):
                 p.add_(0.3 * torch.randn_like(p))
     return model
+
+
+def reference_block(
+    model: DFlashDraftModel, rows: int, context: int, block: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """Random context features and block embeddings, and the reference's
+    output over them (the context at positions 0 .., the block after it)."""
+    rng = np.random.default_rng(seed)
+    features = rng.standard_normal((rows, context, 3 * HIDDEN)).astype(np.float32)
+    noise = rng.standard_normal((rows, block, HIDDEN)).astype(np.float32)
+    with torch.no_grad():
+        want = model(
+            position_ids=torch.arange(context + block)[None],
+            noise_embedding=torch.from_numpy(noise),
+            target_hidden=torch.from_numpy(features),
+        )
+    return features, noise, want
 
 
 def ours(settings: dict[str, Any], model: torch.nn.Module) -> Any:
@@ -110,16 +133,9 @@ def test_the_draft_forward_is_the_reference_s(overrides: dict[str, Any]) -> None
     settings = config(**overrides)
     model = reference(settings)
     draft = ours(settings, model)
-    rng = np.random.default_rng(1)
-    context, block = 9, 4
-    features = rng.standard_normal((1, context, 3 * HIDDEN)).astype(np.float32)
-    noise = rng.standard_normal((1, block, HIDDEN)).astype(np.float32)
-    with torch.no_grad():
-        want = model(
-            position_ids=torch.arange(context + block)[None],
-            noise_embedding=torch.from_numpy(noise),
-            target_hidden=torch.from_numpy(features),
-        ).numpy()
+    context = 9
+    features, noise, reference_out = reference_block(model, 1, context, 4, seed=1)
+    want = reference_out.numpy()
     cache = draft.make_cache(1)
     # the context stored in two writes, as rounds store it
     draft.write_context(mx.array(features[:, :5]), cache, [0])
@@ -163,20 +179,6 @@ def config2(**overrides: Any) -> dict[str, Any]:
     return settings
 
 
-def reference2(settings: dict[str, Any]) -> DFlash2DraftModel:
-    torch.manual_seed(0)
-    model = DFlash2DraftModel(Qwen3Config(**settings)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("base_kernel"):  # (left uninitialized by the reference)
-                p.copy_(0.5 * torch.randn_like(p))
-            elif p.ndim == 2:
-                p.mul_(10.0)
-            elif name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -194,18 +196,10 @@ def test_the_dflash2_forward_and_greedy_selection_are_the_reference_s(
     overrides: dict[str, Any],
 ) -> None:
     settings = config2(**overrides)
-    model = reference2(settings)
+    model = reference(settings, DFlash2DraftModel)
     draft = ours(settings, model)
-    rng = np.random.default_rng(2)
-    context, block = 7, 5
-    features = rng.standard_normal((2, context, 3 * HIDDEN)).astype(np.float32)
-    noise = rng.standard_normal((2, block, HIDDEN)).astype(np.float32)
-    with torch.no_grad():
-        want = model(
-            position_ids=torch.arange(context + block)[None],
-            noise_embedding=torch.from_numpy(noise),
-            target_hidden=torch.from_numpy(features),
-        )
+    context = 7
+    features, noise, want = reference_block(model, 2, context, 5, seed=2)
     cache = draft.make_cache(2)
     draft.write_context(mx.array(features), cache, [0, 0])
     got = draft(mx.array(noise), cache, [context, context])
