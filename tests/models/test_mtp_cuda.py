@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -814,22 +815,26 @@ def test_the_window_kernel_compiles(
     assert compiled.spill_bytes == 0, compiled.log
 
 
-def test_chains_of_any_length_share_one_compiled_kernel(
-    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The step count is an input, not a template constant: adaptive depths
-    compile no new kernel (each form takes seconds to compile on a GPU)."""
+def chained_launch(
+    moe: tuple[Any, MtpHead],
+    monkeypatch: pytest.MonkeyPatch,
+    counts: Sequence[int],
+    capacity: int,
+) -> list[tuple[dict[str, Any], tuple[mx.array, ...]]]:
+    """What the kernel is given (`captured_kernel`) and returns for a
+    one-row chain of each of `counts` greedy steps, full head, from a cache
+    of `capacity` positions."""
     target, head = moe
     weights = fused_weights(target, head, 0)
     assert weights is not None
     step = FusedStep.make(weights, target.head_weights().weight, None, blocks=64)
     assert step is not None
-    templates, counts = [], []
     cache = head.make_cache(1)
-    cache.reserve(32)
-    for count in (2, 5):
+    cache.reserve(capacity)
+    launched = []
+    for count in counts:
         seen = captured_kernel(monkeypatch, mtp_cuda)
-        tokens, _, knew, _ = step(
+        outputs = step(
             False,
             True,
             0,
@@ -844,6 +849,20 @@ def test_chains_of_any_length_share_one_compiled_kernel(
             mx.zeros((1,), dtype=mx.uint32),
             count=count,
         )
+        launched.append((dict(seen), tuple(outputs)))
+    return launched
+
+
+def test_chains_of_any_length_share_one_compiled_kernel(
+    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step count is an input, not a template constant: adaptive depths
+    compile no new kernel (each form takes seconds to compile on a GPU)."""
+    templates, counts = [], []
+    for count, (seen, outputs) in zip(
+        (2, 5), chained_launch(moe, monkeypatch, (2, 5), 32), strict=True
+    ):
+        tokens, _, knew = outputs[:3]
         assert tokens.shape == (1, count) and knew.shape[2] == count
         templates.append(seen["template"])
         counts.append(seen["inputs"][mtp_cuda._INPUTS.index("nsteps")].tolist())
@@ -858,32 +877,9 @@ def test_grouped_attention_keeps_to_launches_whose_window_fits_a_tile(
     its chained steps) pass ATT_TILE compiles the per-query-head form: the
     grouped form stages the window in one tile."""
     monkeypatch.setattr(mtp_cuda, "ATT_GROUPED", True)
-    target, head = moe
-    weights = fused_weights(target, head, 0)
-    assert weights is not None
-    step = FusedStep.make(weights, target.head_weights().weight, None, blocks=64)
-    assert step is not None
-    cache = head.make_cache(1)
-    cache.reserve(64)
-    grouped = []
-    for count in (mtp_cuda.ATT_TILE, mtp_cuda.ATT_TILE + 1):  # slots = count
-        seen = captured_kernel(monkeypatch, mtp_cuda)
-        step(
-            False,
-            True,
-            0,
-            mtp_cuda.draw_params(1e-6, 0.0, 1.0, 0.0),
-            mx.zeros((1, 1), dtype=mx.int32),
-            mx.zeros((1, 1, 256), dtype=mx.bfloat16),
-            mx.zeros((1,), dtype=mx.int32),
-            mx.zeros((1,), dtype=mx.int32),
-            cache.keys[0],
-            cache.values[0],
-            mx.zeros((1,), dtype=mx.uint32),
-            mx.zeros((1,), dtype=mx.uint32),
-            count=count,
-        )
-        grouped.append(dict(seen["template"])["ATT_GROUPED"])
+    counts = (mtp_cuda.ATT_TILE, mtp_cuda.ATT_TILE + 1)  # slots = count
+    launched = chained_launch(moe, monkeypatch, counts, 64)
+    grouped = [dict(seen["template"])["ATT_GROUPED"] for seen, _ in launched]
     assert grouped == [True, False]
 
 
