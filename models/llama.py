@@ -75,7 +75,8 @@ class LlamaModel(nn.Module):
         outputs: dict[int, mx.array] = {}
         for i, block in enumerate(self.layers):
             h = block(h, cache, offsets, mask, rope_at)
-            outputs[i] = h
+            if i in taps:
+                outputs[i] = h
         if tapped is not None:
             tapped.extend(outputs[i] for i in taps)
         return h
@@ -112,15 +113,10 @@ class Model(nn.Module, Tapping):
         *,
         prefill: bool = False,  # attention rolls back by position: nothing to skip
     ) -> ModelOutput:
-        taps = self.taps
-        if not taps:
-            hidden = self.model(ids, cache, offsets)
-            return ModelOutput(logits=self.lm_head(hidden), hidden=hidden)
         tapped: list[mx.array] = []
-        hidden = self.model(ids, cache, offsets, taps, tapped)
-        features = mx.concatenate(tapped, axis=-1)
+        hidden = self.model(ids, cache, offsets, self.taps, tapped)
         return ModelOutput(
-            logits=self.lm_head(hidden), hidden=hidden, features=features
+            logits=self.lm_head(hidden), hidden=hidden, features=self.features(tapped)
         )
 
     def make_cache(self, batch: int) -> KVCache:

@@ -413,7 +413,8 @@ class Qwen3NextModel(nn.Module):
                 windows.append(states)
             else:
                 h = layer(h, cache.kv, offsets, mask, rope_at)
-            outputs[i] = h
+            if i in taps:
+                outputs[i] = h
         if tapped is not None:
             tapped.extend(outputs[i] for i in taps)
         return h, windows
