@@ -252,7 +252,6 @@ def _dflash_generation(artifact: DraftArtifact) -> int:
 
 
 def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
-
     from models.dflash import DFlashSettings, build_dflash
     from models.layers import model_dtype
     from schemas.converter import hf, structure
@@ -292,26 +291,32 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
                 "llama, qwen2, qwen3, qwen3_next and qwen3_5 models do)"
             )
         )
+    # the hidden size and the tapped layers are the binding's checks (`bind`,
+    # before any weight is read); the mask token and codebooks are DFlash's
+    kind = "dflash2" if dflash.second else "dflash"
+    width = dflash.block_size - 1  # a block-trained drafter: at most its block
+    needs = DraftNeeds(
+        kind=kind,
+        default_width=width,
+        max_width=width,
+        hidden_size=draft_args.hidden_size,
+        tap_layers=dflash.target_layers,
+        shares=frozenset({"embedding", "lm_head"}),
+    )
+    binding = bind(GraphCapabilities.for_decoder(target.args), needs, request.width)
+    if not isinstance(binding, Success):
+        return Failure(binding.failure())
     problems = []
     if dflash.selector is not None and draft_args.vocab_size != target.args.vocab_size:
         problems.append(
             f"its candidate codebooks cover {draft_args.vocab_size} tokens, the "
             f"target's vocabulary {target.args.vocab_size}"
         )
-    if draft_args.hidden_size != target.args.hidden_size:
-        problems.append(
-            f"its hidden size is {draft_args.hidden_size}, the target's "
-            f"{target.args.hidden_size}"
-        )
     if dflash.mask_token >= target.args.vocab_size:
         problems.append(
             f"its mask token {dflash.mask_token} is past the target's vocabulary "
             f"({target.args.vocab_size})"
         )
-    layers = target.args.num_hidden_layers
-    outside = [i for i in dflash.target_layers if i >= layers]
-    if outside:
-        problems.append(f"it reads target layers {outside}; the target has {layers}")
     if problems:
         return Failure(
             BindingError(
@@ -323,7 +328,6 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if not isinstance(read, Success):
         return Failure(read.failure())
     weights = read.unwrap()
-
     built = build_dflash(draft_args, dflash, weights, model_dtype(model))
     if not isinstance(built, Success):
         return Failure(BindingError(f"{where}: {built.failure().message}"))
@@ -345,27 +349,11 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
                 f"selector's {dflash.selector[1]} candidates per position"
             )
         )
-    width = dflash.block_size - 1  # a block-trained drafter: at most its block
-    graph = GraphCapabilities.for_decoder(target.args)
-    needs = DraftNeeds(
-        kind="dflash2" if dflash.second else "dflash",
-        default_width=width,
-        max_width=width,
-        hidden_size=draft_args.hidden_size,
-        tap_layers=dflash.target_layers,
-        shares=frozenset({"embedding", "lm_head"}),
-    )
-
-    kind = "dflash2" if dflash.second else "dflash"
-
-    def bound(width: int) -> LoadedDraft:
-        model.tap(dflash.target_layers)  # the target's forwards return them now
-        subset = SubsetHead.of(model, listed) if listed is not None else None
-        drafter = DFlashDrafter(model, draft, request.policy, kind, subset)
-        # (the drafter times its own rounds for calibration: `calibration_round`)
-        return LoadedDraft(drafter, width, kind, drafter, where)
-
-    return bind(graph, needs, request.width).map(lambda b: bound(b.width))
+    model.tap(dflash.target_layers)  # the target's forwards return them now
+    subset = SubsetHead.of(model, listed) if listed is not None else None
+    drafter = DFlashDrafter(model, draft, request.policy, kind, subset)
+    # (the drafter times its own rounds for calibration: `calibration_round`)
+    return Success(LoadedDraft(drafter, binding.unwrap().width, kind, drafter, where))
 
 
 def _dflash_kind(kind: str, generation: int) -> DraftKind:

@@ -448,10 +448,10 @@ def test_a_dflash_artifact_binds_with_its_block_width(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"hidden_size": 32, "intermediate_size": 64}, "hidden size is 32"),
+        ({"hidden_size": 32, "intermediate_size": 64}, "hidden states of size 32"),
         (
             {"dflash_config": {"target_layer_ids": [0, 5], "mask_token_id": MASK}},
-            "target layers [5]",
+            "taps layers [5], which the target does not expose",
         ),
         (
             {"dflash_config": {"target_layer_ids": [0], "mask_token_id": VOCAB + 3}},
