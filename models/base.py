@@ -56,6 +56,13 @@ class ModelCache(Protocol):
 
     def take_rows(self, rows: Sequence[int]) -> ModelCache: ...
 
+    @property
+    def truncatable(self) -> bool:
+        """Whether a row's state after its first n positions is this one cut
+        to n (attention only), so a prompt-cache checkpoint serves prompts
+        that share only a prefix of its tokens."""
+        ...
+
 
 class Tapping:
     """A model whose forwards can also return some layers' outputs

@@ -118,6 +118,10 @@ class KVCache:
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values]
 
+    # A row's state after its first n positions is this state with length n:
+    # positions past a row's length are never attended (see module doc).
+    truncatable = True
+
     def take_rows(self, rows: Sequence[int]) -> KVCache:
         """A new cache holding the given rows, in that order (a copy)."""
         out = KVCache(

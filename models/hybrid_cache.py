@@ -54,6 +54,9 @@ class HybridCache:
     def arrays(self) -> list[mx.array]:
         return [*self.kv.arrays(), *self.conv, *self.recurrent]
 
+    # recurrent states fold in every position: no earlier state can be had
+    truncatable = False
+
     def adopt(self, conv: Sequence[mx.array], recurrent: Sequence[mx.array]) -> None:
         """Replace the committed linear-layer states with new values."""
         assert len(conv) == len(self.conv) and len(recurrent) == len(self.recurrent)

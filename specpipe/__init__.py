@@ -22,7 +22,8 @@ values back from the device.
 
 from models.blas import route_blas
 from specpipe.api import GenerationResult, GenerationStats, Pipeline, load
+from specpipe.prompt_cache import PromptCache
 
 route_blas()  # models/__init__ routed it before specpipe.api imported mlx
 
-__all__ = ["GenerationResult", "GenerationStats", "Pipeline", "load"]
+__all__ = ["GenerationResult", "GenerationStats", "Pipeline", "PromptCache", "load"]

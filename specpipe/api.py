@@ -3,11 +3,12 @@ stream text. Boundary errors come back as `Result` failures."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from attrs import asdict, field, frozen
+import jinja2
+from attrs import asdict, evolve, field, frozen
 from returns.result import Failure, Result, Success
 
 from bindings.capabilities import GraphCapabilities, NativeDraft
@@ -29,8 +30,13 @@ from specpipe.loop import (
 )
 from specpipe.output import TextSink
 from specpipe.precision import notice_tf32
+from specpipe.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 
-Prompt = str | Sequence[int]
+# a chat message: {"role": ..., "content": ...}
+Message = Mapping[str, str]
+# text (with `chat`: one user message), token ids, or a conversation's
+# messages (rendered by the model's chat template, `chat` or not)
+Prompt = str | Sequence[int] | Sequence[Message]
 
 
 @frozen
@@ -49,6 +55,7 @@ class GenerationStats:
     depths: tuple[tuple[int, int], ...] = ()  # adaptive: (depth, rounds) chosen
     gated_share: float = 0.0  # adaptive: share of a row's rounds decoded plainly
     phase_ms: tuple[tuple[str, float], ...] = ()  # opt-in: draft/verify/sample/commit
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
 
 @frozen
@@ -80,6 +87,7 @@ class GenerationResult:
                 "draft": self.stats.draft,
                 "per_position_acceptance": list(self.stats.per_position),
                 "ms_per_round": self.stats.ms_per_round,
+                "cached_tokens": self.stats.cached_tokens,
             },
         }
         if self.stats.draft_errors:
@@ -106,17 +114,24 @@ class _PreparedBatch:
     requests: list[RowRequest]
     options: RoundOptions
 
-    def run_args(
-        self,
-    ) -> tuple[Any, list[RowRequest], tuple[int, ...], Any, RoundOptions]:
+    def run(self) -> list[RowResult]:
+        """Generate the batch's rows (`specpipe.loop.generate_rows`)."""
+        return generate_rows(**self._arguments())
+
+    def stepwise(self) -> Generator[None, None, list[RowResult]]:
+        """The same, a round at a time (`specpipe.loop.generate_stepwise`)."""
+        return generate_stepwise(**self._arguments())
+
+    def _arguments(self) -> dict[str, Any]:
         target, draft = self.pipeline.target, self.pipeline.draft
-        return (
-            target.model,
-            self.requests,
-            target.tokenizer.eos_token_ids,
-            draft.drafter if draft is not None else None,
-            self.options,
-        )
+        return {
+            "model": target.model,
+            "requests": self.requests,
+            "eos_ids": target.tokenizer.eos_token_ids,
+            "drafter": draft.drafter if draft is not None else None,
+            "options": self.options,
+            "prompt_cache": self.pipeline.prompt_cache,
+        }
 
     def results(self, rows: Sequence[RowResult]) -> list[GenerationResult]:
         out = []
@@ -135,17 +150,46 @@ class Pipeline:
     adaptive: AdaptivePolicy | None = None
     phase_timing: bool = False  # evaluate between phases to time them (slower)
     draft_ahead: bool = False  # see RoundOptions.draft_ahead
+    # rows' states kept between calls, to start later prompts from
+    # (`specpipe.prompt_cache`; `with_prompt_cache`)
+    prompt_cache: PromptCache | None = None
 
     @property
     def draft_kind(self) -> str:
         return self.draft.kind if self.draft is not None else "none"
 
+    def with_prompt_cache(
+        self, max_bytes: int = DEFAULT_MAX_BYTES, capture_prompts: bool = True
+    ) -> Pipeline:
+        """This pipeline keeping rows' states within `max_bytes` between
+        calls: a prompt that begins with what an earlier call processed (the
+        next turn of a conversation, a repeated prompt) prefills only the
+        rest. The output is unchanged."""
+        cache = PromptCache(
+            self.target.model, max_bytes, capture_prompts=capture_prompts
+        )
+        return evolve(self, prompt_cache=cache)
+
     def encode(
         self, prompt: Prompt, chat: bool = False
     ) -> Result[tuple[int, ...], RequestError]:
         tok = self.target.tokenizer
-        if not isinstance(prompt, str):
-            ids = tuple(int(t) for t in prompt)
+        items = list(prompt) if not isinstance(prompt, str) else []
+        if items and all(isinstance(m, Mapping) for m in items):
+            rendered = _render(tok, cast(list[Message], items))
+            if not isinstance(rendered, Success):
+                return Failure(rendered.failure())
+            ids = tuple(tok.encode(rendered.unwrap(), add_special_tokens=False))
+        elif not isinstance(prompt, str):
+            if not all(isinstance(t, int) for t in items):
+                return Failure(
+                    RequestError(
+                        "a prompt is text, a sequence of token ids or a sequence "
+                        'of chat messages ({"role": ..., "content": ...}), not a '
+                        "mix of them"
+                    )
+                )
+            ids = tuple(cast(list[int], items))
         else:
             text = (
                 tok.apply_chat_template([{"role": "user", "content": prompt}])
@@ -185,7 +229,7 @@ class Pipeline:
         if not isinstance(prepared, Success):
             return Failure(prepared.failure())
         batch = prepared.unwrap()
-        rows = generate_rows(*batch.run_args())
+        rows = batch.run()
         return Success(batch.results(rows))
 
     def generate(
@@ -224,7 +268,7 @@ class Pipeline:
         if not isinstance(prepared, Success):
             raise ValueError(prepared.failure().message)
         batch = prepared.unwrap()
-        rounds = generate_stepwise(*batch.run_args())
+        rounds = batch.stepwise()
         while True:
             try:
                 next(rounds)
@@ -300,6 +344,7 @@ class Pipeline:
             depths=tuple(sorted((row.depths or {}).items())),
             gated_share=m.gated / m.rounds if m.rounds else 0.0,
             phase_ms=tuple(asdict(row.phase_ms).items()) if row.phase_ms else (),
+            cached_tokens=row.cached_tokens,
         )
         return GenerationResult(
             text=sink.text,
@@ -311,6 +356,26 @@ class Pipeline:
             logprobs=tuple(sink.logprobs) if sink.logprobs else None,
             error=row.error,
         )
+
+
+def _render(tokenizer: Any, messages: list[Message]) -> Result[str, RequestError]:
+    """A conversation's prompt text by the model's chat template."""
+    for number, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(
+            message.get("content"), str
+        ):
+            return Failure(
+                RequestError(
+                    f"chat message {number} needs a 'role' and a 'content' string, "
+                    f"got {dict(message)!r}"
+                )
+            )
+    try:
+        return Success(tokenizer.apply_chat_template([dict(m) for m in messages]))
+    except ValueError as exc:  # no template
+        return Failure(RequestError(f"{exc}: give the prompt as text or token ids"))
+    except jinja2.TemplateError as exc:  # e.g. the template's raise_exception
+        return Failure(RequestError(f"the chat template refused the messages: {exc}"))
 
 
 def _row_text(
@@ -342,6 +407,7 @@ def load(
     phase_timing: bool = False,
     draft_dtype: str | None = None,
     draft_ahead: bool | None = None,
+    prompt_cache: bool | int = False,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -357,7 +423,15 @@ def load(
     `draft_ahead`: launch the next round's drafts before a round's host read
     where the drafter can (`RoundOptions.draft_ahead`: an MTP head's rounds;
     None: on a GPU, where it measured faster, not on a CPU, where the launch
-    competes with the host for the cores)."""
+    competes with the host for the cores). `prompt_cache`: keep rows' states
+    between calls (`Pipeline.with_prompt_cache`; True: a 2 GiB budget, or
+    the budget in bytes)."""
+    if prompt_cache is not True and prompt_cache is not False and prompt_cache <= 0:
+        return Failure(
+            RequestError(
+                f"a prompt cache needs a positive byte budget, got {prompt_cache}"
+            )
+        )
     ahead = on_gpu() if draft_ahead is None else draft_ahead
     registry = registry or default_registry()
     if num_draft_tokens is not None and num_draft_tokens <= 0:
@@ -378,16 +452,15 @@ def load(
                     "drop it or choose a draft"
                 )
             )
-        return Success(
-            Pipeline(
-                target,
-                None,
-                device_round,
-                registry,
-                phase_timing=phase_timing,
-                draft_ahead=ahead,
-            )
+        plain = Pipeline(
+            target,
+            None,
+            device_round,
+            registry,
+            phase_timing=phase_timing,
+            draft_ahead=ahead,
         )
+        return Success(_cached(plain, prompt_cache))
     request = DraftLoadRequest(
         target=target,
         width=num_draft_tokens,
@@ -412,17 +485,24 @@ def load(
         )
         cost = calibrate(target, loaded_draft, key, loaded_draft.width + 1)
         policy_adaptive = AdaptivePolicy(cost)
-    return Success(
-        Pipeline(
-            target,
-            loaded_draft,
-            device_round,
-            registry,
-            policy_adaptive,
-            phase_timing,
-            ahead,
-        )
+    pipeline = Pipeline(
+        target,
+        loaded_draft,
+        device_round,
+        registry,
+        policy_adaptive,
+        phase_timing,
+        ahead,
     )
+    return Success(_cached(pipeline, prompt_cache))
+
+
+def _cached(pipeline: Pipeline, prompt_cache: bool | int) -> Pipeline:
+    """`pipeline` with the prompt cache `load` was asked for, if any."""
+    if prompt_cache is False:
+        return pipeline
+    budget = DEFAULT_MAX_BYTES if prompt_cache is True else prompt_cache
+    return pipeline.with_prompt_cache(budget)
 
 
 def calibrate(

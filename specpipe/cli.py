@@ -13,7 +13,7 @@ from returns.result import Success
 
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
-from specpipe.api import load
+from specpipe.api import Pipeline, load
 from specpipe.load import DEFAULT_MODEL, save_folder
 from specpipe.load import load as load_model
 from specpipe.precision import prefer_exact_float32
@@ -56,8 +56,8 @@ def _read_prompts(path: str) -> list[dict[str, Any]]:
     return prompts
 
 
-def _generate(args: argparse.Namespace) -> None:
-    sampling = _unwrap(
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    sampling: SamplingParams = _unwrap(
         SamplingParams.create(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -67,25 +67,19 @@ def _generate(args: argparse.Namespace) -> None:
             seed=args.seed,
         )
     )
-    limits = _unwrap(
+    return sampling
+
+
+def _limits(args: argparse.Namespace, logprobs: bool = False) -> GenerationLimits:
+    limits: GenerationLimits = _unwrap(
         GenerationLimits.create(
-            max_tokens=args.max_tokens,
-            stop=tuple(args.stop or ()),
-            logprobs=args.logprobs,
+            max_tokens=args.max_tokens, stop=tuple(args.stop or ()), logprobs=logprobs
         )
     )
-    if args.prompts_file:
-        if args.prompt is not None:
-            _fail("give either PROMPT or --prompts-file, not both")
-        prompts = [item["prompt"] for item in _read_prompts(args.prompts_file)]
-    elif args.prompt is not None:
-        prompts = [args.prompt]
-    elif not sys.stdin.isatty():
-        prompts = [sys.stdin.read()]
-    else:
-        _fail(
-            'no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")'
-        )
+    return limits
+
+
+def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pipeline:
     policy = DraftPolicy(
         greedy=args.greedy_draft,
         temperature=args.draft_temperature,
@@ -93,7 +87,7 @@ def _generate(args: argparse.Namespace) -> None:
         staged=_SWITCH[args.staged_draft],
         compiled=_SWITCH[args.compiled_draft],
     )
-    pipeline = _unwrap(
+    pipeline: Pipeline = _unwrap(
         load(
             args.model,
             draft=args.draft,
@@ -108,8 +102,28 @@ def _generate(args: argparse.Namespace) -> None:
             adaptive=args.adaptive,
             phase_timing=args.phase_timing,
             draft_ahead=_SWITCH[args.draft_ahead],
+            prompt_cache=prompt_cache,
         )
     )
+    return pipeline
+
+
+def _generate(args: argparse.Namespace) -> None:
+    sampling = _sampling(args)
+    limits = _limits(args, args.logprobs)
+    if args.prompts_file:
+        if args.prompt is not None:
+            _fail("give either PROMPT or --prompts-file, not both")
+        prompts = [item["prompt"] for item in _read_prompts(args.prompts_file)]
+    elif args.prompt is not None:
+        prompts = [args.prompt]
+    elif not sys.stdin.isatty():
+        prompts = [sys.stdin.read()]
+    else:
+        _fail(
+            'no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")'
+        )
+    pipeline = _pipeline(args)
     streaming = not args.json and not args.prompts_file
 
     def on_text(_row: int, text: str) -> None:
@@ -133,6 +147,63 @@ def _generate(args: argparse.Namespace) -> None:
         _fail(failed[0].error or "generation failed", code=1)
 
 
+def _chat(args: argparse.Namespace) -> None:
+    """A conversation on stdin: each line a user turn, each reply streamed (or
+    one JSON object per turn with --json). Earlier turns' states stay in the
+    prompt cache, so a turn prefills only what it adds."""
+    if args.prompt_cache_mb <= 0:
+        _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
+    sampling = _sampling(args)
+    limits = _limits(args)
+    pipeline = _pipeline(args, args.prompt_cache_mb << 20)
+    opening: list[dict[str, str]] = (
+        [{"role": "system", "content": args.system}] if args.system else []
+    )
+    messages = list(opening)
+    interactive = sys.stdin.isatty() and not args.json
+
+    def on_text(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/reset":
+            messages = list(opening)
+            continue
+        messages.append({"role": "user", "content": text})
+        turn = pipeline.generate(
+            messages, sampling, limits, on_text=None if args.json else on_text
+        )
+        if not isinstance(turn, Success):
+            messages.pop()
+            print(f"specpipe: error: {turn.failure()}", file=sys.stderr)
+            continue
+        result = turn.unwrap()
+        messages.append({"role": "assistant", "content": result.text})
+        stats = result.stats
+        if args.json:
+            print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
+        else:
+            sys.stdout.write("\n")
+            print(
+                f"[{result.generated_tokens} tokens, {stats.tokens_per_second:.1f} "
+                f"tok/s; prompt {result.prompt_tokens} tokens, "
+                f"{stats.cached_tokens} from the prompt cache]",
+                file=sys.stderr,
+            )
+        if result.finish_reason == "failed":
+            _fail(result.error or "generation failed", code=1)
+
+
 def _convert(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
@@ -141,6 +212,103 @@ def _convert(args: argparse.Namespace) -> None:
     loaded = _unwrap(load_model(args.src, args.dtype))
     path = _unwrap(save_folder(loaded, out, quantize, args.group_size))
     print(f"specpipe: wrote {path}", file=sys.stderr)
+
+
+def _run_options(parser: argparse.ArgumentParser) -> None:
+    """The model, sampling and draft options of generate and chat."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"folder, .gguf, fixture name or hub id (default {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16"], default=None
+    )
+    parser.add_argument(
+        "--draft", default="none", help="none | ngram | auto | a draft model reference"
+    )
+    parser.add_argument(
+        "--draft-dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="a draft model's dtype, if not the target's (bfloat16 halves a "
+        "draft's bytes; on an x86-64 CPU it runs on specpipe's AVX2 kernel)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="draft tokens per round (default per kind)",
+    )
+    parser.add_argument("--ngram-min", type=int, default=None)
+    parser.add_argument("--ngram-max", type=int, default=None)
+    parser.add_argument(
+        "--greedy-draft",
+        action="store_true",
+        help="argmax drafts (drops the coupled draw)",
+    )
+    parser.add_argument("--draft-temperature", type=float, default=None)
+    parser.add_argument("--draft-drop-filters", action="store_true")
+    parser.add_argument(
+        "--staged-draft",
+        choices=tuple(_SWITCH),
+        default="auto",
+        help="a draft model's forwards also check prompt-lookup guesses, several "
+        "drafts per forward when they match (auto: on a CPU, not on a GPU)",
+    )
+    parser.add_argument(
+        "--compiled-draft",
+        choices=tuple(_SWITCH),
+        default="auto",
+        help="an MTP head's draft steps run as compiled functions (auto: on a "
+        "GPU, not on a CPU)",
+    )
+    parser.add_argument(
+        "--device-round",
+        action="store_true",
+        help="build the verify graph before reading drafts back (one host read "
+        "per round; measured slower on an H200, so off by default)",
+    )
+    parser.add_argument(
+        "--draft-ahead",
+        choices=tuple(_SWITCH),
+        default="auto",
+        help="launch the next round's drafts before a round's host read, from "
+        "device values only (an MTP head's rounds; auto: on a GPU, where rounds "
+        "measured 1.1-1.55x shorter, not on a CPU; bench/RESULTS.md)",
+    )
+    parser.add_argument(
+        "--phase-timing",
+        action="store_true",
+        help="report ms spent drafting, verifying, sampling and committing "
+        "(synchronises between phases, so it runs slower)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="choose each row's draft depth per round (up to --num-draft-tokens) "
+        "from costs measured on this machine, and gate speculation off where it "
+        "would not pay (default: on when drafting; the first use of a model "
+        "pair calibrates for a few seconds and caches it); --no-adaptive drafts "
+        "the full width every round",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="FR-Spec draft vocabulary: a draft_vocab.json path, or 'off' "
+        "(default: the list the draft ships, if any)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,21 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text (plain or speculative)")
     gen.add_argument("prompt", nargs="?", help="the prompt (or pipe it on stdin)")
     gen.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"folder, .gguf, fixture name or hub id (default {DEFAULT_MODEL})",
-    )
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default)"
-    )
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument(
         "--chat", action="store_true", help="apply the model's chat template"
     )
     gen.add_argument(
@@ -188,87 +341,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="include each token's log-probability (with --json)",
     )
     gen.add_argument(
-        "--dtype", choices=["float32", "float16", "bfloat16"], default=None
-    )
-    gen.add_argument(
-        "--draft", default="none", help="none | ngram | auto | a draft model reference"
-    )
-    gen.add_argument(
-        "--draft-dtype",
-        choices=["float32", "float16", "bfloat16"],
-        default=None,
-        help="a draft model's dtype, if not the target's (bfloat16 halves a "
-        "draft's bytes; on an x86-64 CPU it runs on specpipe's AVX2 kernel)",
-    )
-    gen.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=None,
-        help="draft tokens per round (default per kind)",
-    )
-    gen.add_argument("--ngram-min", type=int, default=None)
-    gen.add_argument("--ngram-max", type=int, default=None)
-    gen.add_argument(
-        "--greedy-draft",
-        action="store_true",
-        help="argmax drafts (drops the coupled draw)",
-    )
-    gen.add_argument("--draft-temperature", type=float, default=None)
-    gen.add_argument("--draft-drop-filters", action="store_true")
-    gen.add_argument(
-        "--staged-draft",
-        choices=tuple(_SWITCH),
-        default="auto",
-        help="a draft model's forwards also check prompt-lookup guesses, several "
-        "drafts per forward when they match (auto: on a CPU, not on a GPU)",
-    )
-    gen.add_argument(
-        "--compiled-draft",
-        choices=tuple(_SWITCH),
-        default="auto",
-        help="an MTP head's draft steps run as compiled functions (auto: on a "
-        "GPU, not on a CPU)",
-    )
-    gen.add_argument(
-        "--device-round",
-        action="store_true",
-        help="build the verify graph before reading drafts back (one host read "
-        "per round; measured slower on an H200, so off by default)",
-    )
-    gen.add_argument(
-        "--draft-ahead",
-        choices=tuple(_SWITCH),
-        default="auto",
-        help="launch the next round's drafts before a round's host read, from "
-        "device values only (an MTP head's rounds; auto: on a GPU, where rounds "
-        "measured 1.1-1.55x shorter, not on a CPU; bench/RESULTS.md)",
-    )
-    gen.add_argument(
-        "--phase-timing",
-        action="store_true",
-        help="report ms spent drafting, verifying, sampling and committing "
-        "(synchronises between phases, so it runs slower)",
-    )
-    gen.add_argument(
-        "--adaptive",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="choose each row's draft depth per round (up to --num-draft-tokens) "
-        "from costs measured on this machine, and gate speculation off where it "
-        "would not pay (default: on when drafting; the first use of a model "
-        "pair calibrates for a few seconds and caches it); --no-adaptive drafts "
-        "the full width every round",
-    )
-    gen.add_argument(
-        "--draft-vocab",
-        default=None,
-        help="FR-Spec draft vocabulary: a draft_vocab.json path, or 'off' "
-        "(default: the list the draft ships, if any)",
-    )
-    gen.add_argument(
         "--prompts-file", help="JSONL, one prompt object per line, run as one batch"
     )
+    _run_options(gen)
     gen.set_defaults(func=_generate)
+
+    chat = sub.add_parser(
+        "chat",
+        help="a conversation on stdin, one user turn a line (/reset starts over); "
+        "earlier turns stay in the prompt cache",
+    )
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per turn instead of streaming text",
+    )
+    chat.add_argument(
+        "--prompt-cache-mb",
+        type=int,
+        default=2048,
+        help="memory the kept states may take (default 2048 MiB)",
+    )
+    _run_options(chat)
+    chat.set_defaults(func=_chat)
 
     conv = sub.add_parser(
         "convert", help="write an HF-layout MLX folder from any model reference"

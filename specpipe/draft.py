@@ -116,3 +116,59 @@ class Drafter(Protocol):
         """Row state for a batch; `hidden` `[B, L, H]` is the target's last-layer
         output over each row's processed prompt when `needs_target_hidden`."""
         ...
+
+
+@frozen
+class DraftState:
+    """One row's draft state, captured for the prompt cache
+    (`specpipe.prompt_cache`) under its drafter's `namespace`: what the
+    drafter holds after the row's first `processed` tokens. Drafters extend
+    it with what they keep (`arrays`: its device arrays, for sizing)."""
+
+    namespace: str
+    processed: int
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return ()
+
+    def at(self, n: int) -> DraftState | None:
+        """A state to resume a row whose first `n` tokens are this state's
+        row's (a checkpoint cut back to a shared prefix), or None where this
+        state cannot say. One that accounts for fewer tokens is one (the
+        drafter catches up, if it can: a drafter that reads the target's
+        hidden states is offered only states of exactly `n`)."""
+        return self if self.processed <= n else None
+
+
+@runtime_checkable
+class CapturesRows(Protocol):
+    """Draft rows that can capture one row's state for a checkpoint."""
+
+    def capture(self, row: int) -> DraftState:
+        """Row `row`'s state as it stands (a copy: later rounds leave it be)."""
+        ...
+
+
+@runtime_checkable
+class Resumes(Protocol):
+    """A drafter that opens rows from captured states (prompt-cache hits).
+
+    `namespace` names the state layout and what it was computed with: a
+    state is only offered back to a drafter of the same namespace."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    def resume(
+        self,
+        rows: Sequence[RowState],
+        hidden: mx.array | None,
+        states: Sequence[DraftState | None],
+    ) -> DraftRows:
+        """Rows whose draft state starts from `states[b]` (None: from
+        nothing, as `open`). `hidden` `[B, L, H]`, when the drafter reads the
+        target's hidden states, covers row b's positions from
+        `states[b].processed` (0 without a state) to `row.length - 1`,
+        right-padded; a drafter that reads them is offered only states whose
+        `processed` is where the target's restored state ends."""
+        ...

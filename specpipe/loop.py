@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
@@ -21,10 +22,19 @@ from attrs import define, evolve, field, frozen
 from models.base import CausalLM, ModelOutput
 from schemas.request import SamplingParams
 from specpipe.adaptive import AdaptivePolicy, ObservedCosts, RowAdaptation
-from specpipe.draft import Drafter, DraftRows, DraftsAhead, Proposal
+from specpipe.draft import (
+    CapturesRows,
+    Drafter,
+    DraftRows,
+    DraftsAhead,
+    DraftState,
+    Proposal,
+    Resumes,
+)
 from specpipe.metrics import PhaseTimes, RowMetrics
 from specpipe.output import Delivered, FinishReason, TokenSink, deliver
 from specpipe.prefill import prefill_rows
+from specpipe.prompt_cache import Checkpoint, Match, PromptCache
 from specpipe.sample_window import sample_window
 from specpipe.sampling import token_logprobs
 from specpipe.state import RowState
@@ -64,6 +74,7 @@ class RowResult:
     round_ms: list[float] = field(factory=list)
     phase_ms: PhaseTimes | None = None
     depths: dict[int, int] | None = None  # adaptive: choices per depth
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
 
 @frozen
@@ -122,14 +133,21 @@ def generate_rows(
     drafter: Drafter | None = None,
     options: RoundOptions | None = None,
     arrivals: Callable[[], Sequence[RowRequest]] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> list[RowResult]:
     """Generate every request as one batch of rows; results in request order.
 
     `arrivals`, if given, is asked between rounds for requests to admit: they
     are prefilled and join the batch (continuous batching); their results
     follow the initial requests', in arrival order. The run ends when no row
-    is live and `arrivals` has nothing more."""
-    run = _Run(model, frozenset(eos_ids), drafter, options or RoundOptions())
+    is live and `arrivals` has nothing more.
+
+    `prompt_cache`, if given, starts each prompt from the longest checkpoint
+    it begins with and keeps rows' states for later prompts
+    (`specpipe.prompt_cache`)."""
+    run = _Run(
+        model, frozenset(eos_ids), drafter, options or RoundOptions(), prompt_cache
+    )
     run.admit(requests)
     while True:
         if arrivals is not None:
@@ -148,11 +166,14 @@ def generate_stepwise(
     eos_ids: Sequence[int],
     drafter: Drafter | None = None,
     options: RoundOptions | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Generator[None, None, list[RowResult]]:
     """`generate_rows` as a generator that yields after every round (or burst
     of plain steps), so a caller can hand out what the sinks received; its
     return value (StopIteration.value) is the results."""
-    run = _Run(model, frozenset(eos_ids), drafter, options or RoundOptions())
+    run = _Run(
+        model, frozenset(eos_ids), drafter, options or RoundOptions(), prompt_cache
+    )
     run.admit(requests)
     while run.batch.rows:
         run.step(bounded=True)
@@ -169,8 +190,12 @@ class _Run:
         eos: frozenset[int],
         drafter: Drafter | None,
         options: RoundOptions,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
+        if prompt_cache is not None:
+            prompt_cache.check_model(model)
         self.model = model
+        self.prompt_cache = prompt_cache
         self.drafter = drafter if options.depth > 0 else None
         self.options = options
         self.batch = _Batch(model, None, [], [], None, eos)
@@ -181,6 +206,7 @@ class _Run:
         self.prompt_seconds: list[float] = []
         self.decode_start: list[float] = []
         self.adapt: list[RowAdaptation] = []
+        self.cached: list[int] = []  # per slot: prompt tokens restored
         self.costs = (
             ObservedCosts(options.adaptive.cost)
             if options.adaptive is not None and options.adaptive.observe_costs
@@ -198,16 +224,22 @@ class _Run:
         self.round_ms.extend([] for _ in requests)
         self.results.extend(None for _ in requests)
         self.adapt.extend(RowAdaptation() for _ in requests)
+        self.cached.extend(0 for _ in requests)
         rows = [RowState.start(r.prompt, r.max_tokens, r.sampling) for r in requests]
         # a drafter that failed once stays off for the rest of the run
-        drafting = self.drafter is not None and self.batch.draft_error is None
+        drafter = self.drafter if self.batch.draft_error is None else None
+        matches = self.lookup(rows, drafter)
         try:
-            wants_hidden = (
-                drafting
-                and self.drafter is not None
-                and (self.drafter.needs_target_hidden)
+            wants_hidden = drafter is not None and drafter.needs_target_hidden
+            cache, hidden = prefill_rows(
+                self.model,
+                rows,
+                wants_hidden,
+                [
+                    (m.checkpoint.restored_target(), m.length) if m else None
+                    for m in matches
+                ],
             )
-            cache, hidden = prefill_rows(self.model, rows, wants_hidden)
         except Exception as exc:
             elapsed = time.perf_counter() - start
             for slot in slots:
@@ -217,15 +249,24 @@ class _Run:
                     slot, "failed", f"prefill failed: {type(exc).__name__}: {exc}"
                 )
             return
+        opened: DraftRows | None = None
         joined: DraftRows | None = None
-        if drafting and self.drafter is not None:
+        if drafter is not None:
             try:
-                joined = self.drafter.open(rows, hidden)
+                if isinstance(drafter, Resumes) and any(matches):
+                    states = [m.draft if m else None for m in matches]
+                    opened = drafter.resume(rows, hidden, states)
+                else:
+                    opened = drafter.open(rows, hidden)
+                joined = opened
                 if self.batch.draft is not None and self.batch.rows:
-                    joined = self.batch.draft.join(joined)
+                    joined = self.batch.draft.join(opened)
             except Exception as exc:
                 self.batch.disable_draft(exc)
-                joined = None
+                opened = joined = None
+        self.keep_prompts(rows, matches, cache, opened)
+        for slot, match in zip(slots, matches, strict=True):
+            self.cached[slot] = match.length if match is not None else 0
         batch = self.batch
         if batch.rows:
             batch.cache = type(cache).concat_rows([batch.cache, cache])
@@ -238,6 +279,71 @@ class _Run:
         self.prompt_seconds.extend(now - start for _ in slots)
         self.decode_start.extend(now for _ in slots)
 
+    def lookup(
+        self, rows: Sequence[RowState], drafter: Drafter | None
+    ) -> list[Match | None]:
+        """Each new row's prompt-cache checkpoint (None: prefill it all)."""
+        store = self.prompt_cache
+        if store is None:
+            return [None] * len(rows)
+        namespace = drafter.namespace if isinstance(drafter, Resumes) else None
+        needs_draft = drafter is not None and drafter.needs_target_hidden
+        if needs_draft and namespace is None:
+            # it reads the whole prompt's hidden states and cannot resume
+            return [None] * len(rows)
+        return [store.lookup(row.tokens, namespace, needs_draft) for row in rows]
+
+    def keep_prompts(
+        self,
+        rows: Sequence[RowState],
+        matches: Sequence[Match | None],
+        cache: Any,
+        draft: DraftRows | None,
+    ) -> None:
+        """Record the admission's lookups; keep the prompts' states it computed
+        (`PromptCache.capture_prompts`)."""
+        store = self.prompt_cache
+        if store is None:
+            return
+        kept: list[Checkpoint] = []
+        if store.capture_prompts:
+            for b, (row, match) in enumerate(zip(rows, matches, strict=True)):
+                length = match.length if match is not None else 0
+                if 0 < length + 1 <= row.length:
+                    kept.append(self.checkpoint(cache, draft, b, row.tokens[:-1]))
+        apply_all(
+            [
+                partial(store.prepare_use, matches),
+                *(partial(store.prepare_insert, c) for c in kept),
+            ]
+        )
+
+    def keep_state(self, b: int, processed: tuple[int, ...]) -> None:
+        """Keep live row b's state, its first `processed` tokens processed
+        (a row that ended by a stop or its budget, before it leaves)."""
+        store = self.prompt_cache
+        if store is None or not processed:
+            return
+        checkpoint = self.checkpoint(self.batch.cache, self.batch.draft, b, processed)
+        apply_all([lambda: store.prepare_insert(checkpoint)])
+
+    @staticmethod
+    def checkpoint(
+        cache: Any, draft: DraftRows | None, b: int, processed: tuple[int, ...]
+    ) -> Checkpoint:
+        """Row b's target state and, where its draft rows capture states that
+        account for the same tokens (or, for a drafter that does not read the
+        target's hidden states, for no more), its draft state."""
+        state: DraftState | None = None
+        if isinstance(draft, CapturesRows):
+            state = draft.capture(b)
+            n = len(processed)
+            fits = state.processed <= n and (
+                state.processed == n or not draft.needs_target_hidden
+            )
+            state = state if fits else None
+        return Checkpoint(processed, cache.take_rows([b]), state)
+
     def finish(self, slot: int, reason: FinishReason, error: str | None = None) -> None:
         if self.batch.draft_error is not None:
             self.metrics[slot].draft_errors.append(self.batch.draft_error)
@@ -248,6 +354,7 @@ class _Run:
             time.perf_counter() - self.decode_start[slot],
             error,
             self.round_ms[slot],
+            cached_tokens=self.cached[slot],
         )
 
     def fail_live(self, what: str, exc: Exception) -> None:
@@ -304,6 +411,7 @@ class _Run:
                     self.round_ms,
                     self.finish,
                     steps,
+                    self.keep_state if self.prompt_cache is not None else None,
                 )
             except Exception as exc:
                 self.fail_live("target forward", exc)
@@ -342,8 +450,11 @@ class _Run:
                     self.adapt[slot].decoded_plainly(1)
             if delivered.finish is None:
                 keep.append(i)
-            else:
-                self.finish(slot, delivered.finish, delivered.error)
+                continue
+            if _keeps_state(delivered):
+                # committed as it ended (`_commit`): all but its last token
+                self.keep_state(i, batch.rows[i].tokens[:-1])
+            self.finish(slot, delivered.finish, delivered.error)
         batch.retire(keep)
 
     def collect(self) -> list[RowResult]:
@@ -495,7 +606,11 @@ def _speculative_round(
             deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled)
         )
         metrics[slot].record(len(drafts[b]), acc.accepted, delivered[-1].published)
-    _commit(batch, proposal, drafts, acceptances, delivered, verified)
+    ends = [
+        tokens[b * W + min(len(acc.emitted), W - 1)]
+        for b, acc in enumerate(acceptances)
+    ]
+    _commit(batch, proposal, drafts, acceptances, delivered, verified, ends)
     if phases is not None:
         phases.commit += lap()
     return [
@@ -540,17 +655,30 @@ def _commit(
     acceptances: list[Acceptance],
     delivered: list[Delivered],
     verified: Any,
+    ends: Sequence[int],
 ) -> None:
+    """`ends[b]`: row b's sample after its emitted tokens (its end-of-sequence
+    token where it saw one)."""
     rows = batch.rows
+    # A row that ended by a stop or its budget commits as a continuing one
+    # (its state may be kept for the prompt cache): the pending token and its
+    # accepted drafts; after an end-of-sequence token, that token is its
+    # pending one. A cancelled or failed row commits nothing.
     next_rows = [
-        row.advanced(acc.emitted) if d.finish is None else row
-        for row, acc, d in zip(rows, acceptances, delivered, strict=True)
+        row.advanced(acc.emitted)
+        if d.finish is None
+        else _ended(row, acc, ends[b])
+        if _keeps_state(d)
+        else row
+        for b, (row, acc, d) in enumerate(
+            zip(rows, acceptances, delivered, strict=True)
+        )
     ]
     accepted = [acc.accepted for acc in acceptances]
 
     delta = verified.delta
     kept = [
-        len(acc.emitted) if d.finish is None else 0
+        acc.accepted + 1 if d.finish is None or _keeps_state(d) else 0
         for acc, d in zip(acceptances, delivered, strict=True)
     ]
 
@@ -580,6 +708,20 @@ def _commit(
         batch.draft = committed[1]
 
 
+def _keeps_state(delivered: Delivered) -> bool:
+    """Whether a row that ended this round may leave its state to the prompt
+    cache: one that stopped or ran out of budget, never a cancelled or
+    failed one."""
+    return delivered.finish in ("stop", "length")
+
+
+def _ended(row: RowState, acc: Acceptance, after: int) -> RowState:
+    """A row that ended this round, as its committed state holds it: its
+    emitted tokens, and after an end-of-sequence token that token, pending."""
+    ended = row.advanced(acc.emitted)
+    return evolve(ended, tokens=(*ended.tokens, after)) if acc.saw_eos else ended
+
+
 def _plain_pipelined(
     batch: _Batch,
     requests: Sequence[RowRequest],
@@ -587,9 +729,12 @@ def _plain_pipelined(
     round_ms: list[list[float]],
     finish: Callable[[int, FinishReason, str | None], None],
     max_steps: int | None = None,
+    keep_state: Callable[[int, tuple[int, ...]], None] | None = None,
 ) -> None:
     """Plain decoding; step k+1 is queued on the device before step k is read.
-    With `max_steps`, stops after that many steps with no step left queued."""
+    With `max_steps`, stops after that many steps with no step left queued.
+    `keep_state(b, processed)` is offered each row that ends by a stop or its
+    budget, before it leaves."""
 
     # Per-step host work is what bounds decoding on a fast device: decide once.
     greedy = all(r.sampling.greedy and not r.sampling.needs_history for r in batch.rows)
@@ -640,8 +785,13 @@ def _plain_pipelined(
             advanced.append(row.advanced(acc.emitted))
             if d.finish is None:
                 keep.append(b)
-            else:
-                finish(slot, d.finish, d.error)
+                continue
+            if keep_state is not None and _keeps_state(d):
+                # the state holds the pending token, and the sampled one too
+                # where the next step was queued (it processed it)
+                queued = (tokens[b],) if upcoming is not None else ()
+                keep_state(b, row.tokens + queued)
+            finish(slot, d.finish, d.error)
         batch.rows = advanced
         if not keep:
             batch.rows, batch.slots = [], []

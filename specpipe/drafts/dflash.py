@@ -28,11 +28,45 @@ from models.cache import KVCache
 from models.dflash import DFlashDraft
 from models.vocab_head import HeadWeights
 from schemas.request import DraftPolicy, SamplingParams
-from specpipe.draft import DraftRows, Proposal
+from specpipe.draft import DraftRows, DraftState, Proposal
 from specpipe.draft_vocab import SubsetHead
 from specpipe.sample_window import sample_window
 from specpipe.state import RowState
 from specpipe.transaction import Prepared
+
+
+@frozen
+class DFlashState(DraftState):
+    """A row's DFlash state: the draft's cache (one row) of its first
+    `cached` positions' context, and the target's features of the positions
+    after them (`processed - cached`), not yet stored."""
+
+    cache: KVCache
+    cached: int
+    pending: mx.array  # [processed - cached, n_taps * H]
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return (*self.cache.arrays(), self.pending)
+
+    def at(self, n: int) -> DraftState | None:
+        """Cut back to `n` tokens: a position's context keys and values
+        depend on its own features alone, so the first n of them are the
+        state of n positions."""
+        if n >= self.processed:
+            return self if n == self.processed else None
+        cached = min(self.cached, n)
+        return evolve(
+            self, processed=n, cached=cached, pending=self.pending[: n - cached]
+        )
+
+
+def namespace_of(draft: DFlashDraft) -> str:
+    """A DFlash draft's checkpoint namespace: its shape and the target
+    layers it reads."""
+    a, settings = draft.args, draft.settings
+    kind = "dflash2" if settings.second else "dflash"
+    taps = "-".join(str(t) for t in settings.target_layers)
+    return f"{kind}/l{a.num_hidden_layers}/h{a.hidden_size}/taps{taps}"
 
 
 @frozen
@@ -154,6 +188,16 @@ class DFlashRows:
         )
         return Prepared(lambda: evolve(self, cached=cached, pending=pending))
 
+    def capture(self, row: int) -> DraftState:
+        pending = self.pending[row]
+        return DFlashState(
+            namespace_of(self.draft),
+            self.cached[row] + int(pending.shape[0]),
+            self.cache.take_rows([row]),
+            self.cached[row],
+            pending,
+        )
+
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
         return evolve(
             self,
@@ -226,9 +270,23 @@ class DFlashDrafter:
 
         return run
 
+    @property
+    def namespace(self) -> str:
+        return namespace_of(self.draft)
+
     def open(self, rows: Sequence[RowState], hidden: mx.array | None) -> DraftRows:
         """`hidden`: the target's features over each row's processed prompt
         (right-padded), as prefill returns them for a tapping target."""
+        return self.resume(rows, hidden, [None] * len(rows))
+
+    def resume(
+        self,
+        rows: Sequence[RowState],
+        hidden: mx.array | None,
+        states: Sequence[DraftState | None],
+    ) -> DraftRows:
+        """Per row, the draft's cache and unstored features from `states[b]`
+        (a copy), followed by `hidden`'s."""
         assert hidden is not None, "a DFlash draft needs the prompt's features"
         width = len(self.draft.settings.target_layers) * self.draft.args.hidden_size
         if hidden.shape[-1] != width:
@@ -237,13 +295,28 @@ class DFlashDrafter:
                 f"DFlash draft reads {width} (its taps were changed after binding)"
             )
         subset = self.subset
+        caches = []
+        cached = []
+        pending = []
+        for b, (row, state) in enumerate(zip(rows, states, strict=True)):
+            if isinstance(state, DFlashState):
+                caches.append(state.cache.take_rows([0]))
+                cached.append(state.cached)
+                fresh = hidden[b, : row.length - state.processed]
+                pending.append(
+                    mx.concatenate([state.pending, fresh.astype(state.pending.dtype)])
+                )
+            else:
+                caches.append(self.draft.make_cache(1))
+                cached.append(0)
+                pending.append(hidden[b, : row.length])
         return DFlashRows(
             self.target,
             self.draft,
             self.target.head_weights() if subset is None else subset.weights,
             self.policy,
-            self.draft.make_cache(len(rows)),
-            tuple(0 for _ in rows),
-            tuple(hidden[b, : row.length] for b, row in enumerate(rows)),
+            caches[0] if len(caches) == 1 else KVCache.concat_rows(caches),
+            tuple(cached),
+            tuple(pending),
             None if subset is None else subset.ids,
         )

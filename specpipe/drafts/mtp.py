@@ -58,7 +58,7 @@ from models.cache import KVCache, cuda_backend, on_gpu
 from models.mtp import MtpHead
 from models.mtp_cuda import FusedStep
 from schemas.request import DraftPolicy, SamplingParams
-from specpipe.draft import DraftRows, Proposal
+from specpipe.draft import DraftRows, DraftState, Proposal
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.sample_window import sample_window
 from specpipe.sampling import draw, draw_filters
@@ -457,6 +457,32 @@ class AheadRound:
 
 
 @frozen
+class MtpState(DraftState):
+    """A row's MTP state: the head's cache (one row) of its first `length`
+    pairs, and the target's hidden states not yet paired (`processed -
+    length` of them)."""
+
+    cache: KVCache
+    length: int
+    tail: mx.array  # [processed - length, H]
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return (*self.cache.arrays(), self.tail)
+
+    def at(self, n: int) -> DraftState | None:
+        # the head's pair at position p holds h[p] and t[p + 1]: a cut would
+        # need a hidden state the pairs do not keep
+        return self if n == self.processed else None
+
+
+def namespace_of(head: MtpHead) -> str:
+    """An MTP head's checkpoint namespace (the head belongs to the target
+    the prompt cache is bound to; its shape tells companions apart)."""
+    a = head.args
+    return f"mtp/l{len(head.layers)}/h{a.hidden_size}/kv{a.num_key_value_heads}"
+
+
+@frozen
 class MtpRows:
     target: Any  # models.qwen3_next.Model: embed, final_norm, project shared
     head: MtpHead
@@ -723,6 +749,15 @@ class MtpRows:
             tail_lengths=counts,
         )
 
+    def capture(self, row: int) -> DraftState:
+        return MtpState(
+            namespace_of(self.head),
+            self.lengths[row] + self.tail_lengths[row],
+            self.cache.take_rows([row]),
+            self.lengths[row],
+            self.tail[row, : self.tail_lengths[row]],
+        )
+
     def take_rows(self, keep: Sequence[int]) -> DraftRows:
         index = mx.array(list(keep), dtype=mx.int32)
         return evolve(
@@ -781,6 +816,46 @@ class MtpDrafter:
             takes_self=True,
         ),
     )
+
+    @property
+    def namespace(self) -> str:
+        return namespace_of(self.head)
+
+    def resume(
+        self,
+        rows: Sequence[RowState],
+        hidden: mx.array | None,
+        states: Sequence[DraftState | None],
+    ) -> DraftRows:
+        """Per row, the head's cache and unpaired hidden states from
+        `states[b]` (a copy), followed by `hidden`'s."""
+        assert hidden is not None, (
+            "the MTP head reads the target's prompt hidden states"
+        )
+        opened: list[DraftRows] = []
+        for b, (row, state) in enumerate(zip(rows, states, strict=True)):
+            if not isinstance(state, MtpState):
+                opened.append(self.open([row], hidden[b : b + 1, : row.length]))
+                continue
+            fresh = hidden[b, : row.length - state.processed].astype(state.tail.dtype)
+            tail = mx.concatenate([state.tail, fresh])
+            opened.append(
+                MtpRows(
+                    self.target,
+                    self.head,
+                    state.cache.take_rows([0]),
+                    (state.length,),
+                    tail[None],
+                    (int(tail.shape[0]),),
+                    self.policy,
+                    self.step,
+                    self.compiles(),
+                )
+            )
+        joined = opened[0]
+        for more in opened[1:]:
+            joined = joined.join(more)
+        return joined
 
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None

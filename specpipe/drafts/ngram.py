@@ -37,13 +37,14 @@ import mlx.core as mx
 from attrs import evolve, frozen
 
 from models.base import ModelOutput
-from specpipe.draft import DraftRows, Proposal
+from specpipe.draft import DraftRows, DraftState, Proposal
 from specpipe.state import RowState
 from specpipe.transaction import Prepared, ready
 
 CURSOR_REACH = 32  # how far from the cursor a match may continue to count as "near"
 CURSOR_MISSES = 3  # rounds without a kept draft before the cursor is dropped
 NO_CURSOR = -1
+NAMESPACE = "ngram"  # its checkpoints' (nothing is kept: see `NgramRows.capture`)
 
 
 def lookup(
@@ -154,6 +155,11 @@ class NgramRows:
             misses=tuple(self.misses[i] for i in keep),
         )
 
+    def capture(self, row: int) -> DraftState:
+        # nothing to keep: a lookup reads the row's tokens, and a resumed row
+        # starts its copy afresh
+        return DraftState(NAMESPACE, 0)
+
     def join(self, other: DraftRows) -> DraftRows:
         assert isinstance(other, NgramRows)
         return evolve(
@@ -169,6 +175,18 @@ class NgramDrafter:
     min_n: int = 1
     max_n: int = 4
     kind: str = "ngram"
+
+    @property
+    def namespace(self) -> str:
+        return NAMESPACE
+
+    def resume(
+        self,
+        rows: Sequence[RowState],
+        hidden: mx.array | None,
+        states: Sequence[DraftState | None],
+    ) -> DraftRows:
+        return self.open(rows, hidden)
 
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None

@@ -33,7 +33,7 @@ from models.base import CausalLM, ModelOutput
 from models.cache import on_gpu
 from models.vocab_head import HeadWeights
 from schemas.request import DraftPolicy, SamplingParams
-from specpipe.draft import DraftRows, Proposal
+from specpipe.draft import DraftRows, DraftState, Proposal
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.drafts.ngram import lookup as ngram_lookup
 from specpipe.prefill import prefill_rows
@@ -53,6 +53,32 @@ class LookupStaging:
         if count < 1:
             return ()
         return ngram_lookup(tokens, count, self.min_n, self.max_n)[0]
+
+
+@frozen
+class TwoModelState(DraftState):
+    """A row's draft cache (one row), its first `processed` tokens in."""
+
+    cache: Any
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return tuple(self.cache.arrays())
+
+    def at(self, n: int) -> DraftState | None:
+        if n >= self.processed:
+            return self
+        return evolve(self, processed=n) if self.cache.truncatable else None
+
+
+def namespace_of(model: CausalLM) -> str:
+    """A draft model's checkpoint namespace: its architecture's shape (a
+    state computed by another draft model of the same shape would only offer
+    other drafts, never change the output)."""
+    a = model.args
+    return (
+        f"two-model/{a.model_type}/h{a.hidden_size}/l{a.num_hidden_layers}"
+        f"/v{a.vocab_size}"
+    )
 
 
 @frozen
@@ -186,6 +212,11 @@ class TwoModelRows:
         )
         return Prepared(lambda: evolve(self, lengths=lengths))
 
+    def capture(self, row: int) -> DraftState:
+        return TwoModelState(
+            namespace_of(self.model), self.lengths[row], self.cache.take_rows([row])
+        )
+
     def join(self, other: DraftRows) -> DraftRows:
         assert isinstance(other, TwoModelRows)
         return evolve(
@@ -232,10 +263,30 @@ class TwoModelDrafter:
         """The head rows a draft step projects onto (its FR-Spec list), if not all."""
         return self.subset.weights if self.subset is not None else None
 
+    @property
+    def namespace(self) -> str:
+        return namespace_of(self.model)
+
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None
     ) -> DraftRows:
-        cache, _ = prefill_rows(self.model, rows)
+        return self.resume(rows, hidden, [None] * len(rows))
+
+    def resume(
+        self,
+        rows: Sequence[RowState],
+        hidden: mx.array | None,
+        states: Sequence[DraftState | None],
+    ) -> DraftRows:
+        """Rows whose draft cache starts from `states[b]`'s (a copy) and
+        prefills the rest of the row's tokens."""
+        restored = [
+            (state.cache.take_rows([0]), state.processed)
+            if isinstance(state, TwoModelState)
+            else None
+            for state in states
+        ]
+        cache, _ = prefill_rows(self.model, rows, restored=restored)
         gpu = on_gpu()
         bucket = gpu if self.bucket_catch_up is None else self.bucket_catch_up
         return TwoModelRows(

@@ -178,3 +178,36 @@ def test_a_dflash_draft_through_the_pipeline_is_plain_decoding(
         assert spec.stats.draft_errors == ()
         if not adaptive:  # (adaptive drafting may judge a random draft not worth it)
             assert spec.stats.drafted > 0
+
+
+def test_a_conversation_through_the_prompt_cache(tiny_model: Path) -> None:
+    """Messages render by the chat template; each turn starts from the last
+    turn's kept state and answers as a pipeline without the cache does."""
+    cached = load(str(tiny_model), draft="ngram", prompt_cache=True).unwrap()
+    plain = load(str(tiny_model), draft="ngram").unwrap()
+    assert cached.prompt_cache is not None and plain.prompt_cache is None
+    limits = GenerationLimits(max_tokens=10)
+    messages: list[dict[str, str]] = []
+    previous = 0  # the last turn's processed prompt tokens
+    for number, question in enumerate(("def fib", "for i in range", "hello")):
+        messages.append({"role": "user", "content": question})
+        turn = cached.generate(messages, limits=limits).unwrap()
+        again = plain.generate(messages, limits=limits).unwrap()
+        assert turn.tokens == again.tokens and turn.text == again.text
+        assert again.stats.cached_tokens == 0
+        if number:  # the last turn's prompt, at least, was kept
+            assert previous <= turn.stats.cached_tokens < turn.prompt_tokens
+        assert turn.to_json()["stats"]["cached_tokens"] == turn.stats.cached_tokens
+        previous = turn.prompt_tokens - 1
+        messages.append({"role": "assistant", "content": turn.text})
+    assert cached.prompt_cache.stats.hits == 2
+
+
+def test_bad_messages_and_budgets_are_clear_errors(tiny_model: Path) -> None:
+    pipeline = load(str(tiny_model)).unwrap()
+    failure = pipeline.generate([{"role": "user"}]).failure()
+    assert "needs a 'role' and a 'content' string" in failure.message
+    mixed = pipeline.generate([1, {"role": "user", "content": "x"}])  # type: ignore[list-item]
+    assert "not a mix of them" in mixed.failure().message
+    budget = load(str(tiny_model), prompt_cache=-1).failure()
+    assert "positive byte budget" in str(budget)

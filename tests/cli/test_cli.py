@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -417,3 +418,41 @@ def test_adaptive_is_the_default_and_no_adaptive_drafts_every_round(
         json.loads(out)["tokens"].__repr__() for out in (default, fixed, explicit)
     }
     assert len(tokens) == 1  # the width never changes the output
+
+
+def test_chat_keeps_earlier_turns_in_the_prompt_cache(
+    tiny_model: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One JSON object per turn; /reset starts over (from the cache's states)."""
+    turns = "def fib\n\nfor i in range\n/reset\ndef fib\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    code, out, err = run(
+        capsys, "chat", "--model", str(tiny_model), "--json", "--max-tokens", "6"
+    )
+    assert code == 0, err
+    replies = [json.loads(line) for line in out.splitlines()]
+    assert len(replies) == 3
+    first, second, again = replies
+    assert first["stats"]["cached_tokens"] == 0
+    # the second turn's prompt holds the first turn's prompt and reply
+    assert first["prompt_tokens"] - 1 <= second["stats"]["cached_tokens"]
+    assert second["stats"]["cached_tokens"] < second["prompt_tokens"]
+    # after /reset the same first message: its prompt's state was kept
+    assert again["tokens"] == first["tokens"]
+    assert again["stats"]["cached_tokens"] == first["prompt_tokens"] - 1
+
+
+def test_chat_rejects_a_bad_budget(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fails_with(
+        capsys,
+        "--prompt-cache-mb must be positive",
+        "chat",
+        "--model",
+        str(tiny_model),
+        "--prompt-cache-mb",
+        "0",
+    )

@@ -1,0 +1,367 @@
+"""The prompt cache (specpipe/prompt_cache.py): rows' states kept after a run
+and restored for later prompts.
+
+- A conversation's next turn (its prompt: the last prompt, the output, new
+  tokens) and a repeated prompt start from checkpoints, with every drafter
+  kind, on an attention-only and a hybrid (recurrent) target, greedy and
+  seeded sampling, one row and a batch of rows with hits and misses: the
+  output is the one of a run without the cache, and the tokens restored are
+  the ones the earlier run processed; the drafters offer the drafts they
+  offer without the cache (the restored draft state is the computed one).
+- Rows that end on an end-of-sequence token keep it as their pending token.
+- Cancelled rows are never kept; a drafter of another namespace gets no
+  draft state (one that reads the target's hidden states gets no hit).
+- The store: a byte budget evicts the least recently used; an insert or use
+  disposed changes nothing; another model's cache is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from spec_support import PROMPTS, CollectSink, tiny_model
+from test_dflash import dflash2_config, dflash_config, random_draft
+from test_mtp import args as hybrid_args
+from test_mtp import random_head, scaled
+
+from models.base import CausalLM
+from models.build import build_model
+from schemas.request import SamplingParams
+from specpipe.draft import Drafter
+from specpipe.drafts.dflash import DFlashDrafter, DFlashRows
+from specpipe.drafts.mtp import MtpDrafter, MtpRows
+from specpipe.drafts.ngram import NgramDrafter, NgramRows
+from specpipe.drafts.two_model import TwoModelDrafter, TwoModelRows
+from specpipe.loop import RoundOptions, RowRequest, RowResult, generate_rows
+from specpipe.prompt_cache import Checkpoint, PromptCache
+
+SAMPLINGS = {
+    "greedy": SamplingParams(),
+    "sampled": SamplingParams(temperature=0.8, top_p=0.95, seed=11),
+}
+NEW_TURN = (3, 1, 4, 1, 5)  # the tokens a next turn adds after the output
+
+
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams,
+    drafter: Drafter | None,
+    depth: int,
+    store: PromptCache | None,
+    eos: Sequence[int] = (),
+    max_tokens: int = 12,
+    cancelled: Callable[[], bool] | None = None,
+) -> tuple[list[list[int]], list[RowResult]]:
+    sinks = [CollectSink() for _ in prompts]
+    requests = [
+        RowRequest(tuple(p), sampling, max_tokens, sink, cancelled=cancelled)
+        for p, sink in zip(prompts, sinks, strict=True)
+    ]
+    results = generate_rows(
+        model,
+        requests,
+        eos,
+        drafter,
+        RoundOptions(depth=depth if drafter is not None else 0),
+        prompt_cache=store,
+    )
+    assert all(not r.metrics.draft_errors for r in results), results
+    return [s.tokens for s in sinks], results
+
+
+@pytest.fixture(scope="module")
+def dense() -> CausalLM:
+    """An attention-only target tapping the DFlash drafts' layers."""
+    model = tiny_model(1)
+    model.tap((0, 1))  # type: ignore[attr-defined]
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> CausalLM:
+    """A hybrid (Qwen3-Next) target: linear-attention layers' recurrent states."""
+    mx.random.seed(0)
+    model: CausalLM = build_model(hybrid_args()).unwrap()
+    scaled(model, 0, 2.5)
+    return model
+
+
+def drafter_of(kind: str, model: CausalLM) -> tuple[Drafter | None, int]:
+    """A drafter of `kind` for `model` and the depth it drafts."""
+    if kind == "none":
+        return None, 0
+    if kind == "ngram":
+        return NgramDrafter(), 3
+    if kind == "two-model":
+        return TwoModelDrafter(tiny_model(2, vocab_size=model.args.vocab_size)), 3
+    if kind == "mtp":
+        return MtpDrafter(model, random_head(3)), 2
+    config = dflash_config() if kind == "dflash" else dflash2_config()
+    return DFlashDrafter(model, random_draft(config, seed=7)), 3
+
+
+CASES = [
+    ("dense", "none"),
+    ("dense", "ngram"),
+    ("dense", "two-model"),
+    ("dense", "dflash"),
+    ("dense", "dflash2"),
+    ("hybrid", "none"),
+    ("hybrid", "ngram"),
+    ("hybrid", "mtp"),
+]
+
+
+@pytest.fixture
+def proposals(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every proposal the drafters make (read back), in order."""
+    seen: list[Any] = []
+    for rows in (NgramRows, TwoModelRows, MtpRows, DFlashRows):
+
+        def spy(self: Any, rows: Any, depth: int, propose: Any = rows.propose) -> Any:
+            proposal = propose(self, rows, depth)
+            device = proposal.device
+            seen.append(proposal.host if device is None else device.tolist())
+            return proposal
+
+        monkeypatch.setattr(rows, "propose", spy)
+    return seen
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize(("target", "kind"), CASES, ids=["-".join(c) for c in CASES])
+def test_a_next_turn_and_a_repeated_prompt_start_from_checkpoints(
+    request: pytest.FixtureRequest,
+    proposals: list[Any],
+    target: str,
+    kind: str,
+    sampling: str,
+) -> None:
+    model: CausalLM = request.getfixturevalue(target)
+    drafter, depth = drafter_of(kind, model)
+    params = SAMPLINGS[sampling]
+    store = PromptCache(model)
+    first = [list(p) for p in PROMPTS[:3]]
+
+    def both(prompts: list[list[int]]) -> tuple[list[list[int]], list[RowResult]]:
+        """The run with the store, checked against one without it."""
+        proposals.clear()
+        tokens, results = generate(model, prompts, params, drafter, depth, store)
+        offered = list(proposals)
+        proposals.clear()
+        fresh, _ = generate(model, prompts, params, drafter, depth, None)
+        assert tokens == fresh
+        # a resumed draft state is the one a prefill computes: the same drafts
+        assert offered == proposals
+        assert drafter is None or offered
+        assert all(r.finish == "length" for r in results)
+        return tokens, results
+
+    out, results = both(first)
+    assert [r.cached_tokens for r in results] == [0, 0, 0]
+    # the next turn of rows 0 and 2, a new prompt, and row 1's prompt again
+    turns = [
+        first[0] + out[0] + list(NEW_TURN),
+        first[2] + out[2] + list(NEW_TURN),
+        [7, 7, 8, 9],
+        first[1],
+    ]
+    _, results = both(turns)
+    cached = [r.cached_tokens for r in results]
+    # a row that ends keeps all but its last token, or all of them where a
+    # plain step was already queued past its end (it processed that token)
+    for row, n in ((0, cached[0]), (2, cached[1])):
+        assert (
+            len(first[row]) + len(out[row]) - 1 <= n <= len(first[row]) + len(out[row])
+        )
+    assert cached[2] == 0
+    assert cached[3] == len(first[1]) - 1  # the prompt's state from its prefill
+    assert store.stats.hits == 3 and store.stats.lookups == 7
+
+
+@pytest.mark.parametrize(("target", "kind"), [("dense", "dflash"), ("hybrid", "mtp")])
+def test_a_row_that_ends_on_eos_keeps_it_pending(
+    request: pytest.FixtureRequest, target: str, kind: str
+) -> None:
+    """The next turn's prompt holds the end-of-sequence token after the output."""
+    model: CausalLM = request.getfixturevalue(target)
+    drafter, depth = drafter_of(kind, model)
+    params = SAMPLINGS["greedy"]
+    prompt = list(PROMPTS[0])
+    long, _ = generate(model, [prompt], params, None, 0, None)
+    eos = long[0][5]
+    stop = long[0].index(eos)  # where the row ends
+    store = PromptCache(model, capture_prompts=False)
+    out, results = generate(model, [prompt], params, drafter, depth, store, (eos,))
+    assert results[0].finish == "stop" and out[0] == long[0][:stop]
+    ((tokens, _),) = store._entries  # the row's end
+    assert tokens == tuple(prompt + out[0])  # its EOS pending, not processed
+    turn = prompt + out[0] + [eos, *NEW_TURN]
+    again, results = generate(model, [turn], params, drafter, depth, store, (eos,))
+    fresh, _ = generate(model, [turn], params, drafter, depth, None, (eos,))
+    assert again == fresh and results[0].cached_tokens == len(tokens)
+
+
+def test_a_cancelled_row_is_not_kept(dense: CausalLM) -> None:
+    store = PromptCache(dense, capture_prompts=False)
+    drafter, depth = drafter_of("ngram", dense)
+    generate(
+        dense,
+        [PROMPTS[0]],
+        SAMPLINGS["greedy"],
+        drafter,
+        depth,
+        store,
+        cancelled=lambda: True,
+    )
+    assert len(store) == 0
+    generate(dense, [PROMPTS[0]], SAMPLINGS["greedy"], drafter, depth, store)
+    assert len(store) == 1
+
+
+def test_draft_states_are_offered_to_their_own_namespace(hybrid: CausalLM) -> None:
+    """Checkpoints made without the MTP head's state give it no hit (it reads
+    the whole prompt's hidden states); plain decoding uses them."""
+    params = SAMPLINGS["greedy"]
+    store = PromptCache(hybrid)
+    prompt = list(PROMPTS[0])
+    generate(hybrid, [prompt], params, NgramDrafter(), 3, store)
+    mtp, depth = drafter_of("mtp", hybrid)
+    _, results = generate(hybrid, [prompt], params, mtp, depth, store)
+    assert results[0].cached_tokens == 0  # and now its own are kept too
+    _, results = generate(hybrid, [prompt], params, None, 0, store)
+    assert results[0].cached_tokens == len(prompt) - 1
+    _, results = generate(hybrid, [prompt], params, mtp, depth, store)
+    assert results[0].cached_tokens == len(prompt) - 1
+
+
+def test_the_byte_budget_evicts_the_least_recently_used(dense: CausalLM) -> None:
+    params = SAMPLINGS["greedy"]
+    probe = PromptCache(dense, capture_prompts=True)
+    generate(dense, [PROMPTS[0]], params, None, 0, probe, max_tokens=2)
+    size = max(c.nbytes for c in probe._entries.values())
+    store = PromptCache(dense, max_bytes=2 * size, capture_prompts=False)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    outs = [
+        generate(dense, [p], params, None, 0, store, max_tokens=2)[0][0]
+        for p in prompts[:2]
+    ]
+    assert len(store) == 2
+    # a hit marks the first used last: the third evicts the second
+    turn = prompts[0] + outs[0] + [10]
+    _, results = generate(dense, [turn], params, None, 0, store, max_tokens=2)
+    assert results[0].cached_tokens >= 4
+    starts = [tokens[:3] for tokens, _ in store._entries]
+    assert starts == [(1, 2, 3), (1, 2, 3)]  # the hit one and the turn's end
+    assert store.stats.evicted == 1 and store.nbytes <= 2 * size
+
+
+def test_prepared_changes_disposed_change_nothing(dense: CausalLM) -> None:
+    store = PromptCache(dense)
+    cache = dense.make_cache(1)
+    checkpoint = Checkpoint((1, 2), cache)
+    store.prepare_insert(checkpoint).dispose()
+    assert len(store) == 0 and store.stats.inserted == 0
+    store.prepare_insert(checkpoint).commit()
+    match = store.lookup((1, 2, 3), None, False)
+    assert match is not None and match.length == 2
+    store.prepare_use([match]).dispose()
+    assert store.stats.hits == 0
+    # a hit leaves the prompt's last token unprocessed: (1, 2) is served by
+    # the attention-only state of its first token
+    short = store.lookup((1, 2), None, False)
+    assert short is not None and short.length == 1
+
+
+def test_a_cache_serves_only_its_model(dense: CausalLM, hybrid: CausalLM) -> None:
+    store = PromptCache(dense)
+    with pytest.raises(ValueError, match="another model's states"):
+        generate(hybrid, [PROMPTS[0]], SAMPLINGS["greedy"], None, 0, store)
+    with pytest.raises(ValueError, match="positive byte budget"):
+        PromptCache(dense, max_bytes=0)
+
+
+def test_checkpoints_are_copies(dense: CausalLM) -> None:
+    """Runs that start from a checkpoint leave its arrays as they were."""
+    store = PromptCache(dense)
+    params = SAMPLINGS["greedy"]
+    generate(dense, [PROMPTS[0]], params, None, 0, store)
+    before: dict[Any, list[Any]] = {
+        key: [mx.array(a) for a in c.target.arrays()]
+        for key, c in store._entries.items()
+    }
+    generate(dense, [PROMPTS[0]], params, None, 0, store)
+    for key, arrays in before.items():
+        after = store._entries[key].target.arrays()
+        assert all(
+            mx.array_equal(a, b).item() for a, b in zip(arrays, after, strict=True)
+        )
+
+
+@pytest.mark.parametrize(("target", "kind"), CASES, ids=["-".join(c) for c in CASES])
+def test_a_checkpoint_cut_back_serves_a_shared_prefix(
+    request: pytest.FixtureRequest, proposals: list[Any], target: str, kind: str
+) -> None:
+    """A prompt that leaves a row's output part of the way: an attention-only
+    target starts from the checkpoint cut to the shared tokens (with the
+    draft's state cut too); a hybrid one cannot cut its recurrent state."""
+    model: CausalLM = request.getfixturevalue(target)
+    drafter, depth = drafter_of(kind, model)
+    params = SAMPLINGS["greedy"]
+    store = PromptCache(model, capture_prompts=False)
+    first = list(PROMPTS[0])
+    (out,), _ = generate(model, [first], params, drafter, depth, store)
+    ((kept, _),) = store._entries
+    prompt = first + out[:4] + [(out[4] + 1) % 90, *NEW_TURN]
+    shared = len(first) + 4
+    assert kept[:shared] == tuple(prompt[:shared]) and kept[shared] != prompt[shared]
+    proposals.clear()
+    tokens, results = generate(model, [prompt], params, drafter, depth, store)
+    offered = list(proposals)
+    proposals.clear()
+    fresh, _ = generate(model, [prompt], params, drafter, depth, None)
+    assert tokens == fresh and offered == proposals
+    assert results[0].cached_tokens == (shared if target == "dense" else 0)
+
+
+def test_an_arrival_starts_from_a_row_that_ended_in_the_same_run(
+    hybrid: CausalLM,
+) -> None:
+    """Continuous batching: a request admitted between rounds starts from
+    the checkpoint a row of the same run left when it ended."""
+    params = SAMPLINGS["sampled"]
+    drafter, depth = drafter_of("mtp", hybrid)
+    first = list(PROMPTS[0])
+    (out,), _ = generate(hybrid, [first], params, drafter, depth, None, max_tokens=4)
+    turn = first + out + list(NEW_TURN)
+    (expected,), _ = generate(hybrid, [turn], params, drafter, depth, None)
+    store = PromptCache(hybrid)
+    sinks = [CollectSink() for _ in range(3)]
+    requests = [
+        RowRequest(tuple(first), params, 4, sinks[0]),
+        RowRequest(tuple(PROMPTS[1]), params, 24, sinks[1]),
+    ]
+    waiting = [RowRequest(tuple(turn), params, 12, sinks[2])]
+
+    def arrivals() -> list[RowRequest]:
+        # the turn arrives once the first row has ended
+        if waiting and len(sinks[0].tokens) == 4:
+            return [waiting.pop()]
+        return []
+
+    results = generate_rows(
+        hybrid,
+        requests,
+        (),
+        drafter,
+        RoundOptions(depth=depth),
+        arrivals,
+        prompt_cache=store,
+    )
+    assert sinks[0].tokens == out and sinks[2].tokens == expected
+    assert results[1].finish == "length" and not waiting  # it joined a live batch
+    assert results[2].cached_tokens == len(first) + len(out) - 1
