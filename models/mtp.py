@@ -136,6 +136,16 @@ class MtpHead(nn.Module):
         out = layer.forward(x, write, mask, starts)
         return out, written[0], written[1]
 
+    # Whether models/mtp_cuda.py's one-kernel step computes this head's layer
+    # (Qwen's gated attention and MLP kinds); a head of another family says no.
+    fused_kernel = True
+
+    def carried(self, out: mx.array, normed: mx.array) -> mx.array:
+        """What the next chained step reads as its hidden, of a step's output
+        `out` and its `normed(out)`: Qwen's heads carry the normed output
+        (vLLM's `qwen3_next_mtp.py` returns `norm(out)`)."""
+        return normed
+
     def fused_input(self, token_embeds: mx.array, hidden: mx.array) -> mx.array:
         """fc([norm(embed), norm(hidden)]): the layer's input, [B, L, H]."""
         return self.fc(

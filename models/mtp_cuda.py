@@ -2432,6 +2432,8 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
     from models.layers import MLP
     from models.qwen3_next import SparseMoeBlock, SwitchLinear
 
+    if not getattr(head, "fused_kernel", False):
+        return None
     layer = head.layers[layer_index]
     attn = layer.self_attn
     embed = target.model.embed_tokens

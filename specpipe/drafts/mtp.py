@@ -123,7 +123,7 @@ class HeadStep:
                 normed = self.head.normed(out)  # [B, 1, H]
                 return (
                     self.draw(normed[:, 0], filters, seeds, steps),
-                    normed,
+                    self.head.carried(out, normed),
                     keys,
                     values,
                 )
@@ -478,8 +478,9 @@ class MtpState(DraftState):
 def namespace_of(head: MtpHead) -> str:
     """An MTP head's checkpoint namespace (the head belongs to the target
     the prompt cache is bound to; its shape tells companions apart)."""
-    a = head.args
-    return f"mtp/l{len(head.layers)}/h{a.hidden_size}/kv{a.num_key_value_heads}"
+    cache = head.make_cache(1)
+    shape = f"l{cache.num_layers}/kv{cache.kv_heads}x{cache.head_dim}"
+    return f"mtp/{type(head).__name__}/{shape}"
 
 
 @frozen
@@ -535,7 +536,8 @@ class MtpRows:
         for i in range(1, depth):
             embeds = self.target.embed(drafted[-1][:, None])
             offsets = [row.length + i - 1 for row in rows]
-            out = self.head(embeds, self.head.normed(out), self.cache, offsets, step=i)
+            carried = self.head.carried(out, self.head.normed(out))
+            out = self.head(embeds, carried, self.cache, offsets, step=i)
             drafted.append(self._draw(out, rows, params, i))
         return Proposal(depth, device=mx.stack(drafted, axis=1))
 
@@ -935,7 +937,7 @@ class MtpDrafter:
             cache,
             [0],
         )
-        normed = self.head.normed(out[:, -1:])
+        normed = self.head.carried(out[:, -1:], self.head.normed(out[:, -1:]))
         mx.eval(normed, cache.arrays())
         token = context[:, -1:]
         greedy = SamplingParams()
