@@ -209,3 +209,44 @@ def _llama3_freqs(dims: int, config: RopeConfig) -> mx.array:
     )
     smoothed = freqs / ((1 - smooth) / config.factor + smooth)
     return mx.where(is_medium, smoothed, freqs)
+
+
+class StackLayer(Protocol):
+    """A decoder layer as `run_stack` calls it."""
+
+    def __call__(
+        self,
+        x: mx.array,
+        cache: Any,
+        offsets: Sequence[int],
+        mask: Any,
+        rope_at: int | mx.array,
+    ) -> mx.array: ...
+
+
+def run_stack(
+    embed_tokens: Any,
+    layers: Sequence[StackLayer],
+    ids: mx.array,  # [B, L] int32
+    cache: Any,  # a KVCache
+    offsets: Sequence[int],
+    taps: Sequence[int] = (),
+    tapped: list[mx.array] | None = None,
+) -> mx.array:  # [B, L, H], before the final norm
+    """An attention-only decoder's layers over a window at each row's offset:
+    the last layer's output; the outputs of layers `taps` appended to
+    `tapped` in that order."""
+    batch, length = ids.shape
+    assert len(offsets) == batch, "one offset per row"
+    cache.reserve(max(offsets) + length)
+    mask = attention_mask(offsets, length, cache.key_span(offsets, length))
+    rope_at = rope_offset(offsets)
+    h: mx.array = embed_tokens(ids)
+    outputs: dict[int, mx.array] = {}
+    for i, layer in enumerate(layers):
+        h = layer(h, cache, offsets, mask, rope_at)
+        if i in taps:
+            outputs[i] = h
+    if tapped is not None:
+        tapped.extend(outputs[i] for i in taps)
+    return h

@@ -20,11 +20,12 @@ from attrs import evolve
 from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
-from models import llama, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_next
+from models import glm4_moe, llama, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_next
 from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import DecoderArgs, QuantizationConfig
+from schemas.hf_glm4_moe import Glm4MoeArgs
 from schemas.hf_hybrid import HybridArgs
 
 __all__ = [
@@ -44,6 +45,7 @@ Model: TypeAlias = (
     | qwen3_next.Model
     | qwen3_5.Model
     | qwen3_5_moe.Model
+    | glm4_moe.Model
 )
 
 
@@ -68,6 +70,13 @@ def _qwen3_5_moe(args: DecoderArgs) -> qwen3_5_moe.Model:
     return qwen3_5_moe.Model(args)
 
 
+def _glm4_moe(args: DecoderArgs) -> glm4_moe.Model:
+    # A glm4_moe config parses to Glm4MoeArgs (schemas/hf_glm4_moe.py).
+    if not isinstance(args, Glm4MoeArgs):
+        raise ValueError("needs Glm4MoeArgs (parse its config with glm4_moe_args)")
+    return glm4_moe.Model(args)
+
+
 _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "llama": llama.Model,
     "qwen2": qwen2.Model,
@@ -77,6 +86,7 @@ _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe": _qwen3_5_moe,
     "qwen3_5_moe_text": _qwen3_5_moe,
+    "glm4_moe": _glm4_moe,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.
@@ -84,9 +94,11 @@ _AS_CAUSAL_LM: Callable[[DecoderArgs], CausalLM] = llama.Model
 _HYBRID_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_next.Model
 _QWEN3_5_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5.Model
 _QWEN3_5_MOE_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5_moe.Model
+_GLM4_MOE_AS_CAUSAL_LM: Callable[[Glm4MoeArgs], CausalLM] = glm4_moe.Model
 
 _AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-# Layers with `to_quantized` (qwen3_next's stacked experts included)
+# Layers with `to_quantized` (the stacked experts of qwen3_next and glm4_moe
+# included; glm4_moe's router is a plain array and stays float)
 _QUANTIZABLE = (nn.Linear, nn.Embedding, qwen3_next.SwitchLinear)
 _SHOWN = 5
 

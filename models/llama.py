@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask, ModelOutput, Tapping, attention_mask, rope_offset
+from models.base import Mask, ModelOutput, Tapping, run_stack
 from models.cache import KVCache
 from models.layers import MLP, Attention, BlockSpec, model_dtype
 from models.parallel import Embedding, Linear
@@ -65,21 +65,10 @@ class LlamaModel(nn.Module):
         tapped: list[mx.array] | None = None,
     ) -> mx.array:  # [B, L, H], before the final norm
         """The last layer's output; the outputs of layers `taps` appended to
-        `tapped` in that order."""
-        batch, length = ids.shape
-        assert len(offsets) == batch, "one offset per row"
-        cache.reserve(max(offsets) + length)
-        mask = attention_mask(offsets, length, cache.key_span(offsets, length))
-        rope_at = rope_offset(offsets)
-        h = self.embed_tokens(ids)
-        outputs: dict[int, mx.array] = {}
-        for i, block in enumerate(self.layers):
-            h = block(h, cache, offsets, mask, rope_at)
-            if i in taps:
-                outputs[i] = h
-        if tapped is not None:
-            tapped.extend(outputs[i] for i in taps)
-        return h
+        `tapped` in that order (`models.base.run_stack`)."""
+        return run_stack(
+            self.embed_tokens, self.layers, ids, cache, offsets, taps, tapped
+        )
 
 
 class Model(nn.Module, Tapping):

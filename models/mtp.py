@@ -53,6 +53,7 @@ from models.layers import flat_parameters, model_dtype
 from models.parallel import Linear
 from models.qwen3_next import AttentionLayer
 from schemas.errors import LoadError
+from schemas.hf import DecoderArgs
 from schemas.hf_hybrid import HybridArgs
 
 # The draft block of a head whose config names none (`block_size`): the
@@ -60,6 +61,23 @@ from schemas.hf_hybrid import HybridArgs
 # hybrid models. A bundled head and the companion `specpipe convert` writes
 # (which records it) default to the same width, block - 1.
 DEFAULT_BLOCK_SIZE = 3
+
+
+class HeadLayer(Protocol):
+    """A head's decoder layer (Qwen's `AttentionLayer`, GLM's `DecoderLayer`)."""
+
+    def __call__(
+        self,
+        x: mx.array,
+        cache: KVCache,
+        offsets: Sequence[int],
+        mask: Any,
+        rope_at: int | mx.array,
+    ) -> mx.array: ...
+
+    def forward(
+        self, x: mx.array, write: Any, mask: Any, rope_at: int | mx.array
+    ) -> mx.array: ...
 
 
 class SharedProjection(Protocol):
@@ -74,13 +92,13 @@ class MtpHead(nn.Module):
 
     def __init__(self, args: HybridArgs) -> None:
         super().__init__()
-        self.args = args
+        self.args: DecoderArgs = args
         hidden, eps = args.hidden_size, args.rms_norm_eps
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
         self.fc = Linear(2 * hidden, hidden, bias=False)
         # vLLM numbers the MTP layers from 0 for the dense-vs-MoE choice too.
-        self.layers = [
+        self.layers: list[HeadLayer] = [
             AttentionLayer(args, i, i) for i in range(args.num_nextn_predict_layers)
         ]
         self.norm = nn.RMSNorm(hidden, eps=eps)
@@ -268,15 +286,38 @@ def quantization_block(head: nn.Module) -> dict[str, Any] | None:
 
 
 def build_mtp(
-    args: HybridArgs,
+    args: DecoderArgs,
     weights: Mapping[str, mx.array],
     declared: DeclaredQuantization | None = None,
 ) -> Result[MtpHead, LoadError]:
-    """An MTP head loaded strictly from `split_mtp`'s second dict: the names
-    and shapes must equal the head's parameters. Layers the weights hold
-    quantized become quantized layers first (bits and group size per layer,
-    from the packed shapes); `declared`, when given, must agree with them."""
-    head = MtpHead(args)
+    """The MTP head of a target of `args` (a Qwen hybrid's, or GLM-4.5's:
+    models/glm_mtp.py), loaded strictly from its target's `split_mtp`'s
+    second dict: the names and shapes must equal the head's parameters.
+    Layers the weights hold quantized become quantized layers first (bits
+    and group size per layer, from the packed shapes); `declared`, when
+    given, must agree with them."""
+    from models.glm_mtp import build_glm_mtp  # it builds on this module
+    from schemas.hf_glm4_moe import Glm4MoeArgs
+
+    if isinstance(args, Glm4MoeArgs):
+        return build_glm_mtp(args, weights, declared)
+    if not isinstance(args, HybridArgs):
+        return Failure(
+            LoadError(
+                f"a {args.model_type} model has no MTP head (Qwen3-Next / Qwen3.5 "
+                "and GLM-4.5 MoE models do)"
+            )
+        )
+    return load_head(MtpHead(args), weights, declared)
+
+
+def load_head(
+    head: MtpHead,
+    weights: Mapping[str, mx.array],
+    declared: DeclaredQuantization | None = None,
+) -> Result[MtpHead, LoadError]:
+    """`head` with `weights` loaded strictly (as `build_mtp` says), its
+    projections fused."""
     settings, problems = quantized_layers(head, weights)
     if not problems and declared is not None:
         problems = declared.problems(settings)

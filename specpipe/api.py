@@ -31,6 +31,7 @@ from specpipe.loop import (
 from specpipe.output import TextSink
 from specpipe.precision import notice_tf32
 from specpipe.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
+from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
 
 # a chat message: {"role": ..., "content": ...}
 Message = Mapping[str, str]
@@ -169,6 +170,32 @@ class Pipeline:
             self.target.model, max_bytes, capture_prompts=capture_prompts
         )
         return evolve(self, prompt_cache=cache)
+
+    def load_prompt_cache(self, path: str | Path) -> Result[Pipeline, SpecpipeError]:
+        """This pipeline with the checkpoints a `save_prompt_cache` file holds
+        added to its prompt cache (made with the default budget if it has
+        none). A file of another model is refused."""
+        pipeline = self if self.prompt_cache is not None else self.with_prompt_cache()
+        assert pipeline.prompt_cache is not None
+        loaded = load_prompt_cache(Path(path), pipeline.prompt_cache)
+        if not isinstance(loaded, Success):
+            return Failure(loaded.failure())
+        return Success(pipeline)
+
+    def save_prompt_cache(self, path: str | Path) -> Result[Path, SpecpipeError]:
+        """Write the prompt cache's checkpoints to `path` (one safetensors
+        file, written whole or not at all; `specpipe.prompt_cache_file`)."""
+        if self.prompt_cache is None:
+            return Failure(
+                RequestError(
+                    "this pipeline keeps no prompt cache; make it with "
+                    "with_prompt_cache() or load(..., prompt_cache=True)"
+                )
+            )
+        saved = save_prompt_cache(self.prompt_cache, Path(path))
+        if not isinstance(saved, Success):
+            return Failure(saved.failure())
+        return Success(saved.unwrap())
 
     def encode(
         self, prompt: Prompt, chat: bool = False

@@ -123,7 +123,11 @@ def _generate(args: argparse.Namespace) -> None:
         _fail(
             'no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")'
         )
-    pipeline = _pipeline(args)
+    if args.prompt_cache_mb <= 0:
+        _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
+    cached = args.prompt_cache_file is not None
+    pipeline = _pipeline(args, args.prompt_cache_mb << 20 if cached else False)
+    pipeline = _with_cache_file(pipeline, args)
     streaming = not args.json and not args.prompts_file
 
     def on_text(_row: int, text: str) -> None:
@@ -145,6 +149,7 @@ def _generate(args: argparse.Namespace) -> None:
     failed = [r for r in results if r.finish_reason == "failed"]
     if failed:
         _fail(failed[0].error or "generation failed", code=1)
+    _save_cache_file(pipeline, args)
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -155,7 +160,7 @@ def _chat(args: argparse.Namespace) -> None:
         _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
     sampling = _sampling(args)
     limits = _limits(args)
-    pipeline = _pipeline(args, args.prompt_cache_mb << 20)
+    pipeline = _with_cache_file(_pipeline(args, args.prompt_cache_mb << 20), args)
     opening: list[dict[str, str]] = (
         [{"role": "system", "content": args.system}] if args.system else []
     )
@@ -202,6 +207,21 @@ def _chat(args: argparse.Namespace) -> None:
             )
         if result.finish_reason == "failed":
             _fail(result.error or "generation failed", code=1)
+    _save_cache_file(pipeline, args)
+
+
+def _with_cache_file(pipeline: Pipeline, args: argparse.Namespace) -> Pipeline:
+    """The pipeline with `--prompt-cache-file`'s checkpoints, where it exists."""
+    path = args.prompt_cache_file
+    if path is None or not Path(path).exists():
+        return pipeline
+    loaded: Pipeline = _unwrap(pipeline.load_prompt_cache(path))
+    return loaded
+
+
+def _save_cache_file(pipeline: Pipeline, args: argparse.Namespace) -> None:
+    if args.prompt_cache_file is not None:
+        _unwrap(pipeline.save_prompt_cache(args.prompt_cache_file))
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -216,6 +236,19 @@ def _convert(args: argparse.Namespace) -> None:
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
     """The model, sampling and draft options of generate and chat."""
+    parser.add_argument(
+        "--prompt-cache-file",
+        default=None,
+        help="start from the prompt-cache checkpoints this file holds (if it "
+        "exists) and write the cache back to it at the end: a long prompt "
+        "prefilled once serves later runs that begin with it",
+    )
+    parser.add_argument(
+        "--prompt-cache-mb",
+        type=int,
+        default=2048,
+        help="memory the prompt cache's states may take (default 2048 MiB)",
+    )
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -356,12 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         help="print one JSON object per turn instead of streaming text",
-    )
-    chat.add_argument(
-        "--prompt-cache-mb",
-        type=int,
-        default=2048,
-        help="memory the kept states may take (default 2048 MiB)",
     )
     _run_options(chat)
     chat.set_defaults(func=_chat)

@@ -31,6 +31,7 @@ from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
+from schemas.hf_glm4_moe import GLM4_MOE_MODEL_TYPES, Glm4MoeArgs, glm4_moe_args
 from schemas.hf_hybrid import HYBRID_MODEL_TYPES, HybridArgs, hybrid_args
 from specpipe.fixtures import fixture_names, install_fixture
 
@@ -139,11 +140,15 @@ def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, Loa
     if model_type in HYBRID_MODEL_TYPES:
         hybrid: Result[DecoderArgs, ConfigError] = hybrid_args(raw, where)
         return hybrid.alt(lambda err: LoadError(err.message))
+    if model_type in GLM4_MOE_MODEL_TYPES:
+        glm: Result[DecoderArgs, ConfigError] = glm4_moe_args(raw, where)
+        return glm.alt(lambda err: LoadError(err.message))
     if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES + GLM4_MOE_MODEL_TYPES
         return Failure(
             LoadError(
                 f"{where}: unsupported model_type {model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}"
+                f"supported: {', '.join(supported)}"
             )
         )
     return structure(hf, normalize_hf_config(raw), DecoderArgs, where).alt(
@@ -189,7 +194,9 @@ def assemble(
 ) -> Result[LoadedModel, LoadError]:
     def finish(model: Any) -> Result[LoadedModel, LoadError]:
         mtp: dict[str, mx.array] = {}
-        if isinstance(args, HybridArgs):
+        if isinstance(args, HybridArgs | Glm4MoeArgs):
+            # the head a checkpoint carries (Qwen's `mtp.*`, GLM's layer
+            # `model.layers.{num_hidden_layers}`), for a native MTP draft
             mtp = model.split_mtp(weights)[1]
         return load_weights(model, weights, args).map(
             lambda _: LoadedModel(
@@ -306,8 +313,9 @@ def config_for(
     weights: dict[str, mx.array],
 ) -> dict[str, Any]:
     """config.json of a converted folder: rebuilt from `args` for the decoder
-    family, the upstream config (MTP layers dropped) for hybrid graphs."""
-    if not isinstance(loaded.args, HybridArgs):
+    family, the upstream config (MTP layers dropped) for hybrid graphs and
+    glm4_moe (whose MoE settings `config_dict` does not write)."""
+    if not isinstance(loaded.args, HybridArgs | Glm4MoeArgs):
         return config_dict(loaded.args, quantize, group_size, weights)
     cfg = {
         k: v
@@ -337,13 +345,6 @@ def companion_head(
     from models.layers import flat_parameters
     from models.mtp import build_mtp, quantization_block
 
-    if not isinstance(loaded.args, HybridArgs):
-        return Failure(
-            LoadError(
-                f"{loaded.source}: an MTP head needs a hybrid target, "
-                f"not {loaded.args.model_type}"
-            )
-        )
     built = build_mtp(loaded.args, _cast(loaded.mtp, dtype))
     if not isinstance(built, Success):
         return Failure(

@@ -28,6 +28,9 @@ the same tokens would compute, up to the batching of floating-point sums (the
 same difference as between a batch and a single row), and the draft state
 only changes which drafts are offered, never which tokens are published.
 
+A cache's checkpoints can be written to a file and read into another
+process's cache (`specpipe.prompt_cache_file`).
+
 Changes to the store are prepared changes (`specpipe.transaction`): a run
 prepares its uses and inserts and commits them only after the admission or
 the row they belong to succeeded. Checkpoints are evaluated when captured and
@@ -108,13 +111,13 @@ class PromptCache:
     Bound to the target model it was made for (`model`): a lookup for
     another model is refused, as its states would not mean anything there."""
 
-    model: Any
+    model: Any = field(repr=False)
     max_bytes: int = DEFAULT_MAX_BYTES
     max_entries: int = DEFAULT_MAX_ENTRIES
     capture_prompts: bool = True
     stats: CacheStats = field(factory=CacheStats)
     _entries: OrderedDict[tuple[tuple[int, ...], str], Checkpoint] = field(
-        factory=OrderedDict, init=False
+        factory=OrderedDict, init=False, repr=False
     )
 
     def __attrs_post_init__(self) -> None:
@@ -214,6 +217,10 @@ class PromptCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints kept, least recently used first."""
+        return list(self._entries.values())
 
     @staticmethod
     def _key(checkpoint: Checkpoint) -> tuple[tuple[int, ...], str]:

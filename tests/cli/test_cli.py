@@ -456,3 +456,41 @@ def test_chat_rejects_a_bad_budget(
         "--prompt-cache-mb",
         "0",
     )
+
+
+def test_a_prompt_cache_file_serves_a_later_run(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The second process-level run starts from the first one's states."""
+    path = tmp_path / "prompt.safetensors"
+    runs = []
+    for _ in range(2):
+        code, out, err = run(
+            capsys,
+            "generate",
+            "def fibonacci(n):",
+            "--model",
+            str(tiny_model),
+            "--json",
+            "--max-tokens",
+            "6",
+            "--prompt-cache-file",
+            str(path),
+        )
+        assert code == 0, err
+        runs.append(json.loads(out))
+        assert path.is_file()
+    first, second = runs
+    assert first["stats"]["cached_tokens"] == 0
+    assert second["stats"]["cached_tokens"] == first["prompt_tokens"] - 1
+    assert second["tokens"] == first["tokens"]
+    fails_with(
+        capsys,
+        "made for another model",
+        "generate",
+        "x",
+        "--model",
+        str(write_tiny_model(tmp_path / "other", seed=5)),
+        "--prompt-cache-file",
+        str(path),
+    )

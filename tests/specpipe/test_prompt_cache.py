@@ -3,7 +3,8 @@ and restored for later prompts.
 
 - A conversation's next turn (its prompt: the last prompt, the output, new
   tokens) and a repeated prompt start from checkpoints, with every drafter
-  kind, on an attention-only and a hybrid (recurrent) target, greedy and
+  kind, on attention-only targets (dense, GLM-4.5 MoE with its MTP head)
+  and a hybrid (recurrent) one, greedy and
   seeded sampling, one row and a batch of rows with hits and misses: the
   output is the one of a run without the cache, and the tokens restored are
   the ones the earlier run processed; the drafters offer the drafts they
@@ -13,22 +14,30 @@ and restored for later prompts.
   draft state (one that reads the target's hidden states gets no hit).
 - The store: a byte budget evicts the least recently used; an insert or use
   disposed changes nothing; another model's cache is refused.
+- Files: a saved cache read into a new one serves the next turn as the
+  original does; another model's file, a damaged one and an unwritable path
+  are clear errors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
 from spec_support import PROMPTS, CollectSink, tiny_model
 from test_dflash import dflash2_config, dflash_config, random_draft
+from test_glm_mtp import glm_args
+from test_glm_mtp import random_head as glm_head
+from test_glm_mtp import scaled as glm_scaled
 from test_mtp import args as hybrid_args
 from test_mtp import random_head, scaled
 
 from models.base import CausalLM
 from models.build import build_model
+from models.glm4_moe import Model as GlmModel
 from schemas.request import SamplingParams
 from specpipe.draft import Drafter
 from specpipe.drafts.dflash import DFlashDrafter, DFlashRows
@@ -37,6 +46,7 @@ from specpipe.drafts.ngram import NgramDrafter, NgramRows
 from specpipe.drafts.two_model import TwoModelDrafter, TwoModelRows
 from specpipe.loop import RoundOptions, RowRequest, RowResult, generate_rows
 from specpipe.prompt_cache import Checkpoint, PromptCache
+from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
 
 SAMPLINGS = {
     "greedy": SamplingParams(),
@@ -90,6 +100,15 @@ def hybrid() -> CausalLM:
     return model
 
 
+@pytest.fixture(scope="module")
+def glm() -> CausalLM:
+    """An attention-only GLM-4.5 MoE target, whose MTP head drafts for it."""
+    mx.random.seed(1)
+    model: CausalLM = build_model(glm_args()).unwrap()
+    glm_scaled(model, 1)
+    return model
+
+
 def drafter_of(kind: str, model: CausalLM) -> tuple[Drafter | None, int]:
     """A drafter of `kind` for `model` and the depth it drafts."""
     if kind == "none":
@@ -99,7 +118,8 @@ def drafter_of(kind: str, model: CausalLM) -> tuple[Drafter | None, int]:
     if kind == "two-model":
         return TwoModelDrafter(tiny_model(2, vocab_size=model.args.vocab_size)), 3
     if kind == "mtp":
-        return MtpDrafter(model, random_head(3)), 2
+        head = glm_head(3) if isinstance(model, GlmModel) else random_head(3)
+        return MtpDrafter(model, head), 2
     config = dflash_config() if kind == "dflash" else dflash2_config()
     return DFlashDrafter(model, random_draft(config, seed=7)), 3
 
@@ -113,6 +133,8 @@ CASES = [
     ("hybrid", "none"),
     ("hybrid", "ngram"),
     ("hybrid", "mtp"),
+    ("glm", "ngram"),
+    ("glm", "mtp"),
 ]
 
 
@@ -325,7 +347,9 @@ def test_a_checkpoint_cut_back_serves_a_shared_prefix(
     proposals.clear()
     fresh, _ = generate(model, [prompt], params, drafter, depth, None)
     assert tokens == fresh and offered == proposals
-    assert results[0].cached_tokens == (shared if target == "dense" else 0)
+    # the MTP head's state cannot be cut (it reads the target's hidden states)
+    cuts = target != "hybrid" and kind != "mtp"
+    assert results[0].cached_tokens == (shared if cuts else 0)
 
 
 def test_an_arrival_starts_from_a_row_that_ended_in_the_same_run(
@@ -365,3 +389,70 @@ def test_an_arrival_starts_from_a_row_that_ended_in_the_same_run(
     assert sinks[0].tokens == out and sinks[2].tokens == expected
     assert results[1].finish == "length" and not waiting  # it joined a live batch
     assert results[2].cached_tokens == len(first) + len(out) - 1
+
+
+FILE_CASES = [
+    ("dense", "two-model"),
+    ("dense", "dflash2"),
+    ("hybrid", "mtp"),
+    ("glm", "mtp"),
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "kind"), FILE_CASES, ids=["-".join(c) for c in FILE_CASES]
+)
+def test_a_saved_cache_serves_another_process_as_it_served_this_one(
+    request: pytest.FixtureRequest,
+    proposals: list[Any],
+    tmp_path: Path,
+    target: str,
+    kind: str,
+) -> None:
+    """Checkpoints written to a file and read into a new cache give the next
+    turn the same start, drafts and output as the cache they came from."""
+    model: CausalLM = request.getfixturevalue(target)
+    drafter, depth = drafter_of(kind, model)
+    params = SAMPLINGS["sampled"]
+    store = PromptCache(model)
+    first = [list(p) for p in PROMPTS[:2]]
+    out, _ = generate(model, first, params, drafter, depth, store)
+    path = save_prompt_cache(store, tmp_path / "cache.safetensors").unwrap()
+    assert not list(tmp_path.glob("*partial*"))
+    reread = load_prompt_cache(path, PromptCache(model)).unwrap()
+    assert [c.tokens for c in reread.checkpoints()] == [
+        c.tokens for c in store.checkpoints()
+    ]
+    turns = [p + o + list(NEW_TURN) for p, o in zip(first, out, strict=True)]
+    runs = []
+    for cache in (store, reread):
+        proposals.clear()
+        tokens, results = generate(model, turns, params, drafter, depth, cache)
+        runs.append((tokens, [r.cached_tokens for r in results], list(proposals)))
+    assert runs[0] == runs[1]
+    assert all(n > len(p) for n, p in zip(runs[1][1], first, strict=True))
+
+
+def test_a_cache_file_of_another_model_or_damaged_is_refused(
+    dense: CausalLM, hybrid: CausalLM, tmp_path: Path
+) -> None:
+    store = PromptCache(dense)
+    generate(dense, [PROMPTS[0]], SAMPLINGS["greedy"], None, 0, store)
+    path = save_prompt_cache(store, tmp_path / "dense.safetensors").unwrap()
+    other = load_prompt_cache(path, PromptCache(hybrid)).failure()
+    assert "made for another model" in other.message
+    assert len(PromptCache(hybrid)) == 0
+    plain = tmp_path / "weights.safetensors"
+    mx.save_safetensors(str(plain), {"w": mx.zeros((2,))})
+    assert "not a specpipe prompt-cache file" in (
+        load_prompt_cache(plain, PromptCache(dense)).failure().message
+    )
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[:100])
+    assert "not a readable prompt-cache file" in (
+        load_prompt_cache(broken, PromptCache(dense)).failure().message
+    )
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    failed = save_prompt_cache(store, blocked / "cache.safetensors").failure()
+    assert "cannot write the prompt cache" in failed.message

@@ -1,0 +1,408 @@
+"""GLM-4.5 / 4.6 / 4.7 MoE (`model_type` `glm4_moe`): an attention-only
+decoder whose MLPs are, after the first `first_k_dense_replace` dense layers,
+sigmoid-routed mixtures of experts with shared experts.
+
+Notable:
+- Attention: GQA with q/k/v biases per `attention_bias` (never on o_proj),
+  an optional RMSNorm over each head of q and k (`use_qk_norm`) before RoPE,
+  and RoPE on the first `rotary_dims = head_dim * partial_rotary_factor`
+  dimensions of each head only, in the rotate-half (non-interleaved) layout
+  over those dimensions; the rest pass through.
+- Router (`mlp.gate`): scores = sigmoid(x @ weight.T), in float32. The
+  choice adds `e_score_correction_bias`, keeps the `topk_group` groups (of
+  `n_group`) whose two best corrected scores sum highest, then takes the
+  `num_experts_per_tok` best corrected scores among them. The chosen
+  experts' weights are the *uncorrected* scores, renormalised when
+  `norm_topk_prob`, times `routed_scaling_factor`.
+- The shared experts (one SwiGLU of width moe_intermediate_size *
+  n_shared_experts) are added unconditionally.
+- Ordinary RMSNorms (weights are scales, not offsets from 1).
+- KV rolls back by position (models/cache.py): `padding_safe` is True.
+
+Checkpoint names: experts as released checkpoints list them
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`), as transformers 5 stores them
+(`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and
+`mlp.experts.down_proj` [E, H, I]), or MLX-stacked
+(`mlp.switch_mlp.{gate,up,down}_proj.weight`, as mlx-lm converts them);
+`sanitize` maps the first two onto the third. A checkpoint's MTP layers
+(`model.layers.{num_hidden_layers + i}.*`: a decoder layer plus `eh_proj`,
+`enorm`, `hnorm`, `shared_head.*`) are not part of this model; `split_mtp`
+returns them apart.
+Reference: transformers `models/glm4_moe/modeling_glm4_moe.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models.base import Mask, ModelOutput, RoPE, Tapping, run_stack
+from models.cache import KVCache, KVWrite
+from models.fuse import FusedProjection, fuse, fused_or_none, split_last
+from models.layers import MLP, model_dtype
+from models.parallel import Embedding, Linear
+from models.qwen3_next import SwitchGLU
+from models.vocab_head import HeadWeights
+from schemas.hf import DecoderArgs
+from schemas.hf_glm4_moe import Glm4MoeArgs, layout_problem
+
+
+class Glm4MoeAttention(nn.Module):
+    """Grouped-query attention with optional per-head q/k norm and partial
+    RoPE, over the shared KV cache (slot `kv_index`)."""
+
+    def __init__(self, args: Glm4MoeArgs, kv_index: int) -> None:
+        super().__init__()
+        self.kv_index = kv_index
+        self.heads = args.num_attention_heads
+        self.kv_heads = args.num_key_value_heads
+        self.head_dim = args.dim_per_head
+        self.scale = self.head_dim**-0.5
+        hidden, bias = args.hidden_size, args.attention_bias
+        self.q_proj = Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=False)
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if args.use_qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        # mx.fast.rope rotates the first `dims` of the last axis (rotate-half
+        # pairs i, i + dims/2) and passes the rest through, as transformers does
+        self.rope = RoPE(args.rotary_dims, args.rope)
+        self._qkv: FusedProjection | None = None
+
+    def fuse_projections(self) -> bool:
+        """Run q, k and v as one product from now on (models/fuse.py)."""
+        self._qkv = fuse((self.q_proj, self.k_proj, self.v_proj))
+        return self._qkv is not None
+
+    def attend(
+        self,
+        x: mx.array,  # [B, L, H]
+        write: KVWrite,  # stores the window's keys/values (KVCache.write, scatter_window)
+        mask: Mask,  # None, "causal" or [B, 1, L, S]
+        rope_at: int | mx.array,  # scalar or [B]
+    ) -> mx.array:  # [B, L, H]
+        batch, length, _ = x.shape
+        d = self.head_dim
+        fused = fused_or_none(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
+        if fused is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = split_last(fused(x), fused.sizes)
+        q = q.reshape(batch, length, self.heads, d)
+        k = k.reshape(batch, length, self.kv_heads, d)
+        v = v.reshape(batch, length, self.kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = self.rope(q.transpose(0, 2, 1, 3), rope_at)  # [B, Hq, L, D]
+        k = self.rope(k.transpose(0, 2, 1, 3), rope_at)  # [B, Hkv, L, D]
+        keys, values = write(k, v.transpose(0, 2, 1, 3))
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=self.scale, mask=mask
+        )  # [B, Hq, L, D]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class Router(nn.Module):
+    """The sigmoid, group-limited top-k router (`mlp.gate`). Its weight is a
+    plain array, not a Linear: it stays float when the model is quantized (as
+    in mlx-lm's conversions) and computes in float32 (as transformers does)."""
+
+    def __init__(self, args: Glm4MoeArgs) -> None:
+        super().__init__()
+        experts = args.n_routed_experts
+        self.top_k = args.num_experts_per_tok
+        self.groups = args.n_group
+        self.kept_groups = args.topk_group
+        self.norm_topk_prob = args.norm_topk_prob
+        self.scaling = args.routed_scaling_factor
+        scale = args.hidden_size**-0.5
+        self.weight = mx.random.uniform(-scale, scale, (experts, args.hidden_size))
+        self.e_score_correction_bias = mx.zeros((experts,))
+
+    def __call__(
+        self,
+        x: mx.array,  # [N, H]
+    ) -> tuple[mx.array, mx.array]:  # experts [N, k] int32, weights [N, k] float32
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T  # [N, E]
+        scores = mx.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        if self.kept_groups < self.groups:  # else every group is kept
+            tokens, experts = choice.shape
+            grouped = choice.reshape(tokens, self.groups, experts // self.groups)
+            group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [N, G]
+            dropped = mx.argpartition(
+                group_scores, kth=self.groups - self.kept_groups - 1, axis=-1
+            )[:, : self.groups - self.kept_groups]  # the lowest groups [N, G - kept]
+            drop = (dropped[:, :, None] == mx.arange(self.groups)[None, None, :]).any(
+                axis=1
+            )  # [N, G]
+            grouped = mx.where(drop[:, :, None], -mx.inf, grouped)
+            choice = grouped.reshape(tokens, experts)
+        k = self.top_k
+        chosen = mx.argpartition(-choice, kth=k - 1, axis=-1)[:, :k]  # [N, k]
+        weights = mx.take_along_axis(scores, chosen, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return chosen.astype(mx.int32), weights * self.scaling
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked, `switch_mlp`) plus the shared experts."""
+
+    def __init__(self, args: Glm4MoeArgs) -> None:
+        super().__init__()
+        hidden, width = args.hidden_size, args.moe_intermediate_size
+        self.gate = Router(args)
+        self.switch_mlp = SwitchGLU(hidden, width, args.n_routed_experts)
+        self.shared_experts: MLP | None = None
+        if args.n_shared_experts:
+            self.shared_experts = MLP(hidden, width * args.n_shared_experts, False)
+
+    def __call__(self, x: mx.array) -> mx.array:  # [B, L, H] -> [B, L, H]
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])  # [N, H]
+        experts, weights = self.gate(tokens)
+        routed = self.switch_mlp(tokens, experts)  # [N, k, H]
+        out = (routed * weights.astype(x.dtype)[..., None]).sum(axis=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.reshape(shape)
+
+
+def make_mlp(args: Glm4MoeArgs, layer: int) -> MoE | MLP:
+    """Decoder layer `layer`'s MLP: MoE from `first_k_dense_replace` on (an
+    MTP layer, at index num_hidden_layers or beyond, is MoE), else dense."""
+    if args.is_sparse(layer):
+        return MoE(args)
+    return MLP(args.hidden_size, args.intermediate_size, False)
+
+
+class DecoderLayer(nn.Module):
+    """One GLM-4.5 decoder layer (also the MTP head's layer): attention into
+    KV slot `kv_index` (default: `layer`), then the layer's MLP (dense or MoE
+    per `layer`, see `make_mlp`)."""
+
+    def __init__(
+        self, args: Glm4MoeArgs, layer: int, kv_index: int | None = None
+    ) -> None:
+        super().__init__()
+        slot = layer if kv_index is None else kv_index
+        self.self_attn = Glm4MoeAttention(args, slot)
+        self.mlp = make_mlp(args, layer)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            args.hidden_size, eps=args.rms_norm_eps
+        )
+
+    def __call__(
+        self,
+        x: mx.array,  # [B, L, H]
+        cache: KVCache,
+        offsets: Sequence[int],
+        mask: Mask,  # None, "causal" or [B, 1, L, S]
+        rope_at: int | mx.array,  # scalar or [B]
+    ) -> mx.array:  # [B, L, H]
+        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+            return cache.write(self.self_attn.kv_index, keys, values, offsets)
+
+        return self.forward(x, write, mask, rope_at)
+
+    def forward(
+        self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array
+    ) -> mx.array:  # [B, L, H] -> [B, L, H]
+        """The layer with its keys/values stored by `write` (the cache's write
+        in `__call__`; a scatter at device-valued positions in a compiled step)."""
+        h = x + self.self_attn.attend(self.input_layernorm(x), write, mask, rope_at)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Glm4MoeModel(nn.Module):
+    """Embedding, layers and the final norm (applied by `Model.lm_head`)."""
+
+    def __init__(self, args: Glm4MoeArgs) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = Embedding(
+            args.vocab_size, args.hidden_size
+        )
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self,
+        ids: mx.array,  # [B, L] int32
+        cache: KVCache,
+        offsets: Sequence[int],
+        taps: Sequence[int] = (),
+        tapped: list[mx.array] | None = None,
+    ) -> mx.array:  # [B, L, H], before the final norm
+        """The last layer's output; the outputs of layers `taps` appended to
+        `tapped` in that order (`models.base.run_stack`)."""
+        return run_stack(
+            self.embed_tokens, self.layers, ids, cache, offsets, taps, tapped
+        )
+
+
+class Model(nn.Module, Tapping):
+    """The causal LM: implements `models.base.CausalLM`."""
+
+    padding_safe = True
+    # The protocol's type; always a Glm4MoeArgs here (see `glm`).
+    args: DecoderArgs
+
+    def __init__(self, args: Glm4MoeArgs) -> None:
+        super().__init__()
+        problem = layout_problem(args)
+        if problem is not None:
+            raise ValueError(problem)
+        self.args = args
+        self.model = Glm4MoeModel(args)
+        if not args.tie_word_embeddings:
+            # As in models/llama.py: the projection lives under the dict key
+            # only, since `lm_head` is also the protocol method's name.
+            self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def glm(self) -> Glm4MoeArgs:
+        args = self.args
+        assert isinstance(args, Glm4MoeArgs), "glm4_moe runs on Glm4MoeArgs"
+        return args
+
+    def __call__(
+        self,
+        ids: mx.array,  # [B, L] int32
+        cache: KVCache,
+        offsets: Sequence[int],
+        *,
+        prefill: bool = False,  # attention rolls back by position: nothing to skip
+    ) -> ModelOutput:
+        tapped: list[mx.array] = []
+        hidden = self.model(ids, cache, offsets, self.taps, tapped)
+        return ModelOutput(
+            logits=self.lm_head(hidden), hidden=hidden, features=self.features(tapped)
+        )
+
+    def make_cache(self, batch: int) -> KVCache:
+        return KVCache(
+            self.args.num_hidden_layers,
+            batch,
+            self.args.num_key_value_heads,
+            self.args.dim_per_head,
+            model_dtype(self),
+        )
+
+    def embed(self, ids: mx.array) -> mx.array:  # [B, L] -> [B, L, H]
+        return self.model.embed_tokens(ids)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
+        return self.project(self.final_norm(hidden))
+
+    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
+        return self.model.norm(hidden)
+
+    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
+        """The vocabulary projection alone (the MTP head brings its own norm)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(normed)
+        projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
+        return projection(normed)
+
+    def head_weights(self) -> HeadWeights:
+        """The vocabulary projection (the embedding when tied) as arrays."""
+        if self.args.tie_word_embeddings:
+            return HeadWeights.of(self.model.embed_tokens)
+        return HeadWeights.of(self["lm_head"])
+
+    def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
+        """HF / MLX checkpoint names -> this model's parameter names (no MTP
+        layers: see `split_mtp`)."""
+        return self.split_mtp(weights)[0]
+
+    def split_mtp(
+        self, weights: Mapping[str, mx.array]
+    ) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+        """`split_mtp(weights, self.args)`."""
+        return split_mtp(weights, self.glm)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(
+    r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def split_mtp(
+    weights: Mapping[str, mx.array], args: Glm4MoeArgs
+) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """Sanitized weights (`sanitize_weights`) of the target model, and of the
+    checkpoint's MTP layers: those of `model.layers.{N}` (N =
+    num_hidden_layers) with that prefix removed (`eh_proj.weight`,
+    `enorm.weight`, `hnorm.weight`, `shared_head.norm.weight`,
+    `shared_head.head.weight`, and a `DecoderLayer(args, N)`'s own names:
+    `self_attn.*`, `mlp.gate.*`, `mlp.switch_mlp.*`, `mlp.shared_experts.*`,
+    `input_layernorm.weight`, `post_attention_layernorm.weight`; whatever
+    else layer N holds, e.g. `embed_tokens.weight`, likewise). Layers past N
+    (a checkpoint with several MTP layers; no released GLM has one) keep
+    their full names in the second dict. Empty when the checkpoint has none
+    (an MLX conversion)."""
+    named = sanitize_weights(weights, args.n_routed_experts)
+    last = args.num_hidden_layers
+    main: dict[str, mx.array] = {}
+    mtp: dict[str, mx.array] = {}
+    prefix = f"model.layers.{last}."
+    for key, value in named.items():
+        match = _LAYER.match(key)
+        if match is None or int(match.group(1)) < last:
+            main[key] = value
+        elif key.startswith(prefix):
+            mtp[key[len(prefix) :]] = value
+        else:
+            mtp[key] = value
+    if args.tie_word_embeddings:
+        # HF state dicts of tied models still list the shared tensor.
+        main.pop("lm_head.weight", None)
+    return main, mtp
+
+
+def sanitize_weights(
+    weights: Mapping[str, mx.array], experts: int
+) -> dict[str, mx.array]:
+    """HF -> MLX names for every `glm4_moe` weight (MTP layers included):
+    rotary buffers dropped, experts stacked per projection under
+    `mlp.switch_mlp`. MLX-stacked weights pass unchanged."""
+    out = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    listed: dict[tuple[str, str], dict[int, mx.array]] = {}
+    for key in list(out):
+        if match := _EXPERT.match(key):
+            prefix, index, name = match.groups()
+            listed.setdefault((prefix, name), {})[int(index)] = out.pop(key)
+        elif key.endswith(".mlp.experts.gate_up_proj"):
+            # transformers 5 state dicts: [E, 2I, H], gate rows first
+            value = out.pop(key)
+            prefix = key[: -len(".experts.gate_up_proj")]
+            half = value.shape[1] // 2
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[:, :half]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = value[:, half:]
+        elif key.endswith(".mlp.experts.down_proj"):
+            prefix = key[: -len(".experts.down_proj")]
+            out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(key)
+    for (prefix, name), per_expert in listed.items():
+        if sorted(per_expert) != list(range(experts)):
+            # left under their own names, for the strict loader to report
+            out.update(
+                {
+                    f"{prefix}.experts.{e}.{name}.weight": w
+                    for e, w in per_expert.items()
+                }
+            )
+            continue
+        stacked = mx.stack([per_expert[e] for e in range(experts)])
+        out[f"{prefix}.switch_mlp.{name}.weight"] = stacked
+    return out

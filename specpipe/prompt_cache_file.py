@@ -1,0 +1,253 @@
+"""Prompt caches on disk: a `PromptCache`'s checkpoints in one safetensors file,
+to start a later process's prompts from (a long document or system prompt
+prefilled once; a conversation resumed).
+
+The file holds every checkpoint's arrays (the target's cache row, the draft's
+state) and, in its metadata, a JSON record of the checkpoints (tokens, cache
+layouts, draft state kinds and scalars) and of the model they belong to: its
+shape and a digest of its embedding. A file made for another model, or with
+another layout, is refused with a message saying so; a file is written to a
+temporary name first and moved into place, so an interrupted save leaves the
+old file (or none), never half of one.
+
+Draft states round-trip through their attrs fields: ints and strings in the
+record, arrays and caches as arrays. Only `DraftState` classes of specpipe's
+own modules are rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any, cast
+
+import attrs
+import mlx.core as mx
+import numpy as np
+from returns.result import Failure, Result, Success
+
+from models.cache import KVCache
+from models.hybrid_cache import HybridCache
+from schemas.errors import LoadError
+from specpipe.draft import DraftState
+from specpipe.prompt_cache import Checkpoint, PromptCache
+
+FORMAT = "specpipe-prompt-cache"
+VERSION = 1
+_DTYPES = {str(d): d for d in (mx.float32, mx.float16, mx.bfloat16)}
+
+
+def model_fingerprint(model: Any) -> str:
+    """The model's shape and a digest of its first embeddings: what a file's
+    states are only valid for."""
+    a = model.args
+    digest = "none"
+    embed = getattr(model, "embed", None)
+    if embed is not None:
+        rows = embed(mx.arange(8, dtype=mx.int32)[None]).astype(mx.float32)
+        digest = hashlib.sha256(np.array(rows).tobytes()).hexdigest()[:16]
+    return (
+        f"{a.model_type}/h{a.hidden_size}/l{a.num_hidden_layers}/v{a.vocab_size}/"
+        f"{digest}"
+    )
+
+
+def save_prompt_cache(cache: PromptCache, path: Path) -> Result[Path, LoadError]:
+    """Write every checkpoint of `cache` (least recently used first) to `path`."""
+    arrays: dict[str, mx.array] = {}
+    entries = []
+    for number, checkpoint in enumerate(cache.checkpoints()):
+        prefix = f"c{number}."
+        entries.append(
+            {
+                "tokens": list(checkpoint.tokens),
+                "target": _cache_out(checkpoint.target, prefix + "t.", arrays),
+                "draft": None
+                if checkpoint.draft is None
+                else _state_out(checkpoint.draft, prefix + "d.", arrays),
+            }
+        )
+    record = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_fingerprint(cache.model),
+        "entries": entries,
+    }
+    path = Path(path)
+    # mx.save_safetensors names a file without the suffix `<name>.safetensors`
+    staging = path.with_name(path.name + ".partial.safetensors")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(staging), arrays, metadata={FORMAT: json.dumps(record)})
+        os.replace(staging, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            staging.unlink(missing_ok=True)
+        return Failure(LoadError(f"{path}: cannot write the prompt cache ({exc})"))
+    return Success(path)
+
+
+def load_prompt_cache(path: Path, cache: PromptCache) -> Result[PromptCache, LoadError]:
+    """`cache` with the checkpoints of the file at `path` added (in their
+    order of use; the budget evicts as it does for any insert)."""
+    path = Path(path)
+    try:
+        loaded = mx.load(str(path), format="safetensors", return_metadata=True)
+    except Exception as exc:
+        return Failure(
+            LoadError(
+                f"{path}: not a readable prompt-cache file ({exc}); delete it or "
+                "give another path"
+            )
+        )
+    arrays = cast(dict[str, mx.array], loaded[0])  # type: ignore[index]
+    metadata = cast(dict[str, str], loaded[1])  # type: ignore[index]
+    try:
+        record = json.loads(metadata[FORMAT])
+    except (KeyError, json.JSONDecodeError):
+        return Failure(
+            LoadError(f"{path}: not a specpipe prompt-cache file (no {FORMAT} record)")
+        )
+    if record.get("version") != VERSION:
+        return Failure(
+            LoadError(
+                f"{path}: prompt-cache format version {record.get('version')}, this "
+                f"specpipe reads {VERSION}; delete the file to start a new one"
+            )
+        )
+    expected = model_fingerprint(cache.model)
+    if record.get("model") != expected:
+        return Failure(
+            LoadError(
+                f"{path}: the prompt cache was made for another model "
+                f"({record.get('model')}, this one is {expected}); give another "
+                "path or delete it"
+            )
+        )
+    try:
+        checkpoints = [
+            Checkpoint(
+                tuple(int(t) for t in entry["tokens"]),
+                _cache_in(entry["target"], arrays),
+                None if entry["draft"] is None else _state_in(entry["draft"], arrays),
+            )
+            for entry in record["entries"]
+        ]
+    except (KeyError, TypeError, ValueError) as exc:
+        return Failure(
+            LoadError(f"{path}: a damaged prompt-cache record ({exc}); delete it")
+        )
+    for checkpoint in checkpoints:
+        cache.prepare_insert(checkpoint).commit()
+    return Success(cache)
+
+
+def _cache_out(cache: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
+    """A cache row's layout (the record) and arrays (into `arrays`)."""
+    if isinstance(cache, HybridCache):
+        for i, (conv, state) in enumerate(
+            zip(cache.conv, cache.recurrent, strict=True)
+        ):
+            arrays[f"{prefix}conv.{i}"] = conv
+            arrays[f"{prefix}rec.{i}"] = state
+        return {
+            "kind": "hybrid",
+            "prefix": prefix,
+            "kv": _cache_out(cache.kv, prefix + "kv.", arrays),
+            "linear": len(cache.conv),
+        }
+    if isinstance(cache, KVCache):
+        for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
+            arrays[f"{prefix}k.{i}"] = k
+            arrays[f"{prefix}v.{i}"] = v
+        return {
+            "kind": "kv",
+            "prefix": prefix,
+            "layers": cache.num_layers,
+            "batch": cache.batch,
+            "kv_heads": cache.kv_heads,
+            "head_dim": cache.head_dim,
+            "dtype": str(cache.dtype),
+            "capacity": cache.capacity,
+        }
+    raise TypeError(f"a {type(cache).__name__} cannot be kept in a prompt-cache file")
+
+
+def _cache_in(layout: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
+    """The cache row a layout record and its arrays describe."""
+    prefix = str(layout["prefix"])
+    if layout["kind"] == "hybrid":
+        count = int(layout["linear"])
+        return HybridCache(
+            _cache_in(layout["kv"], arrays),
+            [arrays[f"{prefix}conv.{i}"] for i in range(count)],
+            [arrays[f"{prefix}rec.{i}"] for i in range(count)],
+        )
+    if layout["kind"] != "kv":
+        raise ValueError(f"unknown cache kind {layout['kind']!r}")
+    dtype = _DTYPES.get(str(layout["dtype"]))
+    if dtype is None:
+        raise ValueError(f"unknown cache dtype {layout['dtype']!r}")
+    layers, capacity = int(layout["layers"]), int(layout["capacity"])
+    cache = KVCache(
+        layers,
+        int(layout["batch"]),
+        int(layout["kv_heads"]),
+        int(layout["head_dim"]),
+        dtype,
+    )
+    if capacity:
+        shape = (cache.batch, cache.kv_heads, capacity, cache.head_dim)
+        cache.keys = [arrays[f"{prefix}k.{i}"] for i in range(layers)]
+        cache.values = [arrays[f"{prefix}v.{i}"] for i in range(layers)]
+        if any(tuple(a.shape) != shape for a in (*cache.keys, *cache.values)):
+            raise ValueError(f"cache arrays under {prefix!r} are not of shape {shape}")
+        cache.capacity = capacity
+    return cache
+
+
+def _state_out(
+    state: DraftState, prefix: str, arrays: dict[str, mx.array]
+) -> dict[str, Any]:
+    """A draft state's class and fields (the record) and arrays."""
+    cls = type(state)
+    fields: dict[str, Any] = {}
+    for field in attrs.fields(cls):
+        value = getattr(state, field.name)
+        name = f"{prefix}{field.name}"
+        if isinstance(value, mx.array):
+            arrays[name] = value
+            fields[field.name] = {"array": name}
+        elif isinstance(value, KVCache | HybridCache):
+            fields[field.name] = {"cache": _cache_out(value, name + ".", arrays)}
+        elif isinstance(value, int | str):
+            fields[field.name] = {"value": value}
+        else:
+            raise TypeError(
+                f"{cls.__name__}.{field.name} cannot be kept in a prompt-cache file"
+            )
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+
+
+def _state_in(record: dict[str, Any], arrays: dict[str, mx.array]) -> DraftState:
+    """The draft state a record describes (a `DraftState` of specpipe's own)."""
+    module_name, _, name = str(record["class"]).partition(":")
+    if not module_name.startswith("specpipe."):
+        raise ValueError(f"draft state class {record['class']!r} is not specpipe's")
+    cls = getattr(importlib.import_module(module_name), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, DraftState)):
+        raise ValueError(f"{record['class']!r} is not a draft state class")
+    values: dict[str, Any] = {}
+    for field, stored in dict(record["fields"]).items():
+        if "array" in stored:
+            values[field] = arrays[str(stored["array"])]
+        elif "cache" in stored:
+            values[field] = _cache_in(stored["cache"], arrays)
+        else:
+            values[field] = stored["value"]
+    state: DraftState = cls(**values)
+    return state
