@@ -175,11 +175,19 @@ def read_safetensors(folder: Path) -> Result[dict[str, mx.array], LoadError]:
     return Success(weights)
 
 
+# Float weights a checkpoint keeps in their own dtype whatever `dtype` the
+# model runs in: GLM-4.5's router correction bias, which transformers keeps
+# in float32 (a bfloat16 copy can reorder near-tied experts).
+_KEEP_DTYPE = ("e_score_correction_bias",)
+
+
 def _cast(weights: dict[str, mx.array], dtype: mx.Dtype | None) -> dict[str, mx.array]:
     if dtype is None:
         return weights
     return {
-        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+        k: v.astype(dtype)
+        if mx.issubdtype(v.dtype, mx.floating) and not k.endswith(_KEEP_DTYPE)
+        else v
         for k, v in weights.items()
     }
 

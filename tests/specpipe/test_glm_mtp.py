@@ -250,3 +250,16 @@ def test_a_qwen_head_does_not_bind_to_a_glm_target(glm_folder: Path) -> None:
     wrong = {"fc.weight": mx.zeros((64, 128)), "bogus.weight": mx.zeros((3,))}
     failure = build_glm_mtp(loaded.args, wrong).failure()  # type: ignore[arg-type]
     assert "do not match" in failure.message and "bogus" in failure.message
+
+
+def test_a_bfloat16_load_keeps_the_router_bias_in_float32(glm_folder: Path) -> None:
+    """transformers keeps `e_score_correction_bias` in float32; a bfloat16
+    copy could reorder near-tied experts."""
+    loaded = load_model(str(glm_folder), "bfloat16").unwrap()
+    params = flat_parameters(loaded.model)
+    biases = [v for k, v in params.items() if k.endswith("e_score_correction_bias")]
+    assert biases and all(b.dtype == mx.float32 for b in biases)
+    assert params["model.embed_tokens.weight"].dtype == mx.bfloat16
+    assert loaded.mtp["mlp.gate.e_score_correction_bias"].dtype == mx.float32
+    pipeline = load(str(glm_folder), draft="mtp", dtype="bfloat16", adaptive=False)
+    assert pipeline.unwrap().generate("def fib").unwrap().generated_tokens > 0
