@@ -371,6 +371,124 @@ def _dflash_kind(kind: str, generation: int) -> DraftKind:
     )
 
 
+def _is_dspark(artifact: DraftArtifact) -> bool:
+    """A DSpark drafter's config: its class name (DeepSpec's Qwen3 or
+    Gemma-4 one, or the community's), else DSpark's top-level keys."""
+    from models.dspark import ARCHITECTURES, GEMMA4_ARCHITECTURE
+
+    config = artifact.config
+    if config is None:
+        return False
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if architectures and architectures[0] in (*ARCHITECTURES, GEMMA4_ARCHITECTURE):
+        return True
+    return (
+        "dflash_config" not in config
+        and not any("DFlash" in a for a in architectures)
+        and {"target_layer_ids", "block_size", "mask_token_id", "markov_rank"}
+        <= config.keys()
+    )
+
+
+def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+    from models.dspark import GEMMA4_ARCHITECTURE, DSparkSettings, build_dspark
+    from models.layers import model_dtype
+    from schemas.converter import hf, structure
+    from schemas.hf import DecoderArgs, normalize_hf_config
+    from specpipe.drafts.dspark import DSparkDrafter
+
+    assert request.source is not None
+    folder = Path(request.source)
+    where = str(folder)
+    config = DraftArtifact(folder).config
+    if config is None:
+        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if GEMMA4_ARCHITECTURE in architectures or str(
+        config.get("model_type", "")
+    ).startswith("gemma4"):
+        return Failure(
+            BindingError(
+                f"{where}: DeepSpec's Gemma-4 drafters need a Gemma-4 target, which "
+                "specpipe does not implement"
+            )
+        )
+    if request.draft_vocab not in (None, "off"):
+        return Failure(
+            BindingError(
+                "a draft vocabulary (--draft-vocab) narrows the target's head; a DSpark "
+                "draft projects through its own lm_head: drop the option"
+            )
+        )
+    settings = DSparkSettings.of(config)
+    if not isinstance(settings, Success):
+        return Failure(BindingError(f"{where}: {settings.failure().message}"))
+    dspark = settings.unwrap()
+    args = structure(hf, normalize_hf_config(config), DecoderArgs, where)
+    if not isinstance(args, Success):
+        return Failure(BindingError(f"{where}: {args.failure().message}"))
+    draft_args = args.unwrap()
+    target = request.target
+    model = target.model
+    if not hasattr(model, "tap"):
+        return Failure(
+            BindingError(
+                f"{where}: a DSpark draft reads the target's layer outputs, which the "
+                f"{target.args.model_type} target does not expose yet (specpipe's "
+                "llama, qwen2, qwen3, glm4_moe, qwen3_next and qwen3_5 models do)"
+            )
+        )
+    # the hidden size and the tapped layers are the binding's checks; a
+    # block of block_size slots drafts block_size tokens
+    needs = DraftNeeds(
+        kind="dspark",
+        default_width=dspark.block_size,
+        max_width=dspark.block_size,
+        hidden_size=draft_args.hidden_size,
+        tap_layers=dspark.target_layers,
+    )
+    binding = bind(GraphCapabilities.for_decoder(target.args), needs, request.width)
+    if not isinstance(binding, Success):
+        return Failure(binding.failure())
+    problems = []
+    if draft_args.vocab_size != target.args.vocab_size:
+        problems.append(
+            f"its vocabulary ({draft_args.vocab_size} tokens) is not the target's "
+            f"({target.args.vocab_size})"
+        )
+    if dspark.mask_token >= draft_args.vocab_size:
+        problems.append(
+            f"its mask token {dspark.mask_token} is past its vocabulary "
+            f"({draft_args.vocab_size})"
+        )
+    if problems:
+        return Failure(
+            BindingError(
+                f"{where}: the DSpark draft does not fit the target: "
+                + "; ".join(problems)
+            )
+        )
+    read = _read_weights(folder, "DSpark")
+    if not isinstance(read, Success):
+        return Failure(read.failure())
+    built = build_dspark(draft_args, dspark, read.unwrap(), model_dtype(model))
+    if not isinstance(built, Success):
+        return Failure(BindingError(f"{where}: {built.failure().message}"))
+    model.tap(dspark.target_layers)  # the target's forwards return them now
+    drafter = DSparkDrafter(model, built.unwrap(), request.policy)
+    return Success(
+        LoadedDraft(drafter, binding.unwrap().width, "dspark", drafter, where)
+    )
+
+
+DSPARK = DraftKind(
+    kind="dspark",
+    artifact=True,
+    default_width=7,
+    load=_load_dspark,
+    detect=_is_dspark,
+)
+
 DFLASH = _dflash_kind("dflash", 1)
 DFLASH2 = _dflash_kind("dflash2", 2)
 
@@ -397,6 +515,7 @@ TWO_MODEL = DraftKind(
 def default_registry() -> DraftRegistry:
     return (
         DraftRegistry()
+        .register(DSPARK)
         .register(DFLASH2)
         .register(DFLASH)
         .register(MTP)

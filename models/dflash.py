@@ -30,7 +30,7 @@ block keys and values are never stored. References: z-lab/dflash
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -385,6 +385,12 @@ class DFlashDraft(nn.Module):
                 hidden, args.vocab_size, *settings.selector
             )
 
+    @property
+    def family(self) -> str:
+        """The drafter family these modules are (its prompt-cache namespace's
+        first part)."""
+        return "dflash2" if self.settings.second else "dflash"
+
     def make_cache(self, batch: int) -> KVCache:
         """The context keys / values of every layer, per row."""
         return KVCache(
@@ -491,12 +497,34 @@ def build_dflash(
     names, optionally under `model.`), cast to `dtype` where given."""
     draft = DFlashDraft(args, settings)
     names = {k.removeprefix("model."): v for k, v in weights.items()}
-    names = {k: v for k, v in names.items() if not k.endswith("rotary_emb.inv_freq")}
     for codebook in ("predecessor_codebook", "successor_codebook"):  # (DFlash2's
         bare = f"candidate_selector.{codebook}"  # checkpoints drop ".weight")
         if bare in names:
             names[bare + ".weight"] = names.pop(bare)
-    expected = flat_parameters(draft)
+    return load_exact(
+        draft,
+        names,
+        "DFlash",
+        "is this a DFlash (v1) checkpoint of this config?",
+        dtype,
+    )
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def load_exact(
+    module: M,
+    names: Mapping[str, mx.array],
+    what: str,
+    hint: str,
+    dtype: mx.Dtype | None = None,
+) -> Result[M, LoadError]:
+    """`module` with exactly these weights (every parameter, no more, each of
+    its shape; RoPE's stored inverse frequencies dropped), cast to `dtype`
+    where given; `what` names the draft in errors, `hint` ends a mismatch's."""
+    names = {k: v for k, v in names.items() if not k.endswith("rotary_emb.inv_freq")}
+    expected = flat_parameters(module)
     missing = sorted(set(expected) - set(names))
     unexpected = sorted(set(names) - set(expected))
     if missing or unexpected:
@@ -507,9 +535,9 @@ def build_dflash(
             parts.append(f"unexpected {unexpected[:6]}")
         return Failure(
             LoadError(
-                "the DFlash weights do not match its config ("
+                f"the {what} weights do not match its config ("
                 + "; ".join(parts)
-                + "): is this a DFlash (v1) checkpoint of this config?"
+                + f"): {hint}"
             )
         )
     wrong = [
@@ -519,10 +547,10 @@ def build_dflash(
     ]
     if wrong:
         return Failure(
-            LoadError("DFlash weights of the wrong shape: " + "; ".join(wrong[:4]))
+            LoadError(f"{what} weights of the wrong shape: " + "; ".join(wrong[:4]))
         )
     if dtype is not None:
         names = {k: v.astype(dtype) for k, v in names.items()}
-    draft.load_weights(list(names.items()))
-    mx.eval(draft.parameters())
-    return Success(draft)
+    module.load_weights(list(names.items()))
+    mx.eval(module.parameters())
+    return Success(module)

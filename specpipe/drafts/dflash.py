@@ -64,9 +64,8 @@ def namespace_of(draft: DFlashDraft) -> str:
     """A DFlash draft's checkpoint namespace: its shape and the target
     layers it reads."""
     a, settings = draft.args, draft.settings
-    kind = "dflash2" if settings.second else "dflash"
     taps = "-".join(str(t) for t in settings.target_layers)
-    return f"{kind}/l{a.num_hidden_layers}/h{a.hidden_size}/taps{taps}"
+    return f"{draft.family}/l{a.num_hidden_layers}/h{a.hidden_size}/taps{taps}"
 
 
 @frozen
@@ -294,7 +293,6 @@ class DFlashDrafter:
                 f"the target returned features of width {hidden.shape[-1]}, the "
                 f"DFlash draft reads {width} (its taps were changed after binding)"
             )
-        subset = self.subset
         caches = []
         cached = []
         pending = []
@@ -310,13 +308,24 @@ class DFlashDrafter:
                 caches.append(self.draft.make_cache(1))
                 cached.append(0)
                 pending.append(hidden[b, : row.length])
+        return self.rows_of(
+            caches[0] if len(caches) == 1 else KVCache.concat_rows(caches),
+            tuple(cached),
+            tuple(pending),
+        )
+
+    def rows_of(
+        self, cache: KVCache, cached: tuple[int, ...], pending: tuple[mx.array, ...]
+    ) -> DFlashRows:
+        """Rows over this context (`DFlashRows`' fields)."""
+        subset = self.subset
         return DFlashRows(
             self.target,
             self.draft,
             self.target.head_weights() if subset is None else subset.weights,
             self.policy,
-            caches[0] if len(caches) == 1 else KVCache.concat_rows(caches),
-            tuple(cached),
-            tuple(pending),
+            cache,
+            cached,
+            pending,
             None if subset is None else subset.ids,
         )

@@ -148,7 +148,14 @@ def test_several_fallbacks_keep_their_order_after_every_other_kind(
 
 def test_the_default_registry_falls_back_to_two_model(tmp_path: Path) -> None:
     registry = default_registry()
-    assert set(registry.names()) == {"dflash2", "dflash", "mtp", "two-model", "ngram"}
+    assert set(registry.names()) == {
+        "dspark",
+        "dflash2",
+        "dflash",
+        "mtp",
+        "two-model",
+        "ngram",
+    }
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert registry.detect(tmp_path) == Success("two-model")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next_mtp"}))

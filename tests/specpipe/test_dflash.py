@@ -23,16 +23,13 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
 from spec_support import PROMPTS, VOCAB, PlainReference, run, tiny_model
-from test_mtp import CONFIG as MTP_TARGET
 
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
 from models.base import CausalLM
-from models.build import build_model
 from models.dflash import DFlashDraft, DFlashSettings
 from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
-from schemas.hf_hybrid import hybrid_args
 from schemas.request import SamplingParams
 from specpipe.draft import Proposal
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
@@ -596,29 +593,7 @@ def test_a_dflash2_vocabulary_smaller_than_its_candidates_is_refused(
     assert drafter.calibration_key == f"dflash2/vocab={len(range(0, VOCAB, 2))}"
 
 
-# --- a hybrid target -------------------------------------------------------------
-
-# test_mtp.py's Qwen3-Next target, over this file's vocabulary
-HYBRID: dict[str, Any] = {**MTP_TARGET, "vocab_size": VOCAB}
-
-
-@pytest.fixture(scope="module")
-def hybrid() -> CausalLM:
-    """A Qwen3-Next target (linear and full attention layers, MoE), tapping
-    a linear layer's output and a full attention layer's."""
-    mx.random.seed(0)
-    model = build_model(hybrid_args(HYBRID, "hybrid").unwrap()).unwrap()
-    model.update(
-        tree_unflatten(
-            [
-                (k, v * 2.5 if v.ndim >= 2 else v)
-                for k, v in tree_flatten(model.parameters())
-            ]
-        )
-    )
-    mx.eval(model.parameters())
-    model.tap((0, 3))  # type: ignore[attr-defined]
-    return model
+# --- a hybrid target (conftest.py's `hybrid`) ----------------------------------
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "t0.8-topk"])
