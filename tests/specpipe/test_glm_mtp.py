@@ -263,3 +263,24 @@ def test_a_bfloat16_load_keeps_the_router_bias_in_float32(glm_folder: Path) -> N
     assert loaded.mtp["mlp.gate.e_score_correction_bias"].dtype == mx.float32
     pipeline = load(str(glm_folder), draft="mtp", dtype="bfloat16", adaptive=False)
     assert pipeline.unwrap().generate("def fib").unwrap().generated_tokens > 0
+
+
+@pytest.mark.parametrize("generation", [1, 2])
+def test_block_drafters_on_a_glm_target_are_plain_decoding(generation: int) -> None:
+    """DFlash and DFlash2 read a GLM-4.5 MoE target's tapped layers too."""
+    from test_dflash import dflash2_config, dflash_config, random_draft
+
+    from specpipe.drafts.dflash import DFlashDrafter
+
+    mx.random.seed(1)
+    model = build_model(glm_args()).unwrap()
+    assert isinstance(model, Model)
+    scaled(model, 1)
+    model.tap((0, 1))
+    config = dflash_config() if generation == 1 else dflash2_config()
+    drafter = DFlashDrafter(model, random_draft(config, seed=7))
+    params = SAMPLINGS["sampled"]
+    plain, _ = run(model, PROMPTS[:3], params, max_tokens=12)
+    spec, results = run(model, PROMPTS[:3], params, drafter, 3, max_tokens=12)
+    assert spec == plain
+    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
