@@ -131,6 +131,7 @@ _SWITCHES = [
     ("acq-rel-barrier", "ACQ_REL_BARRIER", "the grid barrier by release / acquire operations"),
     ("att-spread", "ATT_SPREAD", "a warp's cached positions at once NWARP apart, not adjacent"),
     ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
+    ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
 ]
 
 

@@ -263,8 +263,12 @@ ATT_SPREAD = False
 # at most NBLK / (rows x kv heads) blocks, at least ATT_MIN_SHARE positions
 # each. A launch whose window slots (positions plus chained steps) pass
 # ATT_TILE keeps the per-query-head form. Compile-checked (165-168 registers
-# at Qwen3-Next's sizes), not yet run on a device: `bash bench/h200_run.sh
-# setup-min grouped` checks its drafts and times it.
+# at Qwen3-Next's sizes). On the H200 (2026-12-05, greedy, depth 2, one row;
+# `bash bench/h200_run.sh setup-min grouped`): FR-Spec draft phase 506.9 ->
+# 497.5 us at 32,768 positions (-1.9 %), 259.3 -> 324.9 us at 4,096 (+25 %):
+# the redundant key and value reads were not what long contexts pay for. Its
+# drafts were not checked (the agreement run at 4,096 positions outlasted its
+# 200 s). Off.
 ATT_GROUPED = False
 ATT_TILE = 32
 ATT_MIN_SHARE = 16
@@ -277,8 +281,13 @@ ATT_MIN_SHARE = 16
 # the switch; such inserts 76 -> 2). On: the compile test's steps 1-4 % less code
 # (bench/cubin_digest.py), Qwen3-Next's sampled round 291,864 -> 284,184
 # bytes at the same 168 registers; a sampled step is bound by fetching its
-# code (DRAW_HEADS's note). Compile-checked, not yet run on a device.
-BF16_SHIFTS = False
+# code (DRAW_HEADS's note). On the H200 (2026-12-05, twenty-fourth session):
+# the same drafts as the compiler's conversion in all 72 of fused_probe's
+# comparisons (1 and 3 rows, greedy and Qwen's sampling, full head and
+# FR-Spec), and the draft phase 1.3-4.3 % shorter at 48 positions (FR-Spec
+# depth 2 / 3: greedy 213.8 -> 209.5 / 307.7 -> 302.9 us, Qwen's sampling
+# 232.2 -> 225.7 / 345.7 -> 330.8 us). On since.
+BF16_SHIFTS = True
 # Diagnostics, timing only (their drafts are wrong): a sampled step without
 # the draw's merge and inverse CDF (each block's best candidate reduced as a
 # greedy draw does), without each block's sort of its logits (its first

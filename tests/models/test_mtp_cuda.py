@@ -579,9 +579,9 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("moe", False, False, False, 3, 1, 2, ("ATT_GROUPED",)),
         ("dense", False, True, False, 2, 1, 2, ("ATT_GROUPED", "ATT_UNROLL=8")),
         ("dense", True, True, True, 1, 4, 1, ("ATT_GROUPED", "ATT_UNROLL=1")),
-        # bfloat16 converted by shifts and masks (BF16_SHIFTS, off)
-        ("moe", False, True, True, 1, 2, 3, ("BF16_SHIFTS",)),
-        ("dense", True, False, False, 1, 1, 4, ("BF16_SHIFTS", "ATT_GROUPED")),
+        # bfloat16 converted by the compiler (BF16_SHIFTS, on, off)
+        ("moe", False, True, True, 1, 2, 3, ("-BF16_SHIFTS",)),
+        ("dense", True, False, False, 1, 1, 4, ("-BF16_SHIFTS", "ATT_GROUPED")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
     ],
@@ -731,12 +731,13 @@ QWEN3_NEXT_CONSTANTS = {
         (3, 2, True, 64, ()),
         (3, 2, False, 64, ()),
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
-        # attention per kv head (ATT_GROUPED, off), bfloat16 by shifts (BF16_SHIFTS, off)
+        # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
+        # conversion (BF16_SHIFTS, on, off)
         (1, 3, True, 64, ("ATT_GROUPED",)),
         (1, 3, False, 64, ("ATT_GROUPED",)),
         (3, 2, False, 64, ("ATT_GROUPED",)),
-        (1, 3, False, 64, ("BF16_SHIFTS",)),
-        (3, 2, True, 64, ("BF16_SHIFTS", "ATT_GROUPED")),
+        (1, 3, False, 64, ("-BF16_SHIFTS",)),
+        (3, 2, True, 64, ("-BF16_SHIFTS", "ATT_GROUPED")),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
@@ -754,8 +755,8 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
     a 256-thread block's register file: the kernel's register use is set by
     the real sizes (252-254 registers with ATT_UNROLL=8, 2026-12-04), not by
     the fixtures'."""
-    for switch in switches:
-        monkeypatch.setattr(mtp_cuda, switch, True)
+    for switch in switches:  # "-NAME" off, "NAME" on
+        monkeypatch.setattr(mtp_cuda, switch.lstrip("-"), not switch.startswith("-"))
     seen, _ = derived_round_call(*moe, monkeypatch, rows, width, greedy)
     constants = {k: str(v) for k, v in QWEN3_NEXT_CONSTANTS.items()}
     constants["M"] = str(rows * width)
