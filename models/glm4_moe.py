@@ -39,75 +39,14 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask, ModelOutput, RoPE, Tapping, run_stack
+from models.base import Mask, ModelOutput, Tapping, run_stack
 from models.cache import KVCache, KVWrite
-from models.fuse import FusedProjection, fuse, fused_or_none, split_last
-from models.layers import MLP, model_dtype
+from models.layers import MLP, Attention, BlockSpec, model_dtype
 from models.parallel import Embedding, Linear
 from models.qwen3_next import SwitchGLU
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 from schemas.hf_glm4_moe import Glm4MoeArgs, layout_problem
-
-
-class Glm4MoeAttention(nn.Module):
-    """Grouped-query attention with optional per-head q/k norm and partial
-    RoPE, over the shared KV cache (slot `kv_index`)."""
-
-    def __init__(self, args: Glm4MoeArgs, kv_index: int) -> None:
-        super().__init__()
-        self.kv_index = kv_index
-        self.heads = args.num_attention_heads
-        self.kv_heads = args.num_key_value_heads
-        self.head_dim = args.dim_per_head
-        self.scale = self.head_dim**-0.5
-        hidden, bias = args.hidden_size, args.attention_bias
-        self.q_proj = Linear(hidden, self.heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=False)
-        self.q_norm: nn.RMSNorm | None = None
-        self.k_norm: nn.RMSNorm | None = None
-        if args.use_qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        # mx.fast.rope rotates the first `dims` of the last axis (rotate-half
-        # pairs i, i + dims/2) and passes the rest through, as transformers does
-        self.rope = RoPE(args.rotary_dims, args.rope)
-        self._qkv: FusedProjection | None = None
-
-    def fuse_projections(self) -> bool:
-        """Run q, k and v as one product from now on (models/fuse.py)."""
-        self._qkv = fuse((self.q_proj, self.k_proj, self.v_proj))
-        return self._qkv is not None
-
-    def attend(
-        self,
-        x: mx.array,  # [B, L, H]
-        write: KVWrite,  # stores the window's keys/values (KVCache.write, scatter_window)
-        mask: Mask,  # None, "causal" or [B, 1, L, S]
-        rope_at: int | mx.array,  # scalar or [B]
-    ) -> mx.array:  # [B, L, H]
-        batch, length, _ = x.shape
-        d = self.head_dim
-        fused = fused_or_none(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
-        if fused is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = split_last(fused(x), fused.sizes)
-        q = q.reshape(batch, length, self.heads, d)
-        k = k.reshape(batch, length, self.kv_heads, d)
-        v = v.reshape(batch, length, self.kv_heads, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = self.rope(q.transpose(0, 2, 1, 3), rope_at)  # [B, Hq, L, D]
-        k = self.rope(k.transpose(0, 2, 1, 3), rope_at)  # [B, Hkv, L, D]
-        keys, values = write(k, v.transpose(0, 2, 1, 3))
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=self.scale, mask=mask
-        )  # [B, Hq, L, D]
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
 class Router(nn.Module):
@@ -195,7 +134,14 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         slot = layer if kv_index is None else kv_index
-        self.self_attn = Glm4MoeAttention(args, slot)
+        # GQA with optional q/k biases and per-head q/k norm, RoPE on the
+        # first `rotary_dims` of each head (models/layers.py)
+        spec = BlockSpec(
+            qkv_bias=args.attention_bias,
+            qk_norm=args.use_qk_norm,
+            rotary_fraction=args.partial_rotary_factor,
+        )
+        self.self_attn = Attention(args, slot, spec)
         self.mlp = make_mlp(args, layer)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(

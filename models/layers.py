@@ -1,4 +1,4 @@
-"""Layers shared by the llama-family decoders (llama, qwen2, qwen3).
+"""Layers shared by the llama-family decoders (llama, qwen2, qwen3; glm4_moe's attention).
 
 The three families differ only in which projections carry a bias and in
 whether q and k are RMS-normalised per head before RoPE (qwen3). `BlockSpec`
@@ -16,7 +16,7 @@ from attrs import frozen
 from mlx.utils import tree_flatten
 
 from models.base import Mask, RoPE
-from models.cache import KVCache
+from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.parallel import Linear
 from schemas.hf import DecoderArgs
@@ -31,6 +31,9 @@ class BlockSpec:
     mlp_bias: bool = False
     # RMSNorm over head_dim on q and k, before RoPE (qwen3)
     qk_norm: bool = False
+    # RoPE on the first head_dim * rotary_fraction dims of each head, the
+    # rest passed through (glm4_moe's partial_rotary_factor)
+    rotary_fraction: float = 1.0
 
 
 class MLP(nn.Module):
@@ -69,7 +72,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: DecoderArgs, layer: int, spec: BlockSpec) -> None:
         super().__init__()
-        self.layer = layer
+        self.kv_index = layer  # this layer's slot in the KV cache
         self.heads = args.num_attention_heads
         self.kv_heads = args.num_key_value_heads
         self.head_dim = args.dim_per_head
@@ -84,7 +87,9 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = RoPE(self.head_dim, args.rope)
+        # mx.fast.rope rotates the first `dims` of the last axis (rotate-half
+        # pairs i, i + dims/2) and passes the rest through, as transformers does
+        self.rope = RoPE(int(self.head_dim * spec.rotary_fraction), args.rope)
         self._qkv: FusedProjection | None = None
 
     def fuse_projections(self) -> bool:
@@ -116,6 +121,21 @@ class Attention(nn.Module):
         mask: Mask,  # None, "causal" or [B, 1, L, S]
         rope_at: int | mx.array,  # scalar or [B]
     ) -> mx.array:  # [B, L, H]
+        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+            return cache.write(self.kv_index, keys, values, offsets)
+
+        return self.attend(x, write, mask, rope_at)
+
+    def attend(
+        self,
+        x: mx.array,  # [B, L, H]
+        write: KVWrite,  # stores the window's keys/values (KVCache.write, scatter_window)
+        mask: Mask,
+        rope_at: int | mx.array,
+    ) -> mx.array:  # [B, L, H]
+        """The attention with the window's keys and values stored by `write`
+        (the cache's in `__call__`; a scatter at device-valued positions in
+        an MTP head's compiled step)."""
         batch, length, _ = x.shape
         q, k, v = self._project_qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
@@ -123,7 +143,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = self.rope(q.transpose(0, 2, 1, 3), rope_at)  # [B, Hq, L, D]
         k = self.rope(k.transpose(0, 2, 1, 3), rope_at)  # [B, Hkv, L, D]
-        keys, values = cache.write(self.layer, k, v.transpose(0, 2, 1, 3), offsets)
+        keys, values = write(k, v.transpose(0, 2, 1, 3))
         out = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=self.scale, mask=mask
         )  # [B, Hq, L, D]
