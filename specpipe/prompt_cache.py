@@ -119,6 +119,9 @@ class PromptCache:
     _entries: OrderedDict[tuple[tuple[int, ...], str], Checkpoint] = field(
         factory=OrderedDict, init=False, repr=False
     )
+    _sizes: dict[tuple[tuple[int, ...], str], int] = field(
+        factory=dict, init=False, repr=False
+    )  # each entry's bytes, measured once when it is inserted
 
     def __attrs_post_init__(self) -> None:
         if self.max_bytes <= 0 or self.max_entries <= 0:
@@ -132,7 +135,7 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._entries.values())
+        return sum(self._sizes.values())
 
     def check_model(self, model: Any) -> None:
         if model is not self.model:
@@ -206,17 +209,19 @@ class PromptCache:
             key = self._key(checkpoint)
             self._entries.pop(key, None)
             self._entries[key] = checkpoint
+            self._sizes[key] = size
             self.stats.inserted += 1
-            total = sum(c.nbytes for c in self._entries.values())
+            total = self.nbytes
             while total > self.max_bytes or len(self._entries) > self.max_entries:
-                _, dropped = self._entries.popitem(last=False)
-                total -= dropped.nbytes
+                dropped, _ = self._entries.popitem(last=False)
+                total -= self._sizes.pop(dropped)
                 self.stats.evicted += 1
 
         return Prepared(apply)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sizes.clear()
 
     def checkpoints(self) -> list[Checkpoint]:
         """The checkpoints kept, least recently used first."""
