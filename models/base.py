@@ -54,7 +54,10 @@ class ModelCache(Protocol):
 
     def arrays(self) -> list[mx.array]: ...
 
-    def take_rows(self, rows: Sequence[int]) -> ModelCache: ...
+    def take_rows(self, rows: Sequence[int], end: int | None = None) -> ModelCache:
+        """A copy holding the given rows, in that order; `end`: only their
+        first `end` positions are wanted (storage past them may be left out)."""
+        ...
 
     @property
     def truncatable(self) -> bool:

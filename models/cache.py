@@ -122,16 +122,23 @@ class KVCache:
     # positions past a row's length are never attended (see module doc).
     truncatable = True
 
-    def take_rows(self, rows: Sequence[int]) -> KVCache:
-        """A new cache holding the given rows, in that order (a copy)."""
+    def take_rows(self, rows: Sequence[int], end: int | None = None) -> KVCache:
+        """A new cache holding the given rows, in that order (a copy); `end`:
+        only positions `< end` are wanted (a checkpoint of rows that hold
+        that many), so the copy keeps the capacity that holds them, not the
+        whole arena's."""
         out = KVCache(
             self.num_layers, len(rows), self.kv_heads, self.head_dim, self.dtype
         )
-        out.capacity = self.capacity
+        capacity = self.capacity
+        if end is not None:
+            capacity = min(capacity, max(_STEP, -(-end // _STEP) * _STEP))
+        out.capacity = capacity
         if self.keys:
             index = mx.array(list(rows), dtype=mx.int32)
-            out.keys = [mx.take(k, index, axis=0) for k in self.keys]
-            out.values = [mx.take(v, index, axis=0) for v in self.values]
+            cut = (slice(None), slice(None), slice(0, capacity))
+            out.keys = [mx.take(k, index, axis=0)[cut] for k in self.keys]
+            out.values = [mx.take(v, index, axis=0)[cut] for v in self.values]
         return out
 
     @staticmethod

@@ -63,11 +63,12 @@ class HybridCache:
         self.conv = tuple(conv)
         self.recurrent = tuple(recurrent)
 
-    def take_rows(self, rows: Sequence[int]) -> HybridCache:
-        """A new cache holding the given rows, in that order (a copy)."""
+    def take_rows(self, rows: Sequence[int], end: int | None = None) -> HybridCache:
+        """A new cache holding the given rows, in that order (a copy); `end`
+        as `KVCache.take_rows`'s (the recurrent states are whole either way)."""
         index = mx.array(list(rows), dtype=mx.int32)
         return HybridCache(
-            self.kv.take_rows(rows),
+            self.kv.take_rows(rows, end),
             [mx.take(c, index, axis=0) for c in self.conv],
             [mx.take(r, index, axis=0) for r in self.recurrent],
         )

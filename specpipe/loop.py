@@ -342,7 +342,7 @@ class _Run:
                 state.processed == n or not draft.needs_target_hidden
             )
             state = state if fits else None
-        return Checkpoint(processed, cache.take_rows([b]), state)
+        return Checkpoint(processed, cache.take_rows([b], len(processed)), state)
 
     def finish(self, slot: int, reason: FinishReason, error: str | None = None) -> None:
         if self.batch.draft_error is not None:

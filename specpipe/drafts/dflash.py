@@ -192,7 +192,7 @@ class DFlashRows:
         return DFlashState(
             namespace_of(self.draft),
             self.cached[row] + int(pending.shape[0]),
-            self.cache.take_rows([row]),
+            self.cache.take_rows([row], self.cached[row]),
             self.cached[row],
             pending,
         )

@@ -755,7 +755,7 @@ class MtpRows:
         return MtpState(
             namespace_of(self.head),
             self.lengths[row] + self.tail_lengths[row],
-            self.cache.take_rows([row]),
+            self.cache.take_rows([row], self.lengths[row]),
             self.lengths[row],
             self.tail[row, : self.tail_lengths[row]],
         )

@@ -214,7 +214,9 @@ class TwoModelRows:
 
     def capture(self, row: int) -> DraftState:
         return TwoModelState(
-            namespace_of(self.model), self.lengths[row], self.cache.take_rows([row])
+            namespace_of(self.model),
+            self.lengths[row],
+            self.cache.take_rows([row], self.lengths[row]),
         )
 
     def join(self, other: DraftRows) -> DraftRows:

@@ -42,3 +42,24 @@ def test_bucketed_window_logits_match(offsets: tuple[int, int], width: int) -> N
             cache.capacity if bucketed else max(offsets) + width
         )
     assert np.max(np.abs(outs[0] - outs[1])) < 1e-5
+
+
+def test_a_row_copy_cut_at_its_length_decodes_as_the_whole_arena() -> None:
+    """KVCache.take_rows(rows, end) keeps the capacity that holds `end`
+    positions (a checkpoint's copy), and decoding on from it gives the
+    logits that decoding on from the whole arena gives."""
+    args = structure(hf, normalize_hf_config(CONFIG), DecoderArgs, "t").unwrap()
+    mx.random.seed(1)
+    model = build_model(args).unwrap()
+    cache = model.make_cache(2)
+    cache.reserve(700)  # an arena grown well past the rows' lengths
+    ctx = mx.random.randint(0, 97, (2, 300)).astype(mx.int32)
+    model(ctx, cache, [0, 0])
+    whole, cut = cache.take_rows([1]), cache.take_rows([1], 300)
+    assert (whole.capacity, cut.capacity) == (768, 512)
+    assert cut.keys[0].shape[2] == 512 and cut.values[1].shape[2] == 512
+    assert cache.take_rows([1], 0).capacity == 256  # never below one step
+    assert cache.take_rows([1], 5000).capacity == 768  # never above the arena
+    nxt = mx.random.randint(0, 97, (1, 3)).astype(mx.int32)
+    logits = [np.array(model(nxt, c, [300]).logits) for c in (whole, cut)]
+    assert np.max(np.abs(logits[0] - logits[1])) < 1e-5
