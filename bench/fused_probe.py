@@ -130,6 +130,7 @@ _SWITCHES = [
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
     ("acq-rel-barrier", "ACQ_REL_BARRIER", "the grid barrier by release / acquire operations"),
     ("att-spread", "ATT_SPREAD", "a warp's cached positions at once NWARP apart, not adjacent"),
+    ("att-pipe", "ATT_PIPE", "attention's next cached positions loaded during the current ones"),
     ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
     ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
 ]
@@ -146,6 +147,8 @@ def main() -> None:
                         help="candidates per block the draw merges first (models.mtp_cuda.DRAW_HEADS_K)")
     parser.add_argument("--att-unroll", type=int, default=None,
                         help="attention's cache positions per warp at once (models.mtp_cuda.ATT_UNROLL)")
+    parser.add_argument("--copy-unroll", type=int, default=None,
+                        help="a whole round's KV copy, vectors per thread at once (models.mtp_cuda.COPY_UNROLL)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     parser.add_argument("--agree-only", action="store_true",
                         help="the drafts' agreement only (no timing, no profiled launches)")
@@ -157,6 +160,8 @@ def main() -> None:
         models.mtp_cuda.DRAW_HEADS_K = args.draw_heads_k
     if args.att_unroll is not None:
         models.mtp_cuda.ATT_UNROLL = args.att_unroll
+    if args.copy_unroll is not None:
+        models.mtp_cuda.COPY_UNROLL = args.copy_unroll
     if args.narrow_loads:
         models.mtp_cuda.WIDE_LOADS = False
 
@@ -189,6 +194,7 @@ def main() -> None:
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
         "draw_heads_k": models.mtp_cuda.DRAW_HEADS_K,
         "att_unroll": models.mtp_cuda.ATT_UNROLL,
+        "copy_unroll": models.mtp_cuda.COPY_UNROLL,
         "context": args.context,
         "rows": [],
     }

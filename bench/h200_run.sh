@@ -318,6 +318,21 @@ for step in "$@"; do
         --agree-only --repeats 1 --context 2048 --att-spread --att-unroll 8 \
         --out $OUT/fused-probe-next-spread-ctx2048-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
+  phases)  # where a chained step's time goes (the kernel's phase stamps, bench/phase_probe.py) at each of
+    # CONTEXTS and for each of PSETS (';' between sets), FR-Spec head unless HEADS
+    timeout ${LIMIT:-240} python3 bench/phase_probe.py --contexts ${CONTEXTS:-48,4096,32768} \
+        --sets "${PSETS:-none;ATT_PIPE;ATT_UNROLL=8;ATT_GROUPED;ATT_SPREAD,ATT_UNROLL=8}" --samplings ${PSAMPLINGS:-greedy} \
+        --heads ${HEADS:-fr} --out $OUT/phase-probe${PROBE_TAG:-}-h200.json || echo "STEP FAILED: $?"
+    ;;
+  copy)  # a whole round's KV copy COPY_UNROLL vectors per thread at once against one (the defaults): time at
+    # 32,768 and 4,096 positions (greedy, depth 2), then the drafts and KV buffers at 2,048 (one and three rows)
+    for c in ${CONTEXTS:-32768 4096}; do
+      SETS=${SETS:-none COPY_UNROLL=4} SAMPLINGS=greedy NO_AGREE=1 DEPTHS=${DEPTHS:-2} CONTEXT=$c bash $0 switches
+    done
+    [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} \
+        --samplings greedy,qwen --agree-only --repeats 1 --context 2048 --copy-unroll 4 \
+        --out $OUT/fused-probe-next-copy4-ctx2048-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+    ;;
   grouped)  # attention per kv head, its cached keys and values staged in shared memory (ATT_GROUPED, off),
     # against the defaults: the drafts first (one row: two tiles a split at 4,096 positions; three rows: seven),
     # then the time at each of CONTEXTS (both samplings at 48 positions, greedy beyond)

@@ -252,6 +252,16 @@ ATT_UNROLL = 4
 # run on a device: `bash bench/h200_run.sh setup-min spread` times it at 48
 # and 32,768 positions against the defaults, then checks its drafts.
 ATT_SPREAD = False
+# Whether attention's loop over cached positions issues its next iteration's
+# ATT_UNROLL keys and values before it computes with the current ones (one
+# iteration's loads always in flight: two DRAM round trips overlap instead of
+# one per iteration). A long split's warp runs hundreds of iterations (512
+# positions per warp at 32,768 positions, one row), each waiting for its
+# loads; a short split's one or none are unchanged. Compile-checked with
+# ATT_UNROLL=4 (with 8 the sampled round spills at Qwen3-Next's sizes: 255
+# registers, 88 bytes); not yet run on a device (`bash bench/h200_run.sh
+# setup-min phases` stamps it).
+ATT_PIPE = False
 # Whether attention's items are (row, kv head, split) instead of (row, query
 # head, split), where a kv head's query heads are at most a block's warps: a
 # block stages its split's cached keys and values in shared memory, ATT_TILE
@@ -268,10 +278,23 @@ ATT_SPREAD = False
 # 497.5 us at 32,768 positions (-1.9 %), 259.3 -> 324.9 us at 4,096 (+25 %):
 # the redundant key and value reads were not what long contexts pay for. Its
 # drafts were not checked (the agreement run at 4,096 positions outlasted its
-# 200 s). Off.
+# 200 s). Off. Since measured: the combine of a (row, head)'s splits read them
+# one at a time (up to 66 at one row, one L2 round trip each, on the phase's
+# critical path); their loads are now in flight together (eight per thread),
+# the same sums in the same order: to be timed again.
 ATT_GROUPED = False
 ATT_TILE = 32
 ATT_MIN_SHARE = 16
+# A whole-round launch (`kv_out`) copies the head's KV buffers into its new
+# ones: O(capacity) per round, ~34 us of a depth-2 launch at 32,768 positions
+# on the H200 (twenty-first session's first-step figures), one 16-byte vector
+# of keys and one of values per thread at a time (1). COPY_UNROLL > 1: that
+# many of each per thread in flight at once. (Copying only the rows' cached
+# positions would leave the buffers' tails unwritten: MLX's attention over a
+# bucketed span multiplies them by zero weights, which a NaN would survive.)
+# Compile-checked with 4; not yet run on a device (`bash bench/h200_run.sh
+# setup-min copy`).
+COPY_UNROLL = 1
 # Whether bfloat16 weights, keys and values convert to float by a shift or a
 # mask of their 32-bit words instead of the compiler's conversion (the same
 # values): ptxas lowers a word's high half by inserting it into the result
@@ -1049,16 +1072,36 @@ _SOURCE = r"""
   if (KV_OUT && s == 0) {
     // KV_OUT: knew / vnew are the new whole buffers: the cache copied (the
     // window's slots are written after this phase's barrier)
-    const size_t n = (size_t)B * HKV * C * D / 8;  // 16-byte vectors of 8 elements
     const uint4* ks = reinterpret_cast<const uint4*>(keys);
     const uint4* vs = reinterpret_cast<const uint4*>(values);
     uint4* kd = reinterpret_cast<uint4*>(knew);
     uint4* vd = reinterpret_cast<uint4*>(vnew);
+    constexpr size_t GRID = (size_t)NBLK * SP_THREADS;
+    const size_t n = (size_t)B * HKV * C * D / 8;  // 16-byte vectors of 8 elements
+    if constexpr (COPY_UNROLL > 1) {
+      // COPY_UNROLL vectors of keys and of values per thread in flight at once
+      constexpr int CU = COPY_UNROLL;
 #pragma unroll 1
-    for (size_t i = (size_t)blk * SP_THREADS + tid; i < n; i += (size_t)NBLK * SP_THREADS) {
-      const uint4 a = __ldg(ks + i), c = __ldg(vs + i);
-      kd[i] = a;
-      vd[i] = c;
+      for (size_t i0 = (size_t)blk * SP_THREADS + tid; i0 < n; i0 += CU * GRID) {
+        uint4 a[CU], c[CU];
+#pragma unroll
+        for (int u = 0; u < CU; ++u) {
+          const size_t i = i0 + u * GRID;
+          if (i < n) { a[u] = __ldg(ks + i); c[u] = __ldg(vs + i); }
+        }
+#pragma unroll
+        for (int u = 0; u < CU; ++u) {
+          const size_t i = i0 + u * GRID;
+          if (i < n) { kd[i] = a[u]; vd[i] = c[u]; }
+        }
+      }
+    } else {
+#pragma unroll 1
+      for (size_t i = (size_t)blk * SP_THREADS + tid; i < n; i += GRID) {
+        const uint4 a = __ldg(ks + i), c = __ldg(vs + i);
+        kd[i] = a;
+        vd[i] = c;
+      }
     }
   }
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC>(
@@ -1154,18 +1197,26 @@ _SOURCE = r"""
   using KV = typename Packed<DPL * sizeof(W)>::type;
   auto attend = [&](const float (&q)[DPL], int n, int j_first, int j_step, int u_step, auto&& kv,
                     float& mx_, float& l, float (&acc)[DPL]) {
-    for (int j0 = j_first; j0 < n; j0 += j_step) {
-      // (held as loaded, converted where used: half the registers of
-      // floats; at head_dim 256 and eight positions the floats took the
-      // kernel to 254 registers, packed 168-182, at the same time per launch)
-      KV kr[AU], vr[AU];
-      float dots[AU];
+    // the AU positions from j0 on (SPREAD, past the end: no load, zeros)
+    auto fetch = [&](int j0, KV (&kf)[AU], KV (&vf)[AU]) {
 #pragma unroll
-      for (int u = 0; u < AU; ++u) {  // (SPREAD, past the end: no load, zeros)
+      for (int u = 0; u < AU; ++u) {
         const int j = j0 + u * u_step;
-        if (!SPREAD || j < n) kv(min(j, n - 1), kr[u], vr[u]);
-        else { kr[u] = KV{}; vr[u] = KV{}; }
+        if (!SPREAD || j < n) kv(min(j, n - 1), kf[u], vf[u]);
+        else { kf[u] = KV{}; vf[u] = KV{}; }
       }
+    };
+    // (held as loaded, converted where used: half the registers of
+    // floats; at head_dim 256 and eight positions the floats took the
+    // kernel to 254 registers, packed 168-182, at the same time per launch)
+    KV kr[AU], vr[AU];
+    // PIPE (`ATT_PIPE`): the next iteration's loads in flight during this one
+    if (PIPE && j_first < n) fetch(j_first, kr, vr);
+    for (int j0 = j_first; j0 < n; j0 += j_step) {
+      KV kn[AU], vn[AU];
+      if (!PIPE) fetch(j0, kr, vr);
+      else if (j0 + j_step < n) fetch(j0 + j_step, kn, vn);
+      float dots[AU];
 #pragma unroll
       for (int u = 0; u < AU; ++u) {
         float k[DPL];
@@ -1196,6 +1247,10 @@ _SOURCE = r"""
         for (int i = 0; i < DPL; ++i) acc[i] += e * v[i];
       }
       mx_ = mnew;
+      if (PIPE) {
+#pragma unroll
+        for (int u = 0; u < AU; ++u) { kr[u] = kn[u]; vr[u] = vn[u]; }
+      }
     }
   };
   // position j's key and value, packed loads: of the cache (read-only for
@@ -1377,17 +1432,28 @@ _SOURCE = r"""
       for (int h = ticket; h < GROUP && ticket < n_comb; h += n_comb) {
         const int bh = b * HQ + g * GROUP + h;
         const float* parts = S + O_ATT + (size_t)bh * GSPLITS * PART;
+        // (every split's loads in flight at once: up to 66 splits at one
+        // row, each a round trip to L2 on the phase's critical path)
         if (warp == 0) {
+          constexpr int SPL = (GSPLITS + 31) / 32;  // splits per lane
+          float pm[SPL], pl[SPL];
+#pragma unroll
+          for (int u = 0; u < SPL; ++u) {
+            const int sp = lane + 32 * u;
+            pl[u] = sp < nsp ? __ldcg(parts + sp * PART + 1) : 0.0f;
+            pm[u] = sp < nsp ? __ldcg(parts + sp * PART) : -SP_INF;
+          }
           float top = -SP_INF;
-          for (int sp = lane; sp < nsp; sp += 32)
-            if (__ldcg(parts + sp * PART + 1) > 0.0f) top = fmaxf(top, __ldcg(parts + sp * PART));
+#pragma unroll
+          for (int u = 0; u < SPL; ++u)
+            if (pl[u] > 0.0f) top = fmaxf(top, pm[u]);
           top = warp_max(top);
           float den = 0.0f;
-          for (int sp = lane; sp < nsp; sp += 32) {
-            const float ls = __ldcg(parts + sp * PART + 1);
-            const float e = ls > 0.0f ? expf(__ldcg(parts + sp * PART) - top) : 0.0f;  // 0: an empty split
-            wts[sp] = e;
-            den += ls * e;
+#pragma unroll
+          for (int u = 0; u < SPL; ++u) {
+            const float e = pl[u] > 0.0f ? expf(pm[u] - top) : 0.0f;  // 0: an empty split
+            if (lane + 32 * u < nsp) wts[lane + 32 * u] = e;
+            den += pl[u] * e;
           }
           den = warp_sum(den);
           __syncwarp();
@@ -1395,10 +1461,20 @@ _SOURCE = r"""
         }
         __syncthreads();
         const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)(g * GROUP + h) * 2 * D + D;
+        constexpr int CU = 8;  // splits' loads in flight per thread
         for (int d = tid; d < D; d += blockDim.x) {
           float n = 0.0f;
+          int sp = 0;
 #pragma unroll 1
-          for (int sp = 0; sp < nsp; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * wts[sp];
+          for (; sp + CU <= nsp; sp += CU) {
+            float x[CU];
+#pragma unroll
+            for (int u = 0; u < CU; ++u) x[u] = __ldcg(parts + (sp + u) * PART + 2 + d);
+#pragma unroll
+            for (int u = 0; u < CU; ++u) n += x[u] * wts[sp + u];
+          }
+#pragma unroll 1
+          for (; sp < nsp; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * wts[sp];
           S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();
@@ -2867,9 +2943,11 @@ class FusedStep:
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("ATT_UNROLL", ATT_UNROLL),
             ("SPREAD", ATT_SPREAD),
+            ("PIPE", ATT_PIPE),
             ("ATT_GROUPED", grouped),
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
+            ("COPY_UNROLL", COPY_UNROLL),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),

@@ -573,6 +573,8 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # a warp's cached positions at once NWARP apart (ATT_SPREAD, off)
         ("moe", True, True, True, 1, 2, 3, ("ATT_SPREAD", "ATT_UNROLL=8")),
         ("moe", False, False, False, 3, 1, 2, ("ATT_SPREAD",)),
+        ("moe", True, False, False, 1, 1, 2, ("ATT_PIPE",)),
+        ("dense", False, True, False, 2, 1, 2, ("ATT_PIPE", "ATT_UNROLL=8")),
         # attention per kv head, its keys and values staged in shared memory
         # (ATT_GROUPED, off): a round, a chain, a first step; dense and MoE
         ("moe", True, True, True, 1, 2, 3, ("ATT_GROUPED",)),
@@ -738,6 +740,16 @@ QWEN3_NEXT_CONSTANTS = {
         (3, 2, False, 64, ("ATT_GROUPED",)),
         (1, 3, False, 64, ("-BF16_SHIFTS",)),
         (3, 2, True, 64, ("-BF16_SHIFTS", "ATT_GROUPED")),
+        # attention's next positions' loads in flight during the current ones
+        # (ATT_PIPE, off; with eight at once the sampled round spills: 255
+        # registers, 88 bytes)
+        (1, 3, True, 64, ("ATT_PIPE",)),
+        (3, 2, False, 64, ("ATT_PIPE",)),
+        (1, 3, False, 64, ("ATT_PIPE",)),
+        (1, 3, True, 64, ("ATT_PIPE", "ATT_GROUPED")),
+        # the round's KV copy four vectors per thread at once (COPY_UNROLL=4)
+        (1, 3, True, 64, ("COPY_UNROLL=4",)),
+        (3, 2, False, 64, ("COPY_UNROLL=4",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
@@ -755,8 +767,13 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
     a 256-thread block's register file: the kernel's register use is set by
     the real sizes (252-254 registers with ATT_UNROLL=8, 2026-12-04), not by
     the fixtures'."""
-    for switch in switches:  # "-NAME" off, "NAME" on
-        monkeypatch.setattr(mtp_cuda, switch.lstrip("-"), not switch.startswith("-"))
+    for switch in switches:  # "-NAME" off, "NAME" on, "NAME=N" an integer setting
+        name, _, value = switch.partition("=")
+        monkeypatch.setattr(
+            mtp_cuda,
+            name.lstrip("-"),
+            int(value) if value else not switch.startswith("-"),
+        )
     seen, _ = derived_round_call(*moe, monkeypatch, rows, width, greedy)
     constants = {k: str(v) for k, v in QWEN3_NEXT_CONSTANTS.items()}
     constants["M"] = str(rows * width)
