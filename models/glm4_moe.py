@@ -39,12 +39,11 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask, ModelOutput, Tapping, run_stack
+from models.base import Mask
 from models.cache import KVCache, KVWrite
-from models.layers import MLP, Attention, BlockSpec, model_dtype
-from models.parallel import Embedding, Linear
+from models.layers import MLP, Attention, BlockSpec
+from models.llama import Backbone, DecoderLM
 from models.qwen3_next import SwitchGLU
-from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 from schemas.hf_glm4_moe import Glm4MoeArgs, layout_problem
 
@@ -170,101 +169,32 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Glm4MoeModel(nn.Module):
-    """Embedding, layers and the final norm (applied by `Model.lm_head`)."""
+class Glm4MoeModel(Backbone):
+    """GLM-4.5's backbone: its decoder layers (dense first, MoE after)."""
 
     def __init__(self, args: Glm4MoeArgs) -> None:
-        super().__init__()
-        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = Embedding(
-            args.vocab_size, args.hidden_size
-        )
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(
-        self,
-        ids: mx.array,  # [B, L] int32
-        cache: KVCache,
-        offsets: Sequence[int],
-        taps: Sequence[int] = (),
-        tapped: list[mx.array] | None = None,
-    ) -> mx.array:  # [B, L, H], before the final norm
-        """The last layer's output; the outputs of layers `taps` appended to
-        `tapped` in that order (`models.base.run_stack`)."""
-        return run_stack(
-            self.embed_tokens, self.layers, ids, cache, offsets, taps, tapped
+        super().__init__(
+            args, [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         )
 
 
-class Model(nn.Module, Tapping):
+class Model(DecoderLM):
     """The causal LM: implements `models.base.CausalLM`."""
 
-    padding_safe = True
     # The protocol's type; always a Glm4MoeArgs here (see `glm`).
     args: DecoderArgs
 
     def __init__(self, args: Glm4MoeArgs) -> None:
-        super().__init__()
         problem = layout_problem(args)
         if problem is not None:
             raise ValueError(problem)
-        self.args = args
-        self.model = Glm4MoeModel(args)
-        if not args.tie_word_embeddings:
-            # As in models/llama.py: the projection lives under the dict key
-            # only, since `lm_head` is also the protocol method's name.
-            self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, Glm4MoeModel(args))
 
     @property
     def glm(self) -> Glm4MoeArgs:
         args = self.args
         assert isinstance(args, Glm4MoeArgs), "glm4_moe runs on Glm4MoeArgs"
         return args
-
-    def __call__(
-        self,
-        ids: mx.array,  # [B, L] int32
-        cache: KVCache,
-        offsets: Sequence[int],
-        *,
-        prefill: bool = False,  # attention rolls back by position: nothing to skip
-    ) -> ModelOutput:
-        tapped: list[mx.array] = []
-        hidden = self.model(ids, cache, offsets, self.taps, tapped)
-        return ModelOutput(
-            logits=self.lm_head(hidden), hidden=hidden, features=self.features(tapped)
-        )
-
-    def make_cache(self, batch: int) -> KVCache:
-        return KVCache(
-            self.args.num_hidden_layers,
-            batch,
-            self.args.num_key_value_heads,
-            self.args.dim_per_head,
-            model_dtype(self),
-        )
-
-    def embed(self, ids: mx.array) -> mx.array:  # [B, L] -> [B, L, H]
-        return self.model.embed_tokens(ids)
-
-    def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        return self.project(self.final_norm(hidden))
-
-    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
-        return self.model.norm(hidden)
-
-    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        """The vocabulary projection alone (the MTP head brings its own norm)."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(normed)
-        projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
-        return projection(normed)
-
-    def head_weights(self) -> HeadWeights:
-        """The vocabulary projection (the embedding when tied) as arrays."""
-        if self.args.tie_word_embeddings:
-            return HeadWeights.of(self.model.embed_tokens)
-        return HeadWeights.of(self["lm_head"])
 
     def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """HF / MLX checkpoint names -> this model's parameter names (no MTP

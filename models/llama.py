@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask, ModelOutput, Tapping, run_stack
+from models.base import Mask, ModelOutput, StackLayer, Tapping, run_stack
 from models.cache import KVCache
 from models.layers import MLP, Attention, BlockSpec, model_dtype
 from models.parallel import Embedding, Linear
@@ -43,17 +43,16 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaModel(nn.Module):
-    """Embedding, blocks and the final norm (applied by `Model.lm_head`)."""
+class Backbone(nn.Module):
+    """Embedding, decoder layers and the final norm (applied by
+    `DecoderLM.lm_head`): the llama family's, and GLM-4.5's with its own layers."""
 
-    def __init__(self, args: DecoderArgs, spec: BlockSpec) -> None:
+    def __init__(self, args: DecoderArgs, layers: Sequence[StackLayer]) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = Embedding(
             args.vocab_size, args.hidden_size
         )
-        self.layers = [
-            TransformerBlock(args, i, spec) for i in range(args.num_hidden_layers)
-        ]
+        self.layers = list(layers)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
@@ -71,28 +70,31 @@ class LlamaModel(nn.Module):
         )
 
 
-class Model(nn.Module, Tapping):
-    """The causal LM: implements `models.base.CausalLM`."""
+class LlamaModel(Backbone):
+    """The llama family's backbone: pre-norm blocks of a `BlockSpec`."""
+
+    def __init__(self, args: DecoderArgs, spec: BlockSpec) -> None:
+        super().__init__(
+            args,
+            [TransformerBlock(args, i, spec) for i in range(args.num_hidden_layers)],
+        )
+
+
+class DecoderLM(nn.Module, Tapping):
+    """A causal LM over a `Backbone` and a KV cache: implements
+    `models.base.CausalLM` (a model class adds its backbone and `sanitize`)."""
 
     padding_safe = True
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: DecoderArgs, backbone: Backbone) -> None:
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, self.block_spec(args))
+        self.model = backbone
         if not args.tie_word_embeddings:
             # `lm_head` is also the name of the protocol method, so the
             # projection lives only under the module's dict key; that key is
             # what parameter names use, so `lm_head.weight` loads unchanged.
             self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    @staticmethod
-    def block_spec(args: DecoderArgs) -> BlockSpec:
-        return BlockSpec(
-            qkv_bias=args.attention_bias,
-            o_bias=args.attention_bias,
-            mlp_bias=args.mlp_bias,
-        )
 
     def __call__(
         self,
@@ -121,20 +123,38 @@ class Model(nn.Module, Tapping):
         return self.model.embed_tokens(ids)
 
     def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        normed = self.model.norm(hidden)
+        return self.project(self.final_norm(hidden))
+
+    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
+        return self.model.norm(hidden)
+
+    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
+        """The vocabulary projection alone (an MTP head brings its own norm)."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(normed)
         projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
         return projection(normed)
-
-    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
-        return self.model.norm(hidden)
 
     def head_weights(self) -> HeadWeights:
         """The vocabulary projection (the embedding when tied) as arrays."""
         if self.args.tie_word_embeddings:
             return HeadWeights.of(self.model.embed_tokens)
         return HeadWeights.of(self["lm_head"])
+
+
+class Model(DecoderLM):
+    """Llama (and, by their `block_spec`, qwen2 and qwen3)."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__(args, LlamaModel(args, self.block_spec(args)))
+
+    @staticmethod
+    def block_spec(args: DecoderArgs) -> BlockSpec:
+        return BlockSpec(
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+            mlp_bias=args.mlp_bias,
+        )
 
     def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """HF / MLX checkpoint names -> this model's parameter names."""
