@@ -733,20 +733,27 @@ class MtpRows:
 
     def join(self, other: DraftRows) -> DraftRows:
         assert isinstance(other, MtpRows)
-        counts = self.tail_lengths + other.tail_lengths
+        return self.joined([other])
+
+    def joined(self, others: Sequence[MtpRows]) -> MtpRows:
+        """These rows followed by those of `others`, in order, in one copy
+        (joining them one group at a time would copy the first rows again
+        at every join)."""
+        parts = [self, *others]
+        counts = tuple(n for part in parts for n in part.tail_lengths)
         width = max(max(counts, default=0), 1)
         tails = [
             mx.pad(t, [(0, 0), (0, width - t.shape[1]), (0, 0)])
             if t.shape[1] < width
             else t[:, :width]
-            for t in (self.tail, other.tail.astype(self.tail.dtype))
+            for t in (part.tail.astype(self.tail.dtype) for part in parts)
         ]
         return evolve(
             self,
             chain=None,
             ahead=None,
-            cache=KVCache.concat_rows([self.cache, other.cache]),
-            lengths=self.lengths + other.lengths,
+            cache=KVCache.concat_rows([part.cache for part in parts]),
+            lengths=tuple(n for part in parts for n in part.lengths),
             tail=mx.concatenate(tails, axis=0),
             tail_lengths=counts,
         )
@@ -834,10 +841,12 @@ class MtpDrafter:
         assert hidden is not None, (
             "the MTP head reads the target's prompt hidden states"
         )
-        opened: list[DraftRows] = []
+        opened: list[MtpRows] = []
         for b, (row, state) in enumerate(zip(rows, states, strict=True)):
             if not isinstance(state, MtpState):
-                opened.append(self.open([row], hidden[b : b + 1, : row.length]))
+                fresh_rows = self.open([row], hidden[b : b + 1, : row.length])
+                assert isinstance(fresh_rows, MtpRows)
+                opened.append(fresh_rows)
                 continue
             fresh = hidden[b, : row.length - state.processed].astype(state.tail.dtype)
             tail = mx.concatenate([state.tail, fresh])
@@ -854,10 +863,7 @@ class MtpDrafter:
                     self.compiles(),
                 )
             )
-        joined = opened[0]
-        for more in opened[1:]:
-            joined = joined.join(more)
-        return joined
+        return opened[0].joined(opened[1:])
 
     def open(
         self, rows: Sequence[RowState], hidden: mx.array | None = None
