@@ -21,9 +21,22 @@ values back from the device.
 """
 
 from models.blas import route_blas
-from specpipe.api import GenerationResult, GenerationStats, Pipeline, load
+from specpipe.api import (
+    Conversation,
+    GenerationResult,
+    GenerationStats,
+    Pipeline,
+    load,
+)
 from specpipe.prompt_cache import PromptCache
 
 route_blas()  # models/__init__ routed it before specpipe.api imported mlx
 
-__all__ = ["GenerationResult", "GenerationStats", "Pipeline", "PromptCache", "load"]
+__all__ = [
+    "Conversation",
+    "GenerationResult",
+    "GenerationStats",
+    "Pipeline",
+    "PromptCache",
+    "load",
+]

@@ -385,6 +385,75 @@ class Pipeline:
         )
 
 
+@frozen
+class Conversation:
+    """A chat whose turns continue each other's token ids.
+
+    Each turn renders the whole conversation by the chat template, as a
+    stateless `Pipeline.generate(messages)` does; where that text begins with
+    the text of the last turn's prompt and reply (`ids`), the turn's prompt is
+    those very ids followed by the encoded rest. A reply's tokens need not be
+    the ones its text encodes to, and a checkpoint of a hybrid target's
+    recurrent state serves only a prompt that begins with exactly the tokens
+    it processed: so a turn keeps the prompt cache's hit whole. Where the
+    rendering does not begin with them (a template that rewrites earlier
+    turns, e.g. dropping their reasoning), the turn encodes the whole text.
+    Turns return a new conversation (`say`); this one is unchanged."""
+
+    opening: tuple[Message, ...] = ()  # e.g. a system message, kept by `reset`
+    messages: tuple[Message, ...] = ()  # the turns so far, after the opening
+    ids: tuple[int, ...] = ()  # the last turn's prompt and reply tokens
+
+    def reset(self) -> Conversation:
+        """The conversation back at its opening."""
+        return Conversation(self.opening)
+
+    def say(
+        self,
+        pipeline: Pipeline,
+        content: str,
+        sampling: SamplingParams | None = None,
+        limits: GenerationLimits | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Result[tuple[Conversation, GenerationResult], RequestError]:
+        """The reply to a user message, and the conversation with both."""
+        said: tuple[Message, ...] = ({"role": "user", "content": content},)
+        messages = (*self.opening, *self.messages, *said)
+        tok = pipeline.target.tokenizer
+        rendered = _render(tok, list(messages))
+        if not isinstance(rendered, Success):
+            return Failure(rendered.failure())
+        ids = self.continued(tok, rendered.unwrap())
+        turn = pipeline.generate(list(ids), sampling, limits, on_text=on_text)
+        if not isinstance(turn, Success):
+            return Failure(turn.failure())
+        result = turn.unwrap()
+        reply: Message = {"role": "assistant", "content": result.text}
+        return Success(
+            (
+                Conversation(
+                    self.opening,
+                    (*self.messages, *said, reply),
+                    ids + result.tokens,
+                ),
+                result,
+            )
+        )
+
+    def continued(self, tokenizer: Any, rendered: str) -> tuple[int, ...]:
+        """The prompt ids of the rendered conversation: `ids` and the encoded
+        text past theirs, where it begins with their text; else all of it
+        encoded."""
+        if self.ids:
+            before = tokenizer.decode(list(self.ids))
+            if before and rendered.startswith(before):
+                rest = rendered[len(before) :]
+                return self.ids + tuple(
+                    tokenizer.encode(rest, add_special_tokens=False) if rest else ()
+                )
+        return tuple(tokenizer.encode(rendered, add_special_tokens=False))
+
+
 def _render(tokenizer: Any, messages: list[Message]) -> Result[str, RequestError]:
     """A conversation's prompt text by the model's chat template."""
     for number, message in enumerate(messages):

@@ -13,7 +13,7 @@ from returns.result import Success
 
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
-from specpipe.api import Pipeline, load
+from specpipe.api import Conversation, Pipeline, load
 from specpipe.load import DEFAULT_MODEL, save_folder
 from specpipe.load import load as load_model
 from specpipe.precision import prefer_exact_float32
@@ -161,10 +161,9 @@ def _chat(args: argparse.Namespace) -> None:
     sampling = _sampling(args)
     limits = _limits(args)
     pipeline = _with_cache_file(_pipeline(args, args.prompt_cache_mb << 20), args)
-    opening: list[dict[str, str]] = (
-        [{"role": "system", "content": args.system}] if args.system else []
+    conversation = Conversation(
+        ({"role": "system", "content": args.system},) if args.system else ()
     )
-    messages = list(opening)
     interactive = sys.stdin.isatty() and not args.json
 
     def on_text(text: str) -> None:
@@ -182,18 +181,15 @@ def _chat(args: argparse.Namespace) -> None:
         if not text.strip():
             continue
         if text.strip() == "/reset":
-            messages = list(opening)
+            conversation = conversation.reset()
             continue
-        messages.append({"role": "user", "content": text})
-        turn = pipeline.generate(
-            messages, sampling, limits, on_text=None if args.json else on_text
+        turn = conversation.say(
+            pipeline, text, sampling, limits, on_text=None if args.json else on_text
         )
         if not isinstance(turn, Success):
-            messages.pop()
             print(f"specpipe: error: {turn.failure()}", file=sys.stderr)
             continue
-        result = turn.unwrap()
-        messages.append({"role": "assistant", "content": result.text})
+        conversation, result = turn.unwrap()
         stats = result.stats
         if args.json:
             print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from schemas.request import GenerationLimits, SamplingParams
-from specpipe.api import load
+from specpipe.api import Conversation, load
 from specpipe.output import TextSink
 
 
@@ -201,6 +201,48 @@ def test_a_conversation_through_the_prompt_cache(tiny_model: Path) -> None:
         previous = turn.prompt_tokens - 1
         messages.append({"role": "assistant", "content": turn.text})
     assert cached.prompt_cache.stats.hits == 2
+
+
+def test_a_conversation_continues_its_own_token_ids(tiny_model: Path) -> None:
+    """`Conversation` turns keep the last turn's prompt and reply ids, so the
+    prompt cache serves all of them but the reply's pending last token, even
+    where the reply's text does not encode back to its tokens; its replies
+    are a cache-less pipeline's to the same prompt ids."""
+    cached = load(str(tiny_model), draft="ngram", prompt_cache=True).unwrap()
+    plain = load(str(tiny_model), draft="ngram").unwrap()
+    tok = cached.target.tokenizer
+    limits = GenerationLimits(max_tokens=10)
+    conversation = Conversation(({"role": "system", "content": "be brief"},))
+    reencoded = []  # whether each reply's text encodes back to its tokens
+    for number, question in enumerate(("def fib", "for i in range", "hello")):
+        before = conversation
+        conversation, turn = conversation.say(cached, question, limits=limits).unwrap()
+        assert conversation.messages[-2:] == (
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": turn.text},
+        )
+        assert before.messages == conversation.messages[:-2]  # a new value
+        prompt = conversation.ids[: turn.prompt_tokens]
+        assert conversation.ids == prompt + turn.tokens
+        again = plain.generate(list(prompt), limits=limits).unwrap()
+        assert again.tokens == turn.tokens
+        if number:  # everything the last turn processed was kept
+            assert prompt[: len(before.ids)] == before.ids
+            assert turn.stats.cached_tokens >= len(before.ids) - 1
+        reencoded.append(
+            tuple(tok.encode(turn.text, add_special_tokens=False)) == turn.tokens
+        )
+    # the random model's replies are not their text's encoding: the case
+    # that re-rendering alone would lose
+    assert not all(reencoded)
+    # a rendering that does not begin with the conversation's text is encoded whole
+    rewritten = conversation.continued(tok, "something else entirely")
+    assert rewritten == tuple(
+        tok.encode("something else entirely", add_special_tokens=False)
+    )
+    fresh = conversation.reset()
+    assert fresh.opening == conversation.opening
+    assert (fresh.messages, fresh.ids) == ((), ())
 
 
 def test_bad_messages_and_budgets_are_clear_errors(tiny_model: Path) -> None:
