@@ -321,7 +321,7 @@ for step in "$@"; do
   phases)  # where a chained step's time goes (the kernel's phase stamps, bench/phase_probe.py) at each of
     # CONTEXTS and for each of PSETS (';' between sets), FR-Spec head unless HEADS
     timeout ${LIMIT:-240} python3 bench/phase_probe.py --contexts ${CONTEXTS:-48,4096,32768} \
-        --sets "${PSETS:-none;ATT_PIPE;ATT_UNROLL=8;ATT_GROUPED;ATT_SPREAD,ATT_UNROLL=8}" --samplings ${PSAMPLINGS:-greedy} \
+        --sets "${PSETS:-none;-ATT_PIPE;ATT_GROUPED}" --samplings ${PSAMPLINGS:-greedy} \
         --heads ${HEADS:-fr} --out $OUT/phase-probe${PROBE_TAG:-}-h200.json || echo "STEP FAILED: $?"
     ;;
   copy)  # a whole round's KV copy COPY_UNROLL vectors per thread at once against one (the defaults): time at

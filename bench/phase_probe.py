@@ -7,8 +7,8 @@ bench/fused_probe.py runs (which take minutes at long contexts).
 Per (set, context, head, sampling): the step's stretches per block as
 `bench/fused_probe.py`'s `segments` ([min, median, max] us over the blocks,
 median over the launches, then the block most often slowest), and `step`:
-the median over launches of the last block's draw end, us from the first
-block's start, and `phases`: bench/fused_probe.py's (per grid barrier,
+the median over launches of the draw's end (the last of `phases`), us
+from the first block's start, and `phases`: bench/fused_probe.py's (per grid barrier,
 then the draw's end). Switch sets are separated by semicolons, each as
 bench/mtp.py's `--kernel-switches` (NAME on, -NAME off, NAME=VALUE), each
 applied to the module's defaults.
@@ -37,8 +37,6 @@ from bench.fused_probe import segments
 from bench.mtp import SAMPLINGS, apply_switches
 from bench.step_probe import probe_arguments, probe_head
 from models.mtp_cuda import FusedStep, draw_params, fused_weights, phases_of
-
-_DRAW_END = 17  # the stamp of a step's draw end (FusedStep.stamp_table)
 
 
 def main() -> None:
@@ -99,8 +97,8 @@ def main() -> None:
                     run = {
                         "set": text.strip(), "context": context, "head": head_name,
                         "sampling": label,
-                        "step": round(statistics.median(
-                            max(row[_DRAW_END] for row in t) for t in tables), 2),
+                        # the draw's end, us from the first block's start
+                        "step": round(statistics.median(p[-1][2] for p in phased), 2),
                         "segments": segments(tables),
                         # per grid barrier then the draw's end: (first arrival,
                         # last arrival, last departure) us, medians over launches

@@ -257,11 +257,18 @@ ATT_SPREAD = False
 # iteration's loads always in flight: two DRAM round trips overlap instead of
 # one per iteration). A long split's warp runs hundreds of iterations (512
 # positions per warp at 32,768 positions, one row), each waiting for its
-# loads; a short split's one or none are unchanged. Compile-checked with
-# ATT_UNROLL=4 (with 8 the sampled round spills at Qwen3-Next's sizes: 255
-# registers, 88 bytes); not yet run on a device (`bash bench/h200_run.sh
-# setup-min phases` stamps it).
-ATT_PIPE = False
+# loads; a short split's one or none are unchanged. Only with ATT_UNROLL <= 4
+# (with 8 the sampled round spills at Qwen3-Next's sizes: 255 registers, 88
+# bytes); 251-255 registers there with 4, no spills, one block per
+# multiprocessor as before. On the H200 (2026-12-05, twenty-fifth session,
+# greedy, depth 2, one row, full / FR-Spec us): 716.5 / 497.1 -> 655.4 /
+# 437.6 at 32,768 positions (cut 1.44x -> 1.50x), 470.3 / 251.6 -> 469.3 /
+# 249.8 at 4,096, 440.4 / 224.6 -> 444.8 / 224.7 at 48 (within the runs'
+# ranges); a chained FR step's attention 112.6 -> 82.9 us at 32,768 positions
+# (bench/phase_probe.py). The drafts and maximum differences equal the
+# defaults' in all 72 of fused_probe's comparisons at 2,048 positions (1 and
+# 3 rows, greedy and Qwen's sampling, full head and FR-Spec). On since.
+ATT_PIPE = True
 # Whether attention's items are (row, kv head, split) instead of (row, query
 # head, split), where a kv head's query heads are at most a block's warps: a
 # block stages its split's cached keys and values in shared memory, ATT_TILE
@@ -2943,7 +2950,7 @@ class FusedStep:
             ("ACQ_REL_BARRIER", ACQ_REL_BARRIER),
             ("ATT_UNROLL", ATT_UNROLL),
             ("SPREAD", ATT_SPREAD),
-            ("PIPE", ATT_PIPE),
+            ("PIPE", ATT_PIPE and ATT_UNROLL <= 4),
             ("ATT_GROUPED", grouped),
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),

@@ -573,8 +573,8 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # a warp's cached positions at once NWARP apart (ATT_SPREAD, off)
         ("moe", True, True, True, 1, 2, 3, ("ATT_SPREAD", "ATT_UNROLL=8")),
         ("moe", False, False, False, 3, 1, 2, ("ATT_SPREAD",)),
-        ("moe", True, False, False, 1, 1, 2, ("ATT_PIPE",)),
-        ("dense", False, True, False, 2, 1, 2, ("ATT_PIPE", "ATT_UNROLL=8")),
+        ("moe", True, False, False, 1, 1, 2, ("-ATT_PIPE",)),
+        ("dense", False, True, False, 2, 1, 2, ("-ATT_PIPE", "ATT_UNROLL=8")),
         # attention per kv head, its keys and values staged in shared memory
         # (ATT_GROUPED, off): a round, a chain, a first step; dense and MoE
         ("moe", True, True, True, 1, 2, 3, ("ATT_GROUPED",)),
@@ -740,13 +740,12 @@ QWEN3_NEXT_CONSTANTS = {
         (3, 2, False, 64, ("ATT_GROUPED",)),
         (1, 3, False, 64, ("-BF16_SHIFTS",)),
         (3, 2, True, 64, ("-BF16_SHIFTS", "ATT_GROUPED")),
-        # attention's next positions' loads in flight during the current ones
-        # (ATT_PIPE, off; with eight at once the sampled round spills: 255
-        # registers, 88 bytes)
-        (1, 3, True, 64, ("ATT_PIPE",)),
-        (3, 2, False, 64, ("ATT_PIPE",)),
-        (1, 3, False, 64, ("ATT_PIPE",)),
-        (1, 3, True, 64, ("ATT_PIPE", "ATT_GROUPED")),
+        # attention's positions one iteration's loads at a time (ATT_PIPE's
+        # off arm), and with eight positions at once (ATT_PIPE then off: with
+        # it the sampled round spills, 255 registers, 88 bytes)
+        (1, 3, True, 64, ("-ATT_PIPE",)),
+        (3, 2, False, 64, ("-ATT_PIPE",)),
+        (1, 3, False, 64, ("ATT_UNROLL=8",)),
         # the round's KV copy four vectors per thread at once (COPY_UNROLL=4)
         (1, 3, True, 64, ("COPY_UNROLL=4",)),
         (3, 2, False, 64, ("COPY_UNROLL=4",)),
