@@ -20,12 +20,22 @@ from attrs import evolve
 from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
-from models import glm4_moe, llama, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_next
+from models import (
+    glm4_moe,
+    glm_moe_dsa,
+    llama,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+)
 from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import DecoderArgs, QuantizationConfig
 from schemas.hf_glm4_moe import Glm4MoeArgs
+from schemas.hf_glm_moe_dsa import GlmMoeDsaArgs
 from schemas.hf_hybrid import HybridArgs
 
 __all__ = [
@@ -46,6 +56,7 @@ Model: TypeAlias = (
     | qwen3_5.Model
     | qwen3_5_moe.Model
     | glm4_moe.Model
+    | glm_moe_dsa.Model
 )
 
 
@@ -77,6 +88,13 @@ def _glm4_moe(args: DecoderArgs) -> glm4_moe.Model:
     return glm4_moe.Model(args)
 
 
+def _glm_moe_dsa(args: DecoderArgs) -> glm_moe_dsa.Model:
+    # A glm_moe_dsa config parses to GlmMoeDsaArgs (schemas/hf_glm_moe_dsa.py).
+    if not isinstance(args, GlmMoeDsaArgs):
+        raise ValueError("needs GlmMoeDsaArgs (parse its config with glm_moe_dsa_args)")
+    return glm_moe_dsa.Model(args)
+
+
 _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "llama": llama.Model,
     "qwen2": qwen2.Model,
@@ -87,6 +105,7 @@ _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "qwen3_5_moe": _qwen3_5_moe,
     "qwen3_5_moe_text": _qwen3_5_moe,
     "glm4_moe": _glm4_moe,
+    "glm_moe_dsa": _glm_moe_dsa,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.
@@ -95,10 +114,11 @@ _HYBRID_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_next.Model
 _QWEN3_5_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5.Model
 _QWEN3_5_MOE_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5_moe.Model
 _GLM4_MOE_AS_CAUSAL_LM: Callable[[Glm4MoeArgs], CausalLM] = glm4_moe.Model
+_GLM_MOE_DSA_AS_CAUSAL_LM: Callable[[GlmMoeDsaArgs], CausalLM] = glm_moe_dsa.Model
 
 _AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-# Layers with `to_quantized` (the stacked experts of qwen3_next and glm4_moe
-# included; glm4_moe's router is a plain array and stays float)
+# Layers with `to_quantized` (the stacked experts of qwen3_next, glm4_moe and
+# glm_moe_dsa included; their router is a plain array and stays float)
 _QUANTIZABLE = (nn.Linear, nn.Embedding, qwen3_next.SwitchLinear)
 _SHOWN = 5
 

@@ -45,15 +45,16 @@ from models.layers import MLP, Attention, BlockSpec
 from models.llama import Backbone, DecoderLM
 from models.qwen3_next import SwitchGLU
 from schemas.hf import DecoderArgs
-from schemas.hf_glm4_moe import Glm4MoeArgs, layout_problem
+from schemas.hf_glm4_moe import Glm4MoeArgs, MoeArgs, layout_problem
 
 
 class Router(nn.Module):
     """The sigmoid, group-limited top-k router (`mlp.gate`). Its weight is a
     plain array, not a Linear: it stays float when the model is quantized (as
-    in mlx-lm's conversions) and computes in float32 (as transformers does)."""
+    in mlx-lm's conversions) and computes in float32 (as transformers does).
+    GLM-5 (models/glm_moe_dsa.py) routes the same way."""
 
-    def __init__(self, args: Glm4MoeArgs) -> None:
+    def __init__(self, args: MoeArgs) -> None:
         super().__init__()
         experts = args.n_routed_experts
         self.top_k = args.num_experts_per_tok
@@ -93,9 +94,10 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked, `switch_mlp`) plus the shared experts."""
+    """Routed experts (stacked, `switch_mlp`) plus the shared experts (GLM-5's
+    MoE block too)."""
 
-    def __init__(self, args: Glm4MoeArgs) -> None:
+    def __init__(self, args: MoeArgs) -> None:
         super().__init__()
         hidden, width = args.hidden_size, args.moe_intermediate_size
         self.gate = Router(args)
@@ -115,9 +117,10 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
 
-def make_mlp(args: Glm4MoeArgs, layer: int) -> MoE | MLP:
-    """Decoder layer `layer`'s MLP: MoE from `first_k_dense_replace` on (an
-    MTP layer, at index num_hidden_layers or beyond, is MoE), else dense."""
+def make_mlp(args: MoeArgs, layer: int) -> MoE | MLP:
+    """Decoder layer `layer`'s MLP: MoE where `args.is_sparse(layer)` (for
+    GLM-4.5: from `first_k_dense_replace` on; an MTP layer, at index
+    num_hidden_layers or beyond, is MoE), else dense."""
     if args.is_sparse(layer):
         return MoE(args)
     return MLP(args.hidden_size, args.intermediate_size, False)
@@ -215,7 +218,7 @@ _EXPERT = re.compile(
 
 
 def split_mtp(
-    weights: Mapping[str, mx.array], args: Glm4MoeArgs
+    weights: Mapping[str, mx.array], args: MoeArgs
 ) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
     """Sanitized weights (`sanitize_weights`) of the target model, and of the
     checkpoint's MTP layers: those of `model.layers.{N}` (N =

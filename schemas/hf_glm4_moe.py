@@ -3,9 +3,10 @@
 
 `Glm4MoeArgs` extends `DecoderArgs`, so every field the pipeline reads on
 `args` means the same as for the dense decoders and the model satisfies
-`models.base.CausalLM` unchanged. RoPE is read from both `rope_theta` /
-`rope_scaling` and `rope_parameters` (through `normalize_hf_config`); the
-partial rotary factor from `rope_parameters` or the top level (transformers'
+`models.base.CausalLM` unchanged; its MoE settings (`MoeArgs`, checked by
+`moe_problem`) are GLM-5's too (schemas/hf_glm_moe_dsa.py). RoPE is read
+from both `rope_theta` / `rope_scaling` and `rope_parameters` (through
+`normalize_hf_config`); the partial rotary factor from `rope_parameters` or the top level (transformers'
 default for this model type: 0.5). Keys a config.json omits take
 transformers' `Glm4MoeConfig` defaults (`rms_norm_eps` 1e-5, not the
 dense decoders' 1e-6).
@@ -48,17 +49,14 @@ _DEFAULTS: dict[str, Any] = {
 
 
 @frozen(kw_only=True)
-class Glm4MoeArgs(DecoderArgs):
-    """GLM-4.5 MoE: GQA attention (q/k/v biases per `attention_bias`, optional
-    per-head q/k RMSNorm, RoPE on the first `rotary_dims` of each head), the
-    first `first_k_dense_replace` layers with a dense SwiGLU MLP of
+class MoeArgs(DecoderArgs):
+    """The DeepSeek-V3-style MoE settings GLM-4.5 (`Glm4MoeArgs`) and GLM-5
+    (`schemas.hf_glm_moe_dsa.GlmMoeDsaArgs`) share: the first
+    `first_k_dense_replace` layers with a dense SwiGLU MLP of
     `intermediate_size`, the rest with a sigmoid-routed, group-limited MoE
-    block plus `n_shared_experts` shared experts. The defaults are
-    transformers' Glm4MoeConfig's."""
+    block plus `n_shared_experts` shared experts (models/glm4_moe.py's
+    `MoE`). The defaults are transformers' Glm4MoeConfig's."""
 
-    # fraction of head_dim that RoPE rotates (the rest passes through)
-    partial_rotary_factor: float = 0.5
-    use_qk_norm: bool = False
     hidden_act: str = "silu"
     moe_intermediate_size: int = 1408
     n_routed_experts: int = 128
@@ -72,19 +70,30 @@ class Glm4MoeArgs(DecoderArgs):
     # MTP layers a checkpoint carries as `model.layers.{num_hidden_layers + i}`
     num_nextn_predict_layers: int = 1
 
-    @property
-    def rotary_dims(self) -> int:
-        return int(self.dim_per_head * self.partial_rotary_factor)
-
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` (an MTP layer's index too, which is
         `num_hidden_layers + i`) has a MoE block (else a dense MLP)."""
         return layer >= self.first_k_dense_replace
 
 
-def layout_problem(args: Glm4MoeArgs) -> str | None:
-    """What this model cannot run, said with the values and the key to fix
-    (None: nothing)."""
+@frozen(kw_only=True)
+class Glm4MoeArgs(MoeArgs):
+    """GLM-4.5 MoE: GQA attention (q/k/v biases per `attention_bias`, optional
+    per-head q/k RMSNorm, RoPE on the first `rotary_dims` of each head) and
+    the MLPs of `MoeArgs`. The defaults are transformers' Glm4MoeConfig's."""
+
+    # fraction of head_dim that RoPE rotates (the rest passes through)
+    partial_rotary_factor: float = 0.5
+    use_qk_norm: bool = False
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+
+def moe_problem(args: MoeArgs) -> str | None:
+    """What the MLPs of `MoeArgs` (models/glm4_moe.py's `MoE` and its router)
+    cannot run, said with the values and the key to fix (None: nothing)."""
     experts, groups = args.n_routed_experts, args.n_group
     top_k, kept = args.num_experts_per_tok, args.topk_group
     if args.hidden_act != "silu":
@@ -114,6 +123,15 @@ def layout_problem(args: Glm4MoeArgs) -> str | None:
             f"n_shared_experts ({args.n_shared_experts}) and first_k_dense_replace "
             f"({args.first_k_dense_replace}) must not be negative"
         )
+    return None
+
+
+def layout_problem(args: Glm4MoeArgs) -> str | None:
+    """What this model cannot run, said with the values and the key to fix
+    (None: nothing)."""
+    problem = moe_problem(args)
+    if problem is not None:
+        return problem
     rotary = args.rotary_dims
     if not 0 < args.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
         return (

@@ -32,6 +32,11 @@ from schemas.converter import hf, structure
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
 from schemas.hf_glm4_moe import GLM4_MOE_MODEL_TYPES, Glm4MoeArgs, glm4_moe_args
+from schemas.hf_glm_moe_dsa import (
+    GLM_MOE_DSA_MODEL_TYPES,
+    GlmMoeDsaArgs,
+    glm_moe_dsa_args,
+)
 from schemas.hf_hybrid import HYBRID_MODEL_TYPES, HybridArgs, hybrid_args
 from specpipe.fixtures import fixture_names, install_fixture
 
@@ -143,8 +148,16 @@ def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, Loa
     if model_type in GLM4_MOE_MODEL_TYPES:
         glm: Result[DecoderArgs, ConfigError] = glm4_moe_args(raw, where)
         return glm.alt(lambda err: LoadError(err.message))
+    if model_type in GLM_MOE_DSA_MODEL_TYPES:
+        dsa: Result[DecoderArgs, ConfigError] = glm_moe_dsa_args(raw, where)
+        return dsa.alt(lambda err: LoadError(err.message))
     if model_type not in SUPPORTED_MODEL_TYPES:
-        supported = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES + GLM4_MOE_MODEL_TYPES
+        supported = (
+            SUPPORTED_MODEL_TYPES
+            + HYBRID_MODEL_TYPES
+            + GLM4_MOE_MODEL_TYPES
+            + GLM_MOE_DSA_MODEL_TYPES
+        )
         return Failure(
             LoadError(
                 f"{where}: unsupported model_type {model_type!r}; "
@@ -322,8 +335,9 @@ def config_for(
 ) -> dict[str, Any]:
     """config.json of a converted folder: rebuilt from `args` for the decoder
     family, the upstream config (MTP layers dropped) for hybrid graphs and
-    glm4_moe (whose MoE settings `config_dict` does not write)."""
-    if not isinstance(loaded.args, HybridArgs | Glm4MoeArgs):
+    glm4_moe and glm_moe_dsa (whose MoE and attention settings `config_dict`
+    does not write)."""
+    if not isinstance(loaded.args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs):
         return config_dict(loaded.args, quantize, group_size, weights)
     cfg = {
         k: v
