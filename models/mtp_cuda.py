@@ -288,7 +288,11 @@ ATT_PIPE = True
 # 200 s). Off. Since measured: the combine of a (row, head)'s splits read them
 # one at a time (up to 66 at one row, one L2 round trip each, on the phase's
 # critical path); their loads are now in flight together (eight per thread),
-# the same sums in the same order: to be timed again.
+# the same sums in the same order. Stamped since (twenty-fifth session,
+# bench/phase_probe.py, a chained FR step): its positions are the fastest
+# (74 us at 32,768 positions against 113), but its partials and combine still
+# take 27 us (the combiners wait for the last of 66 splits), so the step
+# (194 us) loses to ATT_PIPE's (183); at 4,096 positions 126 against 108. Off.
 ATT_GROUPED = False
 ATT_TILE = 32
 ATT_MIN_SHARE = 16
