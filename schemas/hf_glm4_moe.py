@@ -23,7 +23,8 @@ Reference: transformers `models/glm4_moe/configuration_glm4_moe.py`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from attrs import frozen
 from returns.result import Failure, Result, Success
@@ -158,15 +159,28 @@ def normalize_glm4_moe_config(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def glm4_moe_args(raw: dict[str, Any], where: str) -> Result[Glm4MoeArgs, ConfigError]:
-    """An upstream config dict -> `Glm4MoeArgs`, or a `ConfigError` naming
-    `where`, the problem and the key to fix."""
+A = TypeVar("A", bound=MoeArgs)
+
+
+def checked_args(
+    raw: dict[str, Any],
+    where: str,
+    family: str,
+    model_types: tuple[str, ...],
+    normalized: Callable[[dict[str, Any]], dict[str, Any]],
+    cls: type[A],
+    problem: Callable[[A], str | None],
+) -> Result[A, ConfigError]:
+    """A GLM config dict of one of `model_types` (a `family` model) ->
+    `cls` by `normalized`, or a `ConfigError` naming `where`, the problem and
+    the key to fix: another model type, a non-MLX quantization, a field that
+    does not parse, or what `problem` says the model cannot run."""
     model_type = raw.get("model_type")
-    if model_type not in GLM4_MOE_MODEL_TYPES:
+    if model_type not in model_types:
         return Failure(
             ConfigError(
-                f"{where}: model_type {model_type!r} is not a GLM-4.5 MoE model; "
-                f"supported: {', '.join(GLM4_MOE_MODEL_TYPES)}"
+                f"{where}: model_type {model_type!r} is not a {family} model; "
+                f"supported: {', '.join(model_types)}"
             )
         )
 
@@ -180,14 +194,27 @@ def glm4_moe_args(raw: dict[str, Any], where: str) -> Result[Glm4MoeArgs, Config
             )
         )
 
-    def runnable(args: Glm4MoeArgs) -> Result[Glm4MoeArgs, ConfigError]:
-        problem = layout_problem(args)
-        if problem is not None:
-            return Failure(ConfigError(f"{where}: {problem}"))
+    def runnable(args: A) -> Result[A, ConfigError]:
+        found = problem(args)
+        if found is not None:
+            return Failure(ConfigError(f"{where}: {found}"))
         return Success(args)
 
-    parsed = structure(hf, normalize_glm4_moe_config(raw), Glm4MoeArgs, where)
-    return parsed.bind(runnable)
+    return structure(hf, normalized(raw), cls, where).bind(runnable)
+
+
+def glm4_moe_args(raw: dict[str, Any], where: str) -> Result[Glm4MoeArgs, ConfigError]:
+    """An upstream config dict -> `Glm4MoeArgs`, or a `ConfigError` naming
+    `where`, the problem and the key to fix."""
+    return checked_args(
+        raw,
+        where,
+        "GLM-4.5 MoE",
+        GLM4_MOE_MODEL_TYPES,
+        normalize_glm4_moe_config,
+        Glm4MoeArgs,
+        layout_problem,
+    )
 
 
 def foreign_quantization(raw: dict[str, Any]) -> str | None:

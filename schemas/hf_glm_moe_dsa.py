@@ -38,12 +38,11 @@ from __future__ import annotations
 from typing import Any
 
 from attrs import frozen
-from returns.result import Failure, Result, Success
+from returns.result import Result
 
-from schemas.converter import hf, structure
 from schemas.errors import ConfigError
 from schemas.hf import normalize_hf_config
-from schemas.hf_glm4_moe import MoeArgs, foreign_quantization, moe_problem
+from schemas.hf_glm4_moe import MoeArgs, checked_args, moe_problem
 
 GLM_MOE_DSA_MODEL_TYPES = ("glm_moe_dsa",)
 
@@ -227,30 +226,12 @@ def glm_moe_dsa_args(
 ) -> Result[GlmMoeDsaArgs, ConfigError]:
     """An upstream config dict -> `GlmMoeDsaArgs`, or a `ConfigError` naming
     `where`, the problem and the key to fix."""
-    model_type = raw.get("model_type")
-    if model_type not in GLM_MOE_DSA_MODEL_TYPES:
-        return Failure(
-            ConfigError(
-                f"{where}: model_type {model_type!r} is not a GLM-5 model; "
-                f"supported: {', '.join(GLM_MOE_DSA_MODEL_TYPES)}"
-            )
-        )
-
-    foreign = foreign_quantization(raw)
-    if foreign is not None:
-        return Failure(
-            ConfigError(
-                f"{where}: quantization_config quant_method {foreign!r} is not "
-                "supported; use the bfloat16 checkpoint or an MLX (affine) "
-                "conversion of it"
-            )
-        )
-
-    def runnable(args: GlmMoeDsaArgs) -> Result[GlmMoeDsaArgs, ConfigError]:
-        problem = layout_problem(args)
-        if problem is not None:
-            return Failure(ConfigError(f"{where}: {problem}"))
-        return Success(args)
-
-    parsed = structure(hf, normalize_glm_moe_dsa_config(raw), GlmMoeDsaArgs, where)
-    return parsed.bind(runnable)
+    return checked_args(
+        raw,
+        where,
+        "GLM-5",
+        GLM_MOE_DSA_MODEL_TYPES,
+        normalize_glm_moe_dsa_config,
+        GlmMoeDsaArgs,
+        layout_problem,
+    )
