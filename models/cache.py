@@ -136,9 +136,11 @@ class KVCache:
         out.capacity = capacity
         if self.keys:
             index = mx.array(list(rows), dtype=mx.int32)
+            # cut, then take: the copy is of the kept positions only (a cut
+            # of the copy would be a view holding the whole arena's buffer)
             cut = (slice(None), slice(None), slice(0, capacity))
-            out.keys = [mx.take(k, index, axis=0)[cut] for k in self.keys]
-            out.values = [mx.take(v, index, axis=0)[cut] for v in self.values]
+            out.keys = [mx.take(k[cut], index, axis=0) for k in self.keys]
+            out.values = [mx.take(v[cut], index, axis=0) for v in self.values]
         return out
 
     @staticmethod

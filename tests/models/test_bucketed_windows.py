@@ -3,6 +3,8 @@ KVCache.key_span) give the logits of the exact-span path."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -63,3 +65,21 @@ def test_a_row_copy_cut_at_its_length_decodes_as_the_whole_arena() -> None:
     nxt = mx.random.randint(0, 97, (1, 3)).astype(mx.int32)
     logits = [np.array(model(nxt, c, [300]).logits) for c in (whole, cut)]
     assert np.max(np.abs(logits[0] - logits[1])) < 1e-5
+
+
+def test_a_row_copy_cut_at_its_length_holds_only_its_positions() -> None:
+    """The cut copy's memory is its own positions', not a view of the arena."""
+    args = structure(hf, normalize_hf_config(CONFIG), DecoderArgs, "t").unwrap()
+    model = build_model(args).unwrap()
+    cache = model.make_cache(1)
+    cache.reserve(40_000)  # 2 layers x (keys, values) x 40,192 positions x 32 dims
+    mx.eval(cache.arrays())
+    arena = sum(int(a.nbytes) for a in cache.arrays())
+    gc.collect()
+    before = mx.get_active_memory()
+    cut = cache.take_rows([0], 300)
+    mx.eval(cut.arrays())
+    held = mx.get_active_memory() - before
+    kept = sum(int(a.nbytes) for a in cut.arrays())
+    assert kept * 50 < arena
+    assert held <= 2 * kept  # not the arena's buffer behind a view
