@@ -62,7 +62,7 @@ from attrs import evolve
 
 from models import glm4_moe
 from models.base import Mask, RoPE, run_stack
-from models.cache import KVCache
+from models.cache import KVCache, position_mask
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.layers import model_dtype
 from models.llama import Backbone, DecoderLM
@@ -82,21 +82,6 @@ class Selection:
     def __init__(self) -> None:
         self.mask: Mask = None
         self.made = False
-
-
-def allowed_positions(
-    mask: Mask, length: int, span: int
-) -> mx.array:  # [B or 1, 1, L, S] bool
-    """`mask` (None, "causal" or boolean, models.base.attention_mask) as a
-    boolean array: None lets the one query see every key; "causal" lets
-    query i (at position span - L + i) see keys up to its own."""
-    if isinstance(mask, mx.array):
-        return mask
-    if mask is None:
-        return mx.ones((1, 1, length, span), dtype=mx.bool_)
-    query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
-    key = mx.arange(span, dtype=mx.int32)[None, None, None, :]
-    return key <= query + (span - length)
 
 
 class Indexer(nn.Module):
@@ -237,7 +222,7 @@ class LatentAttention(nn.Module):
         )
         values = kv[..., self.nope_dim :]
         attended = self._attended(
-            x, q_resid, cached_index, mask, rope_at, selection, length, span
+            x, q_resid, cached_index, mask, offsets, rope_at, selection, span
         )
         out = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=self.scale, mask=attended
@@ -250,9 +235,9 @@ class LatentAttention(nn.Module):
         q_resid: mx.array,
         cached_index: mx.array,  # [B, 1, S, latent_dim], indexer keys first
         mask: Mask,
+        offsets: Sequence[int],
         rope_at: int | mx.array,
         selection: Selection | None,
-        length: int,
         span: int,
     ) -> Mask:
         """The mask the heads attend under: `mask` itself when the indexer
@@ -268,7 +253,11 @@ class LatentAttention(nn.Module):
         chosen = mask
         if self.indexer.top_k < span:
             keys = cached_index[..., : self.indexer.head_dim]
-            allowed = allowed_positions(mask, length, span)
+            allowed = (
+                mask
+                if isinstance(mask, mx.array)
+                else position_mask(mx.array(list(offsets)), x.shape[1], span)
+            )
             chosen = self.indexer.select(x, q_resid, keys, allowed, self.rope, rope_at)
         if selection is not None:
             selection.mask, selection.made = chosen, True
