@@ -181,11 +181,36 @@ class Glm4MoeModel(Backbone):
         )
 
 
-class Model(DecoderLM):
-    """The causal LM: implements `models.base.CausalLM`."""
+class MoeLM(DecoderLM):
+    """A GLM causal LM over `MoeArgs` (GLM-4.5 here, GLM-5 in
+    models/glm_moe_dsa.py): its checkpoint's MTP layers are kept apart from
+    its own weights."""
 
-    # The protocol's type; always a Glm4MoeArgs here (see `glm`).
+    # The protocol's type; always MoeArgs here (see `moe`).
     args: DecoderArgs
+
+    @property
+    def moe(self) -> MoeArgs:
+        args = self.args
+        assert isinstance(args, MoeArgs), "a GLM MoE model runs on MoeArgs"
+        return args
+
+    def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
+        """HF / MLX checkpoint names -> this model's parameter names (no MTP
+        layers: see `split_mtp`)."""
+        return self.split_mtp(weights)[0]
+
+    def split_mtp(
+        self, weights: Mapping[str, mx.array]
+    ) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+        """The target's sanitized weights, and the checkpoint's MTP layers'
+        (`split_mtp`: layer num_hidden_layers's names without their prefix,
+        experts stacked)."""
+        return split_mtp(weights, self.moe)
+
+
+class Model(MoeLM):
+    """The causal LM: implements `models.base.CausalLM`."""
 
     def __init__(self, args: Glm4MoeArgs) -> None:
         problem = layout_problem(args)
@@ -198,17 +223,6 @@ class Model(DecoderLM):
         args = self.args
         assert isinstance(args, Glm4MoeArgs), "glm4_moe runs on Glm4MoeArgs"
         return args
-
-    def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
-        """HF / MLX checkpoint names -> this model's parameter names (no MTP
-        layers: see `split_mtp`)."""
-        return self.split_mtp(weights)[0]
-
-    def split_mtp(
-        self, weights: Mapping[str, mx.array]
-    ) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
-        """`split_mtp(weights, self.args)`."""
-        return split_mtp(weights, self.glm)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

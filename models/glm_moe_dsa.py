@@ -52,7 +52,7 @@ on `deepseek_v32` and `deepseek_v3`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import cast
 
@@ -65,9 +65,8 @@ from models.base import Mask, RoPE, run_stack
 from models.cache import KVCache, position_mask
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.layers import model_dtype
-from models.llama import Backbone, DecoderLM
+from models.llama import Backbone
 from models.parallel import Linear
-from schemas.hf import DecoderArgs
 from schemas.hf_glm_moe_dsa import GlmMoeDsaArgs, layout_problem
 
 # the eps transformers gives the low-rank RMSNorms and the indexer's LayerNorm
@@ -316,11 +315,9 @@ class GlmMoeDsaModel(Backbone):
         return run_stack(self.embed_tokens, bound, ids, cache, offsets, taps, tapped)
 
 
-class Model(DecoderLM):
-    """The causal LM: implements `models.base.CausalLM`."""
-
-    # The protocol's type; always a GlmMoeDsaArgs here (see `glm`).
-    args: DecoderArgs
+class Model(glm4_moe.MoeLM):
+    """The causal LM: implements `models.base.CausalLM` (`sanitize` and
+    `split_mtp` are GLM-4.5's: the checkpoint's MTP layer kept apart)."""
 
     def __init__(self, args: GlmMoeDsaArgs) -> None:
         problem = layout_problem(args)
@@ -341,16 +338,3 @@ class Model(DecoderLM):
         return KVCache(
             glm.num_hidden_layers, batch, 1, glm.latent_dim, model_dtype(self)
         )
-
-    def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
-        """HF / MLX checkpoint names -> this model's parameter names (no MTP
-        layers: see `split_mtp`)."""
-        return self.split_mtp(weights)[0]
-
-    def split_mtp(
-        self, weights: Mapping[str, mx.array]
-    ) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
-        """The target's sanitized weights, and the checkpoint's MTP layers'
-        (`models.glm4_moe.split_mtp`: layer num_hidden_layers's names without
-        their prefix, experts stacked)."""
-        return glm4_moe.split_mtp(weights, self.glm)
