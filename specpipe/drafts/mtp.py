@@ -844,9 +844,7 @@ class MtpDrafter:
         opened: list[MtpRows] = []
         for b, (row, state) in enumerate(zip(rows, states, strict=True)):
             if not isinstance(state, MtpState):
-                fresh_rows = self.open([row], hidden[b : b + 1, : row.length])
-                assert isinstance(fresh_rows, MtpRows)
-                opened.append(fresh_rows)
+                opened.append(self.open([row], hidden[b : b + 1, : row.length]))
                 continue
             fresh = hidden[b, : row.length - state.processed].astype(state.tail.dtype)
             tail = mx.concatenate([state.tail, fresh])
@@ -865,9 +863,7 @@ class MtpDrafter:
             )
         return opened[0].joined(opened[1:])
 
-    def open(
-        self, rows: Sequence[RowState], hidden: mx.array | None = None
-    ) -> DraftRows:
+    def open(self, rows: Sequence[RowState], hidden: mx.array | None = None) -> MtpRows:
         assert hidden is not None, (
             "the MTP head reads the target's prompt hidden states"
         )
@@ -912,7 +908,7 @@ class MtpDrafter:
         greedy = SamplingParams()
         ids: list[int] = context.reshape(-1).tolist()  # type: ignore[assignment]
         rows = [RowState.start(tuple(ids), 64, greedy)]
-        opened = self.open(rows, hidden[:, :-1])
+        opened: DraftRows = self.open(rows, hidden[:, :-1])
         proposal = opened.propose(rows, 1)
         pending = hidden[:, -1:]  # stands in for the verify window's hidden state
         opened = opened.prepare_commit(
