@@ -8,6 +8,7 @@ The round then uses only the binding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from attrs import field, frozen
@@ -15,6 +16,7 @@ from returns.result import Failure, Result, Success
 
 from schemas.errors import BindingError
 from schemas.hf import DecoderArgs
+from schemas.hf_gemma4 import Gemma4Args
 from schemas.hf_hybrid import HybridArgs
 
 LayerKind = Literal["attention", "linear_recurrent"]
@@ -39,6 +41,26 @@ class NativeDraft:
     width: int
 
 
+@frozen
+class LentKV:
+    """Keys and values a target lends a KV-borrowing draft: those its last
+    non-shared layer of `layer_type` stores (`[B, kv_heads, C, head_dim]`)."""
+
+    layer_type: str
+    kv_heads: int
+    head_dim: int
+
+
+@frozen
+class BorrowedKV:
+    """Keys and values a KV-borrowing draft's layers of `layer_type` attend
+    over with `query_heads` heads of `head_dim`."""
+
+    layer_type: str
+    query_heads: int
+    head_dim: int
+
+
 @frozen(kw_only=True)
 class GraphCapabilities:
     model_type: str
@@ -50,6 +72,7 @@ class GraphCapabilities:
     native_draft: NativeDraft | None = None
     # kind -> measured best width on this graph
     adaptive_widths: tuple[tuple[str, int], ...] = ()
+    lent_kv: tuple[LentKV, ...] = ()
 
     @classmethod
     def for_decoder(
@@ -72,7 +95,20 @@ class GraphCapabilities:
             tap_layers=tuple(range(n)),
             quantized_head=args.quantization is not None,
             native_draft=native_draft,
+            lent_kv=lent_kv(args),
         )
+
+
+def lent_kv(args: DecoderArgs) -> tuple[LentKV, ...]:
+    """The keys and values a Gemma-4 target's graph lends a KV-borrowing
+    draft: per layer type, its last non-shared layer's (none for others)."""
+    if not isinstance(args, Gemma4Args):
+        return ()
+    return tuple(
+        LentKV(kind, args.kv_heads_of(kind), args.head_dim_of(kind))
+        for kind in sorted(set(args.layer_types))
+        if args.producer(kind) is not None
+    )
 
 
 @frozen(kw_only=True)
@@ -87,6 +123,7 @@ class DraftNeeds:
     tap_layers: tuple[int, ...] = ()
     shares: frozenset[str] = field(factory=frozenset)  # "embedding", "lm_head"
     namespace: str = ""
+    borrows_kv: tuple[BorrowedKV, ...] = ()  # a KV-borrowing draft's reads
 
 
 @frozen
@@ -118,6 +155,7 @@ def bind(
     stuck = [i for i, layer in enumerate(target.layers) if layer.rollback == "none"]
     if stuck:
         problems.append(f"target layers {stuck[:5]} cannot roll back rejected drafts")
+    problems.extend(_borrowing_problems(target.lent_kv, needs.borrows_kv))
     if width is not None and width <= 0:
         problems.append(f"num-draft-tokens must be >= 1, got {width}")
     if problems:
@@ -132,3 +170,32 @@ def bind(
     if needs.max_width is not None:
         chosen = min(chosen, needs.max_width)
     return Success(Binding(target, needs, chosen))
+
+
+def _borrowing_problems(
+    lent: Sequence[LentKV], borrowed: Sequence[BorrowedKV]
+) -> list[str]:
+    """What keeps a KV-borrowing draft's layers from attending over the
+    target's stored keys and values."""
+    offered = {kv.layer_type: kv for kv in lent}
+    problems = []
+    for want in borrowed:
+        kv = offered.get(want.layer_type)
+        if kv is None:
+            kinds = ", ".join(sorted(offered)) or "none"
+            problems.append(
+                f"the draft reads the target's {want.layer_type} keys/values, which "
+                f"the target does not lend (it lends: {kinds}); an assistant draft "
+                "needs the Gemma-4 target it was trained with"
+            )
+        elif want.head_dim != kv.head_dim:
+            problems.append(
+                f"the draft's {want.layer_type} heads have {want.head_dim} dims, the "
+                f"target's stored keys {kv.head_dim}"
+            )
+        elif want.query_heads % kv.kv_heads:
+            problems.append(
+                f"the draft's {want.query_heads} {want.layer_type} query heads do not "
+                f"group over the target's {kv.kv_heads} key/value heads"
+            )
+    return problems

@@ -255,7 +255,8 @@ def _dflash_generation(artifact: DraftArtifact) -> int:
 
 
 def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
-    from models.dflash import DFlashSettings, build_dflash
+    from models.cache import on_gpu
+    from models.dflash import DFlashSettings, bits_problem, build_dflash, default_bits
     from models.layers import model_dtype
     from schemas.converter import hf, structure
     from schemas.hf import DecoderArgs, normalize_hf_config
@@ -265,6 +266,9 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     assert request.source is not None
     folder = Path(request.source)
     where = str(folder)
+    asked = request.draft_bits
+    if asked is not None and (problem := bits_problem(asked)) is not None:
+        return Failure(BindingError(f"{problem} (--draft-bits)"))
     config = DraftArtifact(folder).config
     if config is None:
         return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
@@ -331,7 +335,11 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if not isinstance(read, Success):
         return Failure(read.failure())
     weights = read.unwrap()
-    built = build_dflash(draft_args, dflash, weights, model_dtype(model))
+    # a float checkpoint's projections load at the bits asked, else at its
+    # generation's default on this device; a quantized one's as they are
+    quantized = any(name.endswith(".scales") for name in weights)
+    bits = default_bits(dflash, on_gpu()) if asked is None and not quantized else asked
+    built = build_dflash(draft_args, dflash, weights, model_dtype(model), bits)
     if not isinstance(built, Success):
         return Failure(BindingError(f"{where}: {built.failure().message}"))
     draft = built.unwrap()
@@ -368,6 +376,7 @@ def _dflash_kind(kind: str, generation: int) -> DraftKind:
         default_width=15,
         load=_load_dflash,
         detect=lambda artifact: _dflash_generation(artifact) == generation,
+        quantizes=True,
     )
 
 
@@ -391,10 +400,16 @@ def _is_dspark(artifact: DraftArtifact) -> bool:
 
 
 def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
-    from models.dspark import GEMMA4_ARCHITECTURE, DSparkSettings, build_dspark
+    from models.dspark import (
+        GEMMA4_ARCHITECTURE,
+        DSparkSettings,
+        build_dspark,
+        gemma4_draft_args,
+    )
     from models.layers import model_dtype
     from schemas.converter import hf, structure
     from schemas.hf import DecoderArgs, normalize_hf_config
+    from schemas.hf_gemma4 import Gemma4Args
     from specpipe.drafts.dspark import DSparkDrafter
 
     assert request.source is not None
@@ -403,16 +418,6 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     config = DraftArtifact(folder).config
     if config is None:
         return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
-    architectures = [str(a) for a in config.get("architectures") or []]
-    if GEMMA4_ARCHITECTURE in architectures or str(
-        config.get("model_type", "")
-    ).startswith("gemma4"):
-        return Failure(
-            BindingError(
-                f"{where}: DeepSpec's Gemma-4 drafters need a Gemma-4 target, which "
-                "specpipe does not implement"
-            )
-        )
     if request.draft_vocab not in (None, "off"):
         return Failure(
             BindingError(
@@ -424,18 +429,39 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if not isinstance(settings, Success):
         return Failure(BindingError(f"{where}: {settings.failure().message}"))
     dspark = settings.unwrap()
-    args = structure(hf, normalize_hf_config(config), DecoderArgs, where)
-    if not isinstance(args, Success):
-        return Failure(BindingError(f"{where}: {args.failure().message}"))
-    draft_args = args.unwrap()
     target = request.target
     model = target.model
+    # DeepSpec's Gemma-4 drafter: Gemma-4 layers over a Gemma-4 target's
+    # layer outputs (its config is the target's text config, model_type and all)
+    architectures = [str(a) for a in config.get("architectures") or []]
+    gemma = GEMMA4_ARCHITECTURE in architectures or str(
+        config.get("model_type", "")
+    ).startswith("gemma4")
+    if gemma and not isinstance(target.args, Gemma4Args):
+        return Failure(
+            BindingError(
+                f"{where}: a Gemma-4 DSpark draft ({GEMMA4_ARCHITECTURE}) reads a "
+                f"Gemma-4 target's layer outputs; the target is "
+                f"{target.args.model_type}: use the Gemma-4 model it was trained for"
+            )
+        )
+    if gemma:
+        parsed = gemma4_draft_args(config, where)
+        if not isinstance(parsed, Success):
+            return Failure(BindingError(parsed.failure().message))
+        draft_args: DecoderArgs = parsed.unwrap()
+    else:
+        args = structure(hf, normalize_hf_config(config), DecoderArgs, where)
+        if not isinstance(args, Success):
+            return Failure(BindingError(f"{where}: {args.failure().message}"))
+        draft_args = args.unwrap()
     if not hasattr(model, "tap"):
         return Failure(
             BindingError(
                 f"{where}: a DSpark draft reads the target's layer outputs, which the "
                 f"{target.args.model_type} target does not expose yet (specpipe's "
-                "llama, qwen2, qwen3, glm4_moe, qwen3_next and qwen3_5 models do)"
+                "llama, qwen2, qwen3, glm4_moe, qwen3_next, qwen3_5 and gemma4 "
+                "models do)"
             )
         )
     # the hidden size and the tapped layers are the binding's checks; a
@@ -481,6 +507,94 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     )
 
 
+def _is_assistant(artifact: DraftArtifact) -> bool:
+    """A KV-borrowing assistant's config: a `*_assistant` model type."""
+    config = artifact.config
+    return config is not None and str(config.get("model_type", "")).endswith(
+        "_assistant"
+    )
+
+
+def _load_assistant(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+    from bindings.capabilities import BorrowedKV
+    from models.dflash import load_exact
+    from models.gemma4_assistant import Assistant
+    from models.layers import model_dtype
+    from schemas.hf_gemma4_assistant import assistant_args
+    from specpipe.drafts.assistant import AssistantDrafter
+
+    assert request.source is not None
+    folder = Path(request.source)
+    where = str(folder)
+    config = DraftArtifact(folder).config
+    if config is None:
+        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    if request.draft_vocab not in (None, "off"):
+        return Failure(
+            BindingError(
+                "a draft vocabulary (--draft-vocab) narrows the target's head; an "
+                "assistant draft projects through its own head: drop the option"
+            )
+        )
+    parsed = assistant_args(config, where)
+    if not isinstance(parsed, Success):
+        return Failure(BindingError(parsed.failure().message))
+    args = parsed.unwrap()
+    target = request.target
+    model = target.model
+    text = args.text
+    # what its layers read of the target's stored keys/values, and the
+    # target's hidden states its inputs carry: the binding's checks
+    needs = DraftNeeds(
+        kind="assistant",
+        default_width=3,
+        vocab_size=args.vocab_size,
+        hidden_size=args.backbone_hidden_size,
+        shares=frozenset({"embedding"}),
+        borrows_kv=tuple(
+            BorrowedKV(kind, text.num_attention_heads, text.head_dim_of(kind))
+            for kind in sorted(set(text.layer_types))
+        ),
+    )
+    binding = bind(GraphCapabilities.for_decoder(target.args), needs, request.width)
+    if not isinstance(binding, Success):
+        return Failure(BindingError(f"{where}: {binding.failure().message}"))
+    if args.vocab_size != target.args.vocab_size:
+        return Failure(
+            BindingError(
+                f"{where}: the assistant's vocabulary ({args.vocab_size} tokens) is "
+                f"not the target's ({target.args.vocab_size})"
+            )
+        )
+    read = _read_weights(folder, "assistant")
+    if not isinstance(read, Success):
+        return Failure(read.failure())
+    draft = Assistant(args)
+    loaded = load_exact(
+        draft,
+        draft.sanitize(read.unwrap()),
+        "assistant",
+        "use the assistant checkpoint its config.json came with",
+        model_dtype(model),
+    )
+    if not isinstance(loaded, Success):
+        return Failure(BindingError(f"{where}: {loaded.failure().message}"))
+    drafter = AssistantDrafter(
+        model, loaded.unwrap(), target.args.hidden_size, request.policy
+    )
+    return Success(
+        LoadedDraft(drafter, binding.unwrap().width, "assistant", drafter, where)
+    )
+
+
+ASSISTANT = DraftKind(
+    kind="assistant",
+    artifact=True,
+    default_width=3,
+    load=_load_assistant,
+    detect=_is_assistant,
+)
+
 DSPARK = DraftKind(
     kind="dspark",
     artifact=True,
@@ -518,6 +632,7 @@ def default_registry() -> DraftRegistry:
         .register(DSPARK)
         .register(DFLASH2)
         .register(DFLASH)
+        .register(ASSISTANT)
         .register(MTP)
         .register(TWO_MODEL)
         .register(NGRAM)

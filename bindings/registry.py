@@ -58,6 +58,9 @@ class DraftLoadRequest:
     # FR-Spec list: None = the companion's draft_vocab.json if any, "off", or a path
     draft_vocab: str | None = None
     dtype: str | None = None  # the pipeline's dtype, for drafts that load a model
+    # the bits a draft's projections are quantized to at load (4, 8; 16:
+    # float); None: its kind's default. Only kinds that `quantizes` take it
+    draft_bits: int | None = None
 
 
 @frozen
@@ -81,6 +84,7 @@ class DraftKind:
     detect: Callable[[DraftArtifact], bool] | None = None
     fallback: bool = False
     bundled_companion: str | None = None  # subfolder of a target that bundles it
+    quantizes: bool = False  # whether its loader takes `draft_bits`
 
 
 @frozen
@@ -136,6 +140,8 @@ class DraftRegistry:
                     f"unknown draft kind {kind!r} (registered: {', '.join(self.names())})"
                 )
             )
+        if request.draft_bits is not None and not entry.quantizes:
+            return Failure(_bits_refused(kind))
         return entry.load(request)
 
     def companion(self, target_folder: Path | None) -> tuple[str, Path] | None:
@@ -162,4 +168,13 @@ class DraftRegistry:
                     "which no kind is registered for"
                 )
             )
+        if request.draft_bits is not None:
+            return Failure(_bits_refused(f"native {declared.kind}"))
         return entry.create(request.target, request)
+
+
+def _bits_refused(kind: str) -> BindingError:
+    return BindingError(
+        f"draft bits (--draft-bits) quantize a DFlash draft's projections at "
+        f"load; a {kind} draft takes none: drop the option or choose such a draft"
+    )

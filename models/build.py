@@ -21,6 +21,7 @@ from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
 from models import (
+    gemma4,
     glm4_moe,
     glm_moe_dsa,
     llama,
@@ -34,6 +35,7 @@ from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import DecoderArgs, QuantizationConfig
+from schemas.hf_gemma4 import Gemma4Args
 from schemas.hf_glm4_moe import Glm4MoeArgs
 from schemas.hf_glm_moe_dsa import GlmMoeDsaArgs
 from schemas.hf_hybrid import HybridArgs
@@ -57,6 +59,7 @@ Model: TypeAlias = (
     | qwen3_5_moe.Model
     | glm4_moe.Model
     | glm_moe_dsa.Model
+    | gemma4.Model
 )
 
 
@@ -95,6 +98,14 @@ def _glm_moe_dsa(args: DecoderArgs) -> glm_moe_dsa.Model:
     return glm_moe_dsa.Model(args)
 
 
+def _gemma4(args: DecoderArgs) -> gemma4.Model:
+    # `gemma4` (the multimodal wrapper) and `gemma4_text` parse to Gemma4Args
+    # (schemas/hf_gemma4.py).
+    if not isinstance(args, Gemma4Args):
+        raise ValueError("needs Gemma4Args (parse its config with gemma4_args)")
+    return gemma4.Model(args)
+
+
 _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "llama": llama.Model,
     "qwen2": qwen2.Model,
@@ -106,6 +117,8 @@ _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "qwen3_5_moe_text": _qwen3_5_moe,
     "glm4_moe": _glm4_moe,
     "glm_moe_dsa": _glm_moe_dsa,
+    "gemma4": _gemma4,
+    "gemma4_text": _gemma4,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.
@@ -115,10 +128,12 @@ _QWEN3_5_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5.Model
 _QWEN3_5_MOE_AS_CAUSAL_LM: Callable[[HybridArgs], CausalLM] = qwen3_5_moe.Model
 _GLM4_MOE_AS_CAUSAL_LM: Callable[[Glm4MoeArgs], CausalLM] = glm4_moe.Model
 _GLM_MOE_DSA_AS_CAUSAL_LM: Callable[[GlmMoeDsaArgs], CausalLM] = glm_moe_dsa.Model
+_GEMMA4_AS_CAUSAL_LM: Callable[[Gemma4Args], CausalLM] = gemma4.Model
 
 _AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-# Layers with `to_quantized` (the stacked experts of qwen3_next, glm4_moe and
-# glm_moe_dsa included; their router is a plain array and stays float)
+# Layers with `to_quantized` (the stacked experts of qwen3_next, glm4_moe,
+# glm_moe_dsa and gemma4 included; GLM's router is a plain array and stays
+# float, Gemma-4's `router.proj` is a Linear)
 _QUANTIZABLE = (nn.Linear, nn.Embedding, qwen3_next.SwitchLinear)
 _SHOWN = 5
 
@@ -164,16 +179,24 @@ def quantize_model(model: Model, bits: int, group_size: int) -> None:
     )
 
 
-def quantize_layers(module: nn.Module, bits: int, group_size: int) -> None:
+def quantize_layers(
+    module: nn.Module,
+    bits: int,
+    group_size: int,
+    where: Callable[[str, nn.Module], bool] | None = None,
+) -> None:
     """`quantize_model`'s layer choice on any module (a draft head too): every
     float Linear / Embedding / stacked-expert layer whose input width is a
-    multiple of `group_size`; norms and other layers stay in float."""
+    multiple of `group_size` (and, given `where`, that `where(path, layer)`
+    picks); norms and other layers stay in float."""
     assert bits in _AFFINE_BITS, f"bits must be one of {_AFFINE_BITS}"
     assert group_size in (32, 64, 128), "group_size must be 32, 64 or 128"
 
-    def eligible(_path: str, layer: nn.Module) -> bool:
+    def eligible(path: str, layer: nn.Module) -> bool:
         return (
-            isinstance(layer, _QUANTIZABLE) and layer.weight.shape[-1] % group_size == 0
+            isinstance(layer, _QUANTIZABLE)
+            and layer.weight.shape[-1] % group_size == 0
+            and (where is None or where(path, layer))
         )
 
     nn.quantize(module, group_size=group_size, bits=bits, class_predicate=eligible)

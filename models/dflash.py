@@ -25,12 +25,18 @@ committed, and kept in the draft's own KV cache (`write_context`); a round's
 block keys and values are never stored. References: z-lab/dflash
 `dflash/model.py` (`DFlashDraftModel`, `Qwen3DFlashAttention`,
 `DFlash2DraftModel`); vLLM's `dflash.py`.
+
+A float checkpoint's big projections can be quantized at load (MLX affine,
+groups of 64: `quantize_projections`); a DFlash2 draft's are, to 4 bits, by
+default on a GPU (`default_bits`), as the reference engine loads them. The
+draft only proposes, so this changes acceptance and speed, never the
+output. A checkpoint that holds quantized layers loads them as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,6 +44,7 @@ from attrs import frozen
 from returns.result import Failure, Result, Success
 
 from models.base import rope_offset
+from models.build import quantize_layers, quantized_layers
 from models.cache import KVCache
 from models.layers import MLP, Attention, BlockSpec, flat_parameters, model_dtype
 from models.parallel import Linear
@@ -326,6 +333,30 @@ class CandidateSelector(nn.Module):
         return unary + (keys @ query[:, :, None])[..., 0]
 
 
+class ContextAttention(Protocol):
+    def context(
+        self, ctx: mx.array, rope_at: int | mx.array
+    ) -> tuple[mx.array, mx.array]: ...
+
+
+class DraftLayer(Protocol):
+    """What a draft's layer offers `DFlashDraft` (`DFlashLayer`'s interface):
+    its attention's context keys / values, and a forward of the block over
+    the context's keys and values."""
+
+    @property
+    def self_attn(self) -> ContextAttention: ...
+
+    def __call__(
+        self,
+        x: mx.array,  # [B, L, H]
+        keys: mx.array,  # [B, Hkv, S, D]
+        values: mx.array,  # [B, Hkv, S, D]
+        rope_at: int | mx.array,
+        mask: mx.array,  # [B, 1, L, S + L] bool
+    ) -> mx.array: ...
+
+
 class DFlashLayer(nn.Module):
     def __init__(
         self, args: DecoderArgs, layer: int, conv: tuple[int, int] | None = None
@@ -376,20 +407,35 @@ class DFlashDraft(nn.Module):
         hidden = args.hidden_size
         self.fc = Linear(len(settings.target_layers) * hidden, hidden, bias=False)
         self.hidden_norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-        self.layers = [
-            DFlashLayer(args, i, settings.conv) for i in range(args.num_hidden_layers)
-        ]
+        self.layers = [self.make_layer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
         if settings.selector is not None:
             self.candidate_selector = CandidateSelector(
                 hidden, args.vocab_size, *settings.selector
             )
 
+    def make_layer(self, args: DecoderArgs, index: int) -> DraftLayer:
+        """Draft layer `index` (a subclass's own: DSpark's Gemma-4 layers)."""
+        return DFlashLayer(args, index, self.settings.conv)
+
     @property
     def family(self) -> str:
         """The drafter family these modules are (its prompt-cache namespace's
         first part)."""
         return "dflash2" if self.settings.second else "dflash"
+
+    @property
+    def quantized_bits(self) -> tuple[int, ...]:
+        """The bit widths its quantized layers hold, ascending (none: float)."""
+        return tuple(
+            sorted(
+                {
+                    int(layer.bits)
+                    for _, layer in self.named_modules()
+                    if isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding)
+                }
+            )
+        )
 
     def make_cache(self, batch: int) -> KVCache:
         """The context keys / values of every layer, per row."""
@@ -487,27 +533,103 @@ def _empty(cache: KVCache) -> mx.array:
     return mx.zeros((cache.batch, cache.kv_heads, 0, cache.head_dim), cache.dtype)
 
 
+# A draft's projection bits at load (`--draft-bits`): MLX affine 4 or 8
+# bits, or 16, float (the checkpoint's dtype, or the one asked for)
+DRAFT_BITS = (4, 8, 16)
+FLOAT_BITS = 16
+QUANTIZED_GROUP_SIZE = 64
+# The layers `quantize_projections` quantizes (by their last name): the
+# attention and MLP projections of every layer and the context's `fc`, all
+# but ~10 % of a DFlash2 draft's weights. Float stay the norms, the dynamic
+# convolutions' base kernels and kernel projections (small, and their
+# outputs are kernel weights that multiply the block's activations), the
+# selector's hidden projection (rank-sized) and its codebooks (embeddings,
+# whose rows rescore candidates whose logits are close by construction).
+_QUANTIZED = frozenset(
+    {"fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+)
+
+
+def default_bits(settings: DFlashSettings, gpu: bool) -> int:
+    """The bits a float checkpoint's projections load at unless asked: 4
+    for a DFlash2 draft on a GPU (as the reference engine loads z-lab's:
+    1.36 GB resident here for a 3.85 GB bf16 checkpoint), float on the CPU,
+    where MLX's quantized products are the slow path (a 4-bit block forward
+    of that draft took 67.6 s against 0.50 s in bf16 on the 2-core machine,
+    bench/RESULTS.md); float for a DFlash (v1) draft, as before."""
+    return 4 if settings.second and gpu else FLOAT_BITS
+
+
+def bits_problem(bits: int) -> str | None:
+    """Why `bits` is not a draft's projection bits, or None."""
+    if bits in DRAFT_BITS:
+        return None
+    return (
+        f"draft bits must be 4 or 8 (MLX affine quantization, groups of "
+        f"{QUANTIZED_GROUP_SIZE}) or 16 (float, unquantized), got {bits}"
+    )
+
+
+def quantize_projections(draft: DFlashDraft, bits: int) -> DFlashDraft:
+    """The draft, its float projections (`_QUANTIZED`, each whose input
+    width is a multiple of the group size) quantized in place to `bits` (4
+    or 8), MLX affine in groups of `QUANTIZED_GROUP_SIZE`."""
+    quantize_layers(
+        draft,
+        bits,
+        QUANTIZED_GROUP_SIZE,
+        where=lambda path, _layer: path.rsplit(".", 1)[-1] in _QUANTIZED,
+    )
+    mx.eval(draft.parameters())
+    return draft
+
+
 def build_dflash(
     args: DecoderArgs,
     settings: DFlashSettings,
     weights: Mapping[str, mx.array],
     dtype: mx.Dtype | None = None,
+    bits: int | None = None,
 ) -> Result[DFlashDraft, LoadError]:
     """The draft with its checkpoint's weights (all of them, no more; HF
-    names, optionally under `model.`), cast to `dtype` where given."""
+    names, optionally under `model.`), float ones cast to `dtype` where
+    given. Layers the checkpoint holds quantized (`.scales` beside a packed
+    `.weight`) load quantized, bits and group size read from the packed
+    shapes. `bits`: None loads the weights as they are; 4 or 8 quantizes a
+    float checkpoint's projections (`quantize_projections`), 16 keeps them
+    float; a quantized checkpoint's must already be `bits`."""
+    if bits is not None and (problem := bits_problem(bits)) is not None:
+        return Failure(LoadError(problem))
     draft = DFlashDraft(args, settings)
     names = {k.removeprefix("model."): v for k, v in weights.items()}
     for codebook in ("predecessor_codebook", "successor_codebook"):  # (DFlash2's
         bare = f"candidate_selector.{codebook}"  # checkpoints drop ".weight")
         if bare in names:
             names[bare + ".weight"] = names.pop(bare)
-    return load_exact(
+    held, problems = quantized_layers(draft, names)
+    if problems:
+        return Failure(LoadError("the DFlash weights' quantization: " + problems[0]))
+    if held:
+        found = sorted({int(s["bits"]) for s in held.values()})
+        if bits is not None and found != [bits]:
+            return Failure(
+                LoadError(
+                    f"the DFlash checkpoint holds layers quantized to "
+                    f"{'/'.join(map(str, found))} bits, which load as they are; "
+                    f"{bits} bits were asked for"
+                )
+            )
+        nn.quantize(draft, class_predicate=lambda path, _m: held.get(path, False))
+    loaded = load_exact(
         draft,
         names,
         "DFlash",
         "is this a DFlash (v1) checkpoint of this config?",
         dtype,
     )
+    if bits is None or bits == FLOAT_BITS or held:
+        return loaded
+    return loaded.map(lambda module: quantize_projections(module, bits))
 
 
 M = TypeVar("M", bound=nn.Module)
@@ -549,8 +671,11 @@ def load_exact(
         return Failure(
             LoadError(f"{what} weights of the wrong shape: " + "; ".join(wrong[:4]))
         )
-    if dtype is not None:
-        names = {k: v.astype(dtype) for k, v in names.items()}
+    if dtype is not None:  # (a quantized layer's packed weight stays as it is)
+        names = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in names.items()
+        }
     module.load_weights(list(names.items()))
     mx.eval(module.parameters())
     return Success(module)

@@ -2714,10 +2714,11 @@ class FusedStep:
     ) -> FusedStep | None:
         """The fused step of `head`'s layer `layer` over the target's full
         vocabulary projection or the FR-Spec `subset`, or None when out of
-        the kernel's scope (float, unquantized, the shapes in the module doc)."""
+        the kernel's scope (float, unquantized, uncapped logits, the shapes
+        in the module doc)."""
         weights = fused_weights(target, head, layer)
         ids, projection = (None, target.head_weights()) if subset is None else subset
-        if weights is None or projection.bits:
+        if weights is None or projection.bits or projection.softcap is not None:
             return None
         return cls.make(weights, projection.weight, ids)
 

@@ -24,7 +24,7 @@ Reference: transformers `models/qwen3_next/modeling_qwen3_next.py`.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -194,7 +194,8 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 class SwitchGLU(nn.Module):
-    """The routed experts: SwiGLU per expert, applied to each token's top-k.
+    """The routed experts: a gated MLP per expert (SwiGLU; `activation`
+    another gate, e.g. Gemma-4's GeGLU), applied to each token's top-k.
 
     MLX's CPU `gather_mm` computes in float32 only. On the CPU, float experts
     of other dtypes take the selected experts' weights (when there are no more
@@ -206,9 +207,16 @@ class SwitchGLU(nn.Module):
     # so the gathered matmuls read each expert's weights once.
     SORT_MIN = 64
 
-    def __init__(self, hidden: int, intermediate: int, experts: int) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        experts: int,
+        activation: Callable[[mx.array], mx.array] = nn.silu,
+    ) -> None:
         super().__init__()
         self.experts = experts
+        self.activation = activation
         self.gate_proj: SwitchLinear | QuantizedSwitchLinear = SwitchLinear(
             hidden, intermediate, experts
         )
@@ -224,7 +232,9 @@ class SwitchGLU(nn.Module):
     ) -> mx.array:
         gate = self.gate_proj(x, experts, sorted_experts, float32)
         up = self.up_proj(x, experts, sorted_experts, float32)
-        return self.down_proj(nn.silu(gate) * up, experts, sorted_experts, float32)
+        return self.down_proj(
+            self.activation(gate) * up, experts, sorted_experts, float32
+        )
 
     def __call__(
         self,
@@ -247,7 +257,7 @@ class SwitchGLU(nn.Module):
             rows = x[:, None, None, :]
             gate = gate_proj.taken(rows, experts)
             up = up_proj.taken(rows, experts)
-            out = down_proj.taken(nn.silu(gate) * up, experts)
+            out = down_proj.taken(self.activation(gate) * up, experts)
             return out.reshape(tokens, top_k, hidden)
         dtype = x.dtype
         if float32:

@@ -2,7 +2,10 @@
 
 Affine quantization packs along the input axis, so gathering rows of a
 quantized head (weights, scales, biases alike) is exact: a subset head's
-logits equal the full head's logits at those ids, bit for bit.
+logits equal the full head's logits at those ids, bit for bit. A head whose
+model caps its logits (Gemma-4's `final_logit_softcapping`: c * tanh(z / c))
+carries the cap and applies it in `project`; the cap is per logit, so the
+subset's capped logits are the full head's at those ids too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class HeadWeights:
     biases: mx.array | None = None  # [V, H / group]
     group_size: int = 64
     bits: int = 0  # 0: not quantized
+    softcap: float | None = None  # logits c * tanh(z / c); None: as projected
 
     @classmethod
     def of(cls, module: nn.Module) -> HeadWeights:
@@ -46,11 +50,16 @@ class HeadWeights:
 
         taken = mx.take(self.weight, ids, axis=0)
         return HeadWeights(
-            taken, rows(self.scales), rows(self.biases), self.group_size, self.bits
+            taken,
+            rows(self.scales),
+            rows(self.biases),
+            self.group_size,
+            self.bits,
+            self.softcap,
         )
 
     def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., N]
-        return project(
+        logits = project(
             normed,
             self.weight,
             self.scales,
@@ -58,3 +67,9 @@ class HeadWeights:
             group_size=self.group_size,
             bits=self.bits,
         )
+        return logits if self.softcap is None else softcapped(logits, self.softcap)
+
+
+def softcapped(logits: mx.array, cap: float) -> mx.array:
+    """cap * tanh(logits / cap), in the logits' dtype (transformers' order)."""
+    return mx.tanh(logits / cap) * cap

@@ -15,6 +15,7 @@ from bindings.capabilities import GraphCapabilities, NativeDraft
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
 from models.cache import on_gpu
+from models.dflash import bits_problem
 from schemas.errors import LoadError, RequestError, SpecpipeError
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.adaptive import AdaptivePolicy, CostModel
@@ -504,6 +505,7 @@ def load(
     draft_dtype: str | None = None,
     draft_ahead: bool | None = None,
     prompt_cache: bool | int = False,
+    draft_bits: int | None = None,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -521,7 +523,13 @@ def load(
     None: on a GPU, where it measured faster, not on a CPU, where the launch
     competes with the host for the cores). `prompt_cache`: keep rows' states
     between calls (`Pipeline.with_prompt_cache`; True: a 2 GiB budget, or
-    the budget in bytes)."""
+    the budget in bytes). `draft_bits`: the bits a DFlash draft's
+    projections are quantized to at load (4 or 8, MLX affine; 16: float;
+    None: 4 for a DFlash2 draft on a GPU, float on the CPU and for DFlash
+    v1: `models.dflash.default_bits`; a checkpoint already quantized loads
+    as it is)."""
+    if draft_bits is not None and (problem := bits_problem(draft_bits)):
+        return Failure(RequestError(problem))
     if prompt_cache is not True and prompt_cache is not False and prompt_cache <= 0:
         return Failure(
             RequestError(
@@ -548,6 +556,13 @@ def load(
                     "drop it or choose a draft"
                 )
             )
+        if draft_bits is not None:
+            return Failure(
+                RequestError(
+                    "draft bits (--draft-bits) were given without a draft: they set "
+                    "a DFlash draft's projection bits; drop them or choose a draft"
+                )
+            )
         plain = Pipeline(
             target,
             None,
@@ -565,6 +580,7 @@ def load(
         policy=policy or DraftPolicy(),
         draft_vocab=draft_vocab,
         dtype=draft_dtype or dtype,
+        draft_bits=draft_bits,
     )
     result = _resolve_draft(registry, draft, target, request)
     if not isinstance(result, Success):

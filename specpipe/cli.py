@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from returns.result import Success
 
+from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.api import Conversation, Pipeline, load
@@ -103,6 +104,7 @@ def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pip
             phase_timing=args.phase_timing,
             draft_ahead=_SWITCH[args.draft_ahead],
             prompt_cache=prompt_cache,
+            draft_bits=args.draft_bits,
         )
     )
     return pipeline
@@ -273,6 +275,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         help="a draft model's dtype, if not the target's (bfloat16 halves a "
         "draft's bytes; on an x86-64 CPU it runs on specpipe's AVX2 kernel)",
     )
+    _draft_bits_option(parser)
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
@@ -337,6 +340,20 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="FR-Spec draft vocabulary: a draft_vocab.json path, or 'off' "
         "(default: the list the draft ships, if any)",
+    )
+
+
+def _draft_bits_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft-bits",
+        type=int,
+        choices=DRAFT_BITS,
+        default=None,
+        help="quantize a DFlash draft's attention, MLP and fc projections to 4 or "
+        "8 bits at load (MLX affine, groups of 64), or keep them float (16) "
+        "(default: 4 for a DFlash2 draft on a GPU, as the reference engine; float "
+        "on a CPU, where MLX's quantized products measured far slower, and for "
+        "DFlash v1; a checkpoint already quantized loads as it is)",
     )
 
 
@@ -412,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model reference or companion folder (omit for none)",
     )
     cal.add_argument("--max-width", type=int, default=8)
+    _draft_bits_option(cal)
     cal.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None
     )
@@ -437,7 +455,9 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     if args.max_width < 1:
         _fail(f"max-width must be >= 1, got {args.max_width}")
-    pipeline = _unwrap(load(args.model, draft=args.draft, dtype=args.dtype))
+    pipeline = _unwrap(
+        load(args.model, draft=args.draft, dtype=args.dtype, draft_bits=args.draft_bits)
+    )
     cost = calibrate(
         pipeline.target, pipeline.draft, args.dtype, args.max_width, refresh=True
     )

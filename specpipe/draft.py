@@ -10,7 +10,7 @@ prepared change of its own state.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from attrs import frozen
@@ -101,6 +101,20 @@ class DraftsAhead(Protocol):
         their next `propose` of `depth` drafts for the same rows returns the
         launched ones. None where it cannot launch so."""
         ...
+
+
+@runtime_checkable
+class BorrowsTargetCache(Protocol):
+    """Draft rows that read the target's own cache when they draft (a
+    KV-borrowing drafter: the Gemma-4 assistant attends over the target's
+    stored keys and values instead of keeping its own). The round hands them
+    the target's cache as it stands before the verify window: positions
+    `< row.length` of every row hold the row's committed context; positions
+    past them may hold a rejected round's and must be masked."""
+
+    def propose_over(
+        self, cache: Any, rows: Sequence[RowState], depth: int
+    ) -> Proposal: ...
 
 
 class Drafter(Protocol):

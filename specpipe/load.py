@@ -31,6 +31,14 @@ from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
+from schemas.hf_gemma4 import (
+    GEMMA4_MODEL_TYPES,
+    GEMMA4_MULTIMODAL,
+    GEMMA4_TEXT,
+    Gemma4Args,
+    gemma4_args,
+    text_part,
+)
 from schemas.hf_glm4_moe import GLM4_MOE_MODEL_TYPES, Glm4MoeArgs, glm4_moe_args
 from schemas.hf_glm_moe_dsa import (
     GLM_MOE_DSA_MODEL_TYPES,
@@ -151,12 +159,16 @@ def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, Loa
     if model_type in GLM_MOE_DSA_MODEL_TYPES:
         dsa: Result[DecoderArgs, ConfigError] = glm_moe_dsa_args(raw, where)
         return dsa.alt(lambda err: LoadError(err.message))
+    if model_type in GEMMA4_MODEL_TYPES:
+        gemma: Result[DecoderArgs, ConfigError] = gemma4_args(raw, where)
+        return gemma.alt(lambda err: LoadError(err.message))
     if model_type not in SUPPORTED_MODEL_TYPES:
         supported = (
             SUPPORTED_MODEL_TYPES
             + HYBRID_MODEL_TYPES
             + GLM4_MOE_MODEL_TYPES
             + GLM_MOE_DSA_MODEL_TYPES
+            + GEMMA4_MODEL_TYPES
         )
         return Failure(
             LoadError(
@@ -336,13 +348,22 @@ def config_for(
     """config.json of a converted folder: rebuilt from `args` for the decoder
     family, the upstream config (MTP layers dropped) for hybrid graphs and
     glm4_moe and glm_moe_dsa (whose MoE and attention settings `config_dict`
-    does not write)."""
-    if not isinstance(loaded.args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs):
+    does not write), Gemma-4's text config for gemma4 (a multimodal one's
+    text part: the folder holds the text model's weights only)."""
+    if not isinstance(
+        loaded.args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs | Gemma4Args
+    ):
         return config_dict(loaded.args, quantize, group_size, weights)
+    raw = loaded.raw_config
+    if (
+        isinstance(loaded.args, Gemma4Args)
+        and raw.get("model_type") == GEMMA4_MULTIMODAL
+    ):
+        # the text part, as a `Gemma4ForCausalLM` config (its weights' names)
+        architecture = {"architectures": ["Gemma4ForCausalLM"]}
+        raw = {**text_part(raw), "model_type": GEMMA4_TEXT, **architecture}
     cfg = {
-        k: v
-        for k, v in loaded.raw_config.items()
-        if k not in ("quantization", "quantization_config")
+        k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")
     }
     if quantize is not None:
         q = {"group_size": group_size, "bits": quantize}

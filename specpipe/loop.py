@@ -23,6 +23,7 @@ from models.base import CausalLM, ModelOutput
 from schemas.request import SamplingParams
 from specpipe.adaptive import AdaptivePolicy, ObservedCosts, RowAdaptation
 from specpipe.draft import (
+    BorrowsTargetCache,
     CapturesRows,
     Drafter,
     DraftRows,
@@ -533,7 +534,11 @@ def _speculative_round(
     depth = max(depths)
     if batch.draft is not None and depth > 0:
         try:
-            proposal = batch.draft.propose(rows, depth)
+            proposal = (
+                batch.draft.propose_over(batch.cache, rows, depth)
+                if isinstance(batch.draft, BorrowsTargetCache)
+                else batch.draft.propose(rows, depth)
+            )
             if proposal.device is not None and (
                 not options.device_round or phases is not None
             ):

@@ -31,6 +31,7 @@ import numpy as np
 from returns.result import Failure, Result, Success
 
 from models.cache import KVCache
+from models.gemma4 import Gemma4Cache
 from models.hybrid_cache import HybridCache
 from schemas.errors import LoadError
 from specpipe.draft import DraftState
@@ -148,6 +149,15 @@ def load_prompt_cache(path: Path, cache: PromptCache) -> Result[PromptCache, Loa
 
 def _cache_out(cache: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
     """A cache row's layout (the record) and arrays (into `arrays`)."""
+    if isinstance(cache, Gemma4Cache):
+        return {
+            "kind": "arenas",
+            "prefix": prefix,
+            "arenas": {
+                kind: _cache_out(arena, f"{prefix}{kind}.", arrays)
+                for kind, arena in cache.arenas.items()
+            },
+        }
     if isinstance(cache, HybridCache):
         for i, (conv, state) in enumerate(
             zip(cache.conv, cache.recurrent, strict=True)
@@ -180,6 +190,13 @@ def _cache_out(cache: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str
 def _cache_in(layout: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
     """The cache row a layout record and its arrays describe."""
     prefix = str(layout["prefix"])
+    if layout["kind"] == "arenas":
+        return Gemma4Cache(
+            {
+                str(kind): _cache_in(arena, arrays)
+                for kind, arena in dict(layout["arenas"]).items()
+            }
+        )
     if layout["kind"] == "hybrid":
         count = int(layout["linear"])
         return HybridCache(
@@ -222,7 +239,7 @@ def _state_out(
         if isinstance(value, mx.array):
             arrays[name] = value
             fields[field.name] = {"array": name}
-        elif isinstance(value, KVCache | HybridCache):
+        elif isinstance(value, KVCache | HybridCache | Gemma4Cache):
             fields[field.name] = {"cache": _cache_out(value, name + ".", arrays)}
         elif isinstance(value, int | str):
             fields[field.name] = {"value": value}

@@ -234,10 +234,15 @@ class DFlashDrafter:
 
     @property
     def calibration_key(self) -> str:
-        """What sets a draft round's cost apart in the calibration cache."""
-        if self.subset is None:
-            return self.kind
-        return f"{self.kind}/vocab={int(self.subset.ids.shape[0])}"
+        """What sets a draft round's cost apart in the calibration cache: its
+        kind, its quantized layers' bits and its FR-Spec list's size."""
+        key = self.kind
+        bits = self.draft.quantized_bits
+        if bits:
+            key += f"/bits={'+'.join(str(b) for b in bits)}"
+        if self.subset is not None:
+            key += f"/vocab={int(self.subset.ids.shape[0])}"
+        return key
 
     def calibration_round(
         self, context: mx.array, hidden: mx.array

@@ -6,12 +6,13 @@ KV cache of the committed positions' context, the features committed since
 stored at the next proposal, the prompt cache's states), and so are the
 rows' commits. A proposal differs: the block is [pending token, mask x
 (L - 1)] at the pending token's position n, embedded with the draft's own
-embedding, L = max(block_size, depth) (the block the draft was trained on,
-however few drafts are asked for), and slot k's output is the draft for
-position n + k + 1, k = 0 .. depth - 1. Each draft is drawn with that
-position's step key (row.step + k, as DFlash's and the target's draws), from
-the slot's logits plus the Markov head's bias for the token drawn before it
-(the pending token for slot 0), so the draws run in order.
+embedding (`DSparkDraft.embed`), L = max(block_size, depth) (the block the
+draft was trained on, however few drafts are asked for), and slot k's output
+is the draft for position n + k + 1, k = 0 .. depth - 1. Each draft is drawn
+with that position's step key (row.step + k, as DFlash's and the target's
+draws), from the slot's logits (capped, for a Gemma-4 draft) plus the Markov
+head's bias for the token drawn before it (the pending token for slot 0), so
+the draws run in order. Qwen3 and Gemma-4 drafts run alike.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class DSparkRows(DFlashRows):
         ids = mx.array(
             [[row.pending] + [mask] * (length - 1) for row in rows], dtype=mx.int32
         )
-        normed = draft(draft.embed_tokens(ids), self.cache, starts)[:, :depth]
+        normed = draft(draft.embed(ids), self.cache, starts)[:, :depth]
         logits = draft.logits(normed, self.head)
         params = [self.policy.draft_params(row.sampling) for row in rows]
         if draft.markov is None:

@@ -152,12 +152,17 @@ def test_the_default_registry_falls_back_to_two_model(tmp_path: Path) -> None:
         "dspark",
         "dflash2",
         "dflash",
+        "assistant",
         "mtp",
         "two-model",
         "ngram",
     }
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert registry.detect(tmp_path) == Success("two-model")
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gemma4_assistant"})
+    )
+    assert registry.detect(tmp_path) == Success("assistant")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next_mtp"}))
     assert registry.detect(tmp_path) == Success("mtp")
     # a DFlash drafter: a qwen3 config carrying dflash_config (or its class name)
@@ -262,6 +267,40 @@ def test_native_kinds_bind_to_graphs_that_declare_a_draft_head() -> None:
     result = registry.native(unknown, request)
     assert result is not None
     assert "eagle-head" in _message(result)
+
+
+def test_draft_bits_reach_only_kinds_that_quantize() -> None:
+    """A kind that does not declare `quantizes`, or a native head, refuses
+    `draft_bits` before its loader runs; one that does gets them."""
+    seen: list[int | None] = []
+
+    def load(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
+        seen.append(request.draft_bits)
+        return Success(_loaded())
+
+    registry = (
+        DraftRegistry()
+        .register(_kind("plain", None))
+        .register(
+            DraftKind(
+                kind="block", artifact=False, default_width=2, load=load, quantizes=True
+            )
+        )
+        .register_native(
+            NativeDraftKind(
+                kind="mtp", create=lambda target, request: Success(_loaded())
+            )
+        )
+    )
+    request = DraftLoadRequest(target=object(), draft_bits=4)
+    assert isinstance(registry.load("block", request), Success) and seen == [4]
+    assert "a plain draft takes none" in _message(registry.load("plain", request))
+    declared = _graph(native_draft=NativeDraft(kind="mtp", width=2))
+    native = registry.native(declared, request)
+    assert native is not None and "a native mtp draft takes none" in _message(native)
+    unasked = DraftLoadRequest(target=object())
+    assert isinstance(registry.load("plain", unasked), Success)
+    assert isinstance(registry.native(declared, unasked), Success)
 
 
 def test_companion_finds_a_bundled_draft_folder(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from models.cache import on_gpu
 from schemas.request import GenerationLimits, SamplingParams
 from specpipe.api import Conversation, load
 from specpipe.output import TextSink
@@ -127,9 +128,9 @@ def test_a_two_model_draft_takes_the_pipeline_dtype(
     assert pipeline.target.model.model.embed_tokens.weight.dtype == mx.bfloat16  # type: ignore[attr-defined]
 
 
-def _dflash_folder(folder: Path, target: Path) -> Path:
-    """A random DFlash drafter (v1) for the tiny target: two layers reading
-    the target's layers 0 and 1, blocks of 4."""
+def _dflash_folder(folder: Path, target: Path, second: bool = False) -> Path:
+    """A random DFlash drafter (v1, or DFlash2 when `second`) for the tiny
+    target: two layers reading the target's layers 0 and 1, blocks of 4."""
     from mlx.utils import tree_flatten
 
     from models.dflash import DFlashDraft, DFlashSettings
@@ -148,6 +149,14 @@ def _dflash_folder(folder: Path, target: Path) -> Path:
             "mask_token_id": target_config["vocab_size"] - 1,
         },
     }
+    if second:
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["dflash_config"] |= {
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": 8,
+            "selector_top_k": 6,
+        }
     args = structure(hf, normalize_hf_config(config), DecoderArgs, "dflash").unwrap()
     mx.random.seed(3)
     draft = DFlashDraft(args, DFlashSettings.of(config).unwrap())
@@ -178,6 +187,61 @@ def test_a_dflash_draft_through_the_pipeline_is_plain_decoding(
         assert spec.stats.draft_errors == ()
         if not adaptive:  # (adaptive drafting may judge a random draft not worth it)
             assert spec.stats.drafted > 0
+
+
+@pytest.mark.parametrize(
+    ("second", "draft_bits", "bits"),
+    [
+        (True, None, (4,) if on_gpu() else ()),
+        (True, 4, (4,)),
+        (True, 8, (8,)),
+        (True, 16, ()),
+        (False, None, ()),
+    ],
+    ids=["dflash2", "dflash2-4", "dflash2-8", "dflash2-float", "dflash"],
+)
+def test_draft_bits_through_the_pipeline(
+    tiny_model: Path,
+    tmp_path: Path,
+    second: bool,
+    draft_bits: int | None,
+    bits: tuple[int, ...],
+) -> None:
+    """`draft_bits` reaches the DFlash loader (a DFlash2 draft's default: 4
+    bits on a GPU, float on the CPU; a DFlash one's: float); the output
+    stays plain decoding's."""
+    folder = _dflash_folder(tmp_path / "dflash", tiny_model, second)
+    pipeline = load(
+        str(tiny_model), draft=str(folder), draft_bits=draft_bits, adaptive=False
+    ).unwrap()
+    assert pipeline.draft is not None
+    assert pipeline.draft.kind == ("dflash2" if second else "dflash")
+    assert pipeline.draft.drafter.draft.quantized_bits == bits  # type: ignore[attr-defined]
+    limits = GenerationLimits(max_tokens=12)
+    plain = load(str(tiny_model)).unwrap()
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=2)):
+        spec = pipeline.generate("def fib", sampling, limits).unwrap()
+        assert (
+            spec.tokens == plain.generate("def fib", sampling, limits).unwrap().tokens
+        )
+        assert spec.stats.draft_errors == () and spec.stats.drafted > 0
+
+
+@pytest.mark.parametrize(
+    ("draft", "draft_bits", "needle"),
+    [
+        ("dflash2", 5, "draft bits must be 4 or 8"),
+        ("none", 4, "without a draft"),
+        ("ngram", 4, "a ngram draft takes none"),
+    ],
+)
+def test_bad_draft_bits_are_clear_errors(
+    tiny_model: Path, tmp_path: Path, draft: str, draft_bits: int, needle: str
+) -> None:
+    if draft == "dflash2":
+        draft = str(_dflash_folder(tmp_path / "dflash", tiny_model, second=True))
+    loaded = load(str(tiny_model), draft=draft, draft_bits=draft_bits)
+    assert needle in str(loaded.failure())
 
 
 def test_a_conversation_through_the_prompt_cache(tiny_model: Path) -> None:

@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -208,6 +209,47 @@ def test_invalid_values(
         "ngram",
         flag,
         value,
+    )
+
+
+def test_draft_bits(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--draft-bits` reaches the loader (a DFlash2 draft at 8 bits drafts
+    plain decoding's tokens); other values, or a draft without bits, are
+    clear errors."""
+    import specpipe.cli as cli
+    from tests.cli.test_api import _dflash_folder
+
+    folder = _dflash_folder(tmp_path / "dflash2", tiny_model, second=True)
+    asked: list[int | None] = []
+    real_load = cli.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("draft_bits"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "load", load)
+    base = [*fib_json(tiny_model), "--no-adaptive"]
+    _, plain, _ = run(capsys, *base)
+    code, out, _ = run(capsys, *base, "--draft", str(folder), "--draft-bits", "8")
+    assert code == 0 and asked == [None, 8]
+    result = json.loads(out)
+    assert result["tokens"] == json.loads(plain)["tokens"]
+    assert result["stats"]["draft"] == "dflash2" and result["stats"]["drafted"] > 0
+    code, _, err = run(capsys, *base, "--draft", str(folder), "--draft-bits", "5")
+    assert code == 2 and "--draft-bits: invalid choice: 5" in err
+    fails_with(
+        capsys,
+        "a ngram draft takes none",
+        *base,
+        "--draft",
+        "ngram",
+        "--draft-bits",
+        "4",
     )
 
 

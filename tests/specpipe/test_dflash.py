@@ -9,6 +9,10 @@
   depths up to the block.
 - Binding: detection, the width pinned to the block, the target's taps; and
   clear errors for drafts that do not fit the target.
+- Quantized projections: a DFlash2 draft loads its attention, MLP and fc
+  projections at 4 bits by default (8 or float when asked; DFlash v1 float
+  unless asked), its resident bytes drop by what the packing says, its
+  output stays plain decoding's; a quantized checkpoint loads as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
@@ -27,7 +32,9 @@ from spec_support import PROMPTS, VOCAB, PlainReference, run, tiny_model
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
 from models.base import CausalLM
-from models.dflash import DFlashDraft, DFlashSettings
+from models.build import quantize_layers
+from models.cache import on_gpu
+from models.dflash import DFlashDraft, DFlashSettings, build_dflash, default_bits
 from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
 from schemas.request import SamplingParams
@@ -586,11 +593,265 @@ def test_a_dflash2_vocabulary_smaller_than_its_candidates_is_refused(
         folder / "draft_vocab.json"
     )
     bound = default_registry().load(
-        "dflash2", DraftLoadRequest(target=_target(), source=str(folder))
+        "dflash2", DraftLoadRequest(target=_target(), source=str(folder), draft_bits=16)
     )
     drafter = bound.unwrap().drafter
     assert isinstance(drafter, DFlashDrafter) and drafter.subset is not None
     assert drafter.calibration_key == f"dflash2/vocab={len(range(0, VOCAB, 2))}"
+
+
+# --- quantized projections ------------------------------------------------------
+
+_SUBLAYERS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+PROJECTIONS = ("fc", *(f"layers.{i}.{sub}" for i in range(2) for sub in _SUBLAYERS))
+# what stays float: the convolutions' kernel projections, the selector's
+# hidden projection (Linear) and its codebooks (Embedding)
+KEPT_FLOAT = (
+    *(
+        f"layers.{i}.{c}.kernel_projection"
+        for i in range(2)
+        for c in ("attention_conv", "mlp_conv")
+    ),
+    "candidate_selector.hidden_projection",
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+)
+
+
+def _layers(draft: DFlashDraft) -> dict[str, nn.Module]:
+    return dict(draft.named_modules())
+
+
+def _resident(draft: DFlashDraft) -> int:
+    """Bytes of the draft's parameters."""
+    return sum(v.nbytes for _, v in tree_flatten(draft.parameters()))
+
+
+def _loaded(
+    folder: Path, kind: str = "dflash2", bits: int | None = None
+) -> DFlashDrafter:
+    loaded = default_registry().load(
+        kind, DraftLoadRequest(target=_target(), source=str(folder), draft_bits=bits)
+    )
+    assert isinstance(loaded, Success), loaded
+    drafter = loaded.unwrap().drafter
+    assert isinstance(drafter, DFlashDrafter)
+    return drafter
+
+
+def test_the_default_bits_are_4_for_dflash2_on_a_gpu() -> None:
+    """Float on the CPU (MLX's quantized products are its slow path) and
+    for DFlash (v1) drafts."""
+    dflash = DFlashSettings.of(dflash_config()).unwrap()
+    dflash2 = DFlashSettings.of(dflash2_config()).unwrap()
+    assert default_bits(dflash2, gpu=True) == 4
+    assert default_bits(dflash2, gpu=False) == 16
+    assert default_bits(dflash, gpu=True) == default_bits(dflash, gpu=False) == 16
+
+
+def test_a_dflash2_draft_loads_its_projections_at_4_bits(tmp_path: Path) -> None:
+    """At 4 bits (this device's default or asked): every projection a 4-bit
+    affine QuantizedLinear in groups of 64, the rest float and unchanged;
+    the parameters take exactly the packed bytes (4 bits a weight, a float32
+    scale and bias per 64)."""
+    config = dflash2_config()
+    draft = random_draft(config)
+    folder = write_artifact(tmp_path / "d2", config, draft)
+    default = _loaded(folder)
+    assert default.draft.quantized_bits == ((4,) if on_gpu() else ())
+    drafter = _loaded(folder, bits=4)
+    layers, floats = _layers(drafter.draft), _layers(draft)
+    for path in PROJECTIONS:
+        layer = layers[path]
+        assert isinstance(layer, nn.QuantizedLinear), path
+        assert (layer.bits, layer.group_size, layer.mode) == (4, 64, "affine"), path
+    for path in KEPT_FLOAT:
+        assert type(layers[path]) is type(floats[path]), path
+        assert mx.array_equal(layers[path].weight, floats[path].weight), path
+    assert drafter.draft.quantized_bits == (4,)
+    assert drafter.calibration_key == "dflash2/bits=4"
+    before, after = _resident(draft), _resident(drafter.draft)
+    packed = 0
+    for path in PROJECTIONS:
+        rows, cols = floats[path].weight.shape
+        packed += rows * cols * 4 - (rows * cols // 2 + 2 * rows * (cols // 64) * 4)
+    assert after == before - packed
+    assert after / before < 0.25, (before, after)  # (float32: 89,552 -> 81,728 B)
+
+
+@pytest.mark.parametrize(
+    ("generation", "asked", "bits"),
+    [(2, 8, 8), (2, 16, None), (1, None, None), (1, 4, 4), (1, 8, 8)],
+    ids=["dflash2-8", "dflash2-float", "dflash-default", "dflash-4", "dflash-8"],
+)
+def test_draft_bits_choose_the_projections_bits(
+    tmp_path: Path, generation: int, asked: int | None, bits: int | None
+) -> None:
+    """8 bits, or float (16) when asked; a DFlash (v1) draft stays float
+    unless asked, on any device."""
+    config = dflash_config() if generation == 1 else dflash2_config()
+    draft = random_draft(config)
+    folder = write_artifact(tmp_path / "d", config, draft)
+    drafter = _loaded(folder, "dflash" if generation == 1 else "dflash2", asked)
+    layers = _layers(drafter.draft)
+    for path in PROJECTIONS:
+        if bits is None:
+            assert type(layers[path]) is type(_layers(draft)[path]), path
+        else:
+            assert isinstance(layers[path], nn.QuantizedLinear), path
+            assert layers[path].bits == bits, path
+    assert drafter.draft.quantized_bits == (() if bits is None else (bits,))
+    if bits is None:
+        assert _resident(drafter.draft) == _resident(draft)
+    else:
+        assert _resident(drafter.draft) < _resident(draft) * (
+            0.25 if bits == 4 else 0.4
+        )
+
+
+def _quantized(config: dict[str, Any], bits: int, seed: int = 7) -> DFlashDraft:
+    """`random_draft(config, seed)` loaded with its projections at `bits`."""
+    weights = dict(tree_flatten(random_draft(config, seed=seed).parameters()))
+    settings = DFlashSettings.of(config).unwrap()
+    draft = build_dflash(draft_args(config), settings, weights, bits=bits).unwrap()
+    assert draft.quantized_bits == (bits,)
+    return draft
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_quantized_dflash2_draft_is_plain_decoding(
+    tapped: CausalLM, plain: PlainReference, sampling: str, bits: int, batch: int
+) -> None:
+    prompts = PROMPTS[:batch]
+    params = SAMPLINGS[sampling]
+    drafter = DFlashDrafter(tapped, _quantized(dflash2_config(), bits))
+    tokens, results = run(tapped, prompts, params, drafter, depth=BLOCK - 1)
+    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    assert tokens == plain(prompts, params)
+
+
+def test_a_dflash2_draft_loaded_at_4_bits_is_plain_decoding(
+    tmp_path: Path, plain: PlainReference
+) -> None:
+    """Through the registry, greedy and sampled, B=4."""
+    config = dflash2_config()
+    folder = write_artifact(tmp_path / "d2", config, random_draft(config, seed=7))
+    drafter = _loaded(folder, bits=4)
+    assert drafter.draft.quantized_bits == (4,)
+    for name in ("greedy", "t1.0-topp-minp"):
+        params = SAMPLINGS[name]
+        tokens, results = run(drafter.target, PROMPTS, params, drafter, depth=BLOCK - 1)
+        assert all(
+            not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results
+        )
+        assert tokens == plain(PROMPTS, params), name
+
+
+def test_the_quantized_forward_is_the_dequantized_weights_forward(
+    tapped: CausalLM,
+) -> None:
+    """The 4-bit draft computes what a float draft holding its projections'
+    dequantized weights (and every other weight as loaded) computes."""
+    config = dflash2_config()
+    quantized = _quantized(config, 4)
+    layers = _layers(quantized)
+    weights = {}
+    for name, value in tree_flatten(quantized.parameters()):
+        path, leaf = name.rsplit(".", 1)
+        layer = layers[path]
+        if isinstance(layer, nn.QuantizedLinear):
+            if leaf == "weight":
+                weights[name] = mx.dequantize(
+                    value, layer.scales, layer.biases, layer.group_size, layer.bits
+                )
+        else:
+            weights[name] = value
+    settings = DFlashSettings.of(config).unwrap()
+    dense = build_dflash(draft_args(config), settings, weights).unwrap()
+    assert dense.quantized_bits == ()
+    prompt = list(range(3, 14))
+    features = tapped(mx.array([prompt]), tapped.make_cache(1), [0]).features
+    assert features is not None
+    x = tapped.embed(mx.array([[20] + [MASK] * (BLOCK - 1)]))
+    outputs = []
+    for draft in (quantized, dense):
+        cache = draft.make_cache(1)
+        draft.write_context(features, cache, [0])
+        outputs.append(draft(x, cache, [len(prompt)]))
+    assert mx.allclose(outputs[0], outputs[1], atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_quantized_checkpoint_loads_as_it_is(
+    tmp_path: Path, plain: PlainReference
+) -> None:
+    """Weights with `.scales` load quantized as stored (8 bits stay 8, the
+    codebooks and kernel projections too, where the checkpoint quantized
+    them), drafting losslessly; asking other bits is refused."""
+    config = dflash2_config()
+    config["dflash_config"]["selector_rank"] = 64  # (codebook rows a group wide)
+    draft = random_draft(config, seed=7)
+    quantize_layers(draft, 8, 64)  # every layer it can: codebooks too
+    stored = dict(tree_flatten(draft.parameters()))
+    assert "candidate_selector.predecessor_codebook.scales" in stored
+    folder = write_artifact(tmp_path / "q8", config, draft)
+    for asked in (None, 8):
+        drafter = _loaded(folder, bits=asked)
+        assert drafter.draft.quantized_bits == (8,)
+        got = dict(tree_flatten(drafter.draft.parameters()))
+        assert got.keys() == stored.keys()
+        assert all(mx.array_equal(got[k], v) for k, v in stored.items())
+    layers = _layers(drafter.draft)
+    assert isinstance(
+        layers["candidate_selector.successor_codebook"], nn.QuantizedEmbedding
+    )
+    params = SAMPLINGS["t0.8-topk"]
+    tokens, results = run(drafter.target, PROMPTS, params, drafter, depth=BLOCK - 1)
+    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    assert tokens == plain(PROMPTS, params)
+    for asked in (4, 16):
+        refused = default_registry().load(
+            "dflash2",
+            DraftLoadRequest(target=_target(), source=str(folder), draft_bits=asked),
+        )
+        assert isinstance(refused, Failure)
+        message = refused.failure().message
+        assert "quantized to 8 bits, which load as they are" in message, message
+
+
+@pytest.mark.parametrize("bits", [0, 2, 5, 32])
+def test_invalid_draft_bits_are_refused(tmp_path: Path, bits: int) -> None:
+    config = dflash2_config()
+    folder = write_artifact(tmp_path / "d2", config, random_draft(config))
+    target = _target()
+    refused = default_registry().load(
+        "dflash2", DraftLoadRequest(target=target, source=str(folder), draft_bits=bits)
+    )
+    assert isinstance(refused, Failure)
+    message = refused.failure().message
+    assert "draft bits must be 4 or 8" in message and f"got {bits}" in message
+    assert target.model.taps == ()  # refused before anything was bound
+    settings = DFlashSettings.of(config).unwrap()
+    weights = dict(tree_flatten(random_draft(config).parameters()))
+    built = build_dflash(draft_args(config), settings, weights, bits=bits)
+    assert isinstance(built, Failure) and f"got {bits}" in built.failure().message
+
+
+def test_draft_bits_for_a_kind_without_them_are_refused() -> None:
+    refused = default_registry().load(
+        "ngram", DraftLoadRequest(target=_target(), draft_bits=4)
+    )
+    assert isinstance(refused, Failure)
+    assert "a ngram draft takes none" in refused.failure().message
 
 
 # --- a hybrid target (conftest.py's `hybrid`) ----------------------------------
