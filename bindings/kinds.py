@@ -111,25 +111,26 @@ def _mtp_drafter(
     declared: DeclaredQuantization | None = None,
 ) -> Result[LoadedDraft, BindingError]:
     """Bind an MTP head (its weights and config) to its target (a Qwen
-    hybrid, or GLM-4.5 MoE: `models.mtp.build_mtp`).
+    hybrid, GLM-4.5 MoE or GLM-5: `models.mtp.build_mtp`).
     `declared`: the quantization its own config declares
     (`models.mtp.DeclaredQuantization`), checked against the weights; None
     for a head bundled in the target's checkpoint, whose packed shapes alone
     say how it is quantized (as for the target's own layers)."""
     from models.mtp import DEFAULT_BLOCK_SIZE, build_mtp
     from schemas.hf_glm4_moe import Glm4MoeArgs
+    from schemas.hf_glm_moe_dsa import GlmMoeDsaArgs
     from schemas.hf_hybrid import HybridArgs, text_settings
     from specpipe.draft_vocab import configured
     from specpipe.drafts.mtp import MtpDrafter
 
     args = target.args
     config = text_settings(config)  # a multimodal wrapper keeps them in text_config
-    if not isinstance(args, HybridArgs | Glm4MoeArgs):
+    if not isinstance(args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs):
         return Failure(
             BindingError(
                 f"{where}: an MTP head drafts for the model it was trained with "
-                f"(a Qwen3-Next / Qwen3.5 or GLM-4.5 MoE model); the target is a "
-                f"{args.model_type} model"
+                f"(a Qwen3-Next / Qwen3.5, GLM-4.5 MoE or GLM-5 model); the target "
+                f"is a {args.model_type} model"
             )
         )
     problems = [

@@ -99,7 +99,8 @@ def _glm_moe_dsa(args: DecoderArgs) -> glm_moe_dsa.Model:
 
 
 def _gemma4(args: DecoderArgs) -> gemma4.Model:
-    # `gemma4` (the multimodal wrapper) and `gemma4_text` parse to Gemma4Args
+    # `gemma4` (the multimodal wrapper), `gemma4_text` and their Unified
+    # versions (`gemma4_unified`, `gemma4_unified_text`) parse to Gemma4Args
     # (schemas/hf_gemma4.py).
     if not isinstance(args, Gemma4Args):
         raise ValueError("needs Gemma4Args (parse its config with gemma4_args)")
@@ -119,6 +120,8 @@ _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "glm_moe_dsa": _glm_moe_dsa,
     "gemma4": _gemma4,
     "gemma4_text": _gemma4,
+    "gemma4_unified": _gemma4,
+    "gemma4_unified_text": _gemma4,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.

@@ -1,5 +1,9 @@
 """Gemma-4's text model (`model_type` `gemma4_text`, and the multimodal
-`gemma4` run as its text part).
+`gemma4` run as its text part); also Gemma-4 Unified's (`gemma4_unified_text`,
+and the multimodal `gemma4_unified` run as its text part), whose decoder is
+this one without per-layer embeddings and without the MoE block (its
+layers, norms, RoPE, embedding scale, attention and kv sharing are
+transformers' Gemma-4 ones; schemas/hf_gemma4.py reads its other defaults).
 
 Notable:
 - Two layer types (`layer_types`): "sliding_attention" layers see the keys
@@ -49,7 +53,10 @@ Checkpoint names are transformers' (`model.layers.N.self_attn.q_proj`, ...,
 `model.embed_tokens_per_layer`, `lm_head`). `sanitize` also reads the
 multimodal layout (`model.language_model.*`; MLX conversions'
 `language_model.model.*`, `language_model.lm_head.*`), drops the vision and
-audio towers and their embedders, drops k/v projections and norms a
+audio towers and their embedders (Unified has no towers: its encoder-free
+`embed_vision` -- patch norms, a dense patch projection, a 2-D position
+table, `multimodal_embedder` -- and `embed_audio` are dropped as the
+embedders are), drops k/v projections and norms a
 checkpoint lists for kv-shared layers, and splits transformers' stacked
 experts (`experts.gate_up_proj` [E, 2I, H], gate rows first;
 `experts.down_proj` [E, H, I]) into `experts.switch_glu.{gate,up,down}_proj`
@@ -60,7 +67,8 @@ all kv-shared and read the target's stored keys/values): `DecoderLayer.run`
 (a layer around any attention), `Attention.queries` / `Attention.output`,
 `Model.shared_kv`, `Model.embed`, `Model.final_norm`, and
 `schemas.hf_gemma4.gemma4_text_args` for its nested text config.
-Reference: transformers `models/gemma4/modeling_gemma4.py`.
+Reference: transformers `models/gemma4/modeling_gemma4.py`,
+`models/gemma4_unified/modeling_gemma4_unified.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Gemma-4's assistant drafter (`gemma4_assistant`, transformers'
-`Gemma4AssistantForCausalLM`): a few Gemma-4 decoder layers that keep no
+`Gemma4AssistantForCausalLM`; Gemma-4 Unified's `gemma4_unified_assistant`,
+`Gemma4UnifiedAssistantForCausalLM`, is the same model over a unified text
+stack): a few Gemma-4 decoder layers that keep no
 keys or values of their own. Every layer is "KV-shared": its queries attend
 over the keys and values the *target* stored in its last non-shared layer
 of the same type (models/gemma4.py, `Model.shared_kv`).

@@ -44,8 +44,8 @@ Checkpoint names are the reference's state dict's
 kv_a_layernorm,kv_b_proj,o_proj}`, `self_attn.indexer.{wq_b,wk,k_norm,
 weights_proj}`), the experts in the three forms glm4_moe's `sanitize_weights`
 stacks. A checkpoint's MTP layer (`model.layers.{num_hidden_layers}.*`) is
-not part of this model: `split_mtp` returns it apart, `sanitize` drops it
-(no MTP draft head runs it).
+not part of this model: `split_mtp` returns it apart, `sanitize` drops it;
+models/glm_mtp.py's `GlmDsaMtpHead` runs it as the native MTP draft.
 Reference: transformers `models/glm_moe_dsa/modeling_glm_moe_dsa.py` (built
 on `deepseek_v32` and `deepseek_v3`).
 """
@@ -62,7 +62,7 @@ from attrs import evolve
 
 from models import glm4_moe
 from models.base import Mask, RoPE, run_stack
-from models.cache import KVCache, position_mask
+from models.cache import KVCache, KVWrite, position_mask
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.layers import model_dtype
 from models.llama import Backbone
@@ -138,9 +138,12 @@ class LatentAttention(nn.Module):
     """Multi-head latent attention over the latent cache, restricted to the
     positions DSA selects (see the module doc for the cache layout)."""
 
-    def __init__(self, args: GlmMoeDsaArgs, layer: int) -> None:
+    def __init__(
+        self, args: GlmMoeDsaArgs, layer: int, kv_index: int | None = None
+    ) -> None:
         super().__init__()
-        self.kv_index = layer  # this layer's slot in the KV cache
+        # this layer's slot in the KV cache (an MTP layer's: its head's own)
+        self.kv_index = layer if kv_index is None else kv_index
         self.heads = args.num_attention_heads
         self.nope_dim = args.qk_nope_head_dim
         self.rope_dim = args.qk_rope_head_dim
@@ -183,15 +186,18 @@ class LatentAttention(nn.Module):
         split = both.shape[-1] - self.latent_dim
         return both[..., :split], both[..., split:]
 
-    def __call__(
+    def attend(
         self,
         x: mx.array,  # [B, L, H]
-        cache: KVCache,
-        offsets: Sequence[int],
+        write: KVWrite,
         mask: Mask,  # None, "causal" or [B, 1, L, S]
-        rope_at: int | mx.array,  # scalar or [B]
+        rope_at: int | mx.array,  # each row's first position: scalar or [B]
         selection: Selection | None = None,
     ) -> mx.array:  # [B, L, H]
+        """The attention with the window's latents and indexer keys stored by
+        `write` (the cache's write, `DecoderLayer.__call__`; a scatter at
+        device-valued positions in a compiled MTP step), which returns every
+        attended position's ([B, 1, S, latent_dim] both)."""
         batch, length, _ = x.shape
         q_low, kv_low = self._project_a(x)
         q_resid = self.q_a_layernorm(q_low)
@@ -209,7 +215,7 @@ class LatentAttention(nn.Module):
             index_window = mx.pad(index_keys, [(0, 0), (0, 0), (0, 0), (0, pad)])
         else:
             index_window = mx.zeros_like(window)
-        cached, cached_index = cache.write(self.kv_index, window, index_window, offsets)
+        cached, cached_index = write(window, index_window)
         span = cached.shape[2]
 
         kv = self.kv_b_proj(cached[:, 0, :, : self.rank])  # [B, S, Hq*(nope+v)]
@@ -221,7 +227,7 @@ class LatentAttention(nn.Module):
         )
         values = kv[..., self.nope_dim :]
         attended = self._attended(
-            x, q_resid, cached_index, mask, offsets, rope_at, selection, span
+            x, q_resid, cached_index, mask, rope_at, selection, span
         )
         out = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=self.scale, mask=attended
@@ -234,7 +240,6 @@ class LatentAttention(nn.Module):
         q_resid: mx.array,
         cached_index: mx.array,  # [B, 1, S, latent_dim], indexer keys first
         mask: Mask,
-        offsets: Sequence[int],
         rope_at: int | mx.array,
         selection: Selection | None,
         span: int,
@@ -252,10 +257,15 @@ class LatentAttention(nn.Module):
         chosen = mask
         if self.indexer.top_k < span:
             keys = cached_index[..., : self.indexer.head_dim]
+            starts = (
+                rope_at
+                if isinstance(rope_at, mx.array)
+                else mx.array([rope_at], dtype=mx.int32)
+            )
             allowed = (
                 mask
                 if isinstance(mask, mx.array)
-                else position_mask(mx.array(list(offsets)), x.shape[1], span)
+                else position_mask(starts, x.shape[1], span)
             )
             chosen = self.indexer.select(x, q_resid, keys, allowed, self.rope, rope_at)
         if selection is not None:
@@ -267,9 +277,11 @@ class DecoderLayer(nn.Module):
     """One GLM-5 decoder layer: latent attention, then the MLP (dense or MoE
     per `args.is_sparse(layer)`, models/glm4_moe.py's)."""
 
-    def __init__(self, args: GlmMoeDsaArgs, layer: int) -> None:
+    def __init__(
+        self, args: GlmMoeDsaArgs, layer: int, kv_index: int | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LatentAttention(args, layer)
+        self.self_attn = LatentAttention(args, layer, kv_index)
         self.mlp = glm4_moe.make_mlp(args, layer)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(
@@ -287,8 +299,23 @@ class DecoderLayer(nn.Module):
     ) -> mx.array:  # [B, L, H]
         """`selection` carries a full layer's DSA choice to the shared layers
         after it (needed by a shared layer; None: a full layer keeps its own)."""
-        h = x + self.self_attn(
-            self.input_layernorm(x), cache, offsets, mask, rope_at, selection
+
+        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+            return cache.write(self.self_attn.kv_index, keys, values, offsets)
+
+        return self.forward(x, write, mask, rope_at, selection)
+
+    def forward(
+        self,
+        x: mx.array,  # [B, L, H]
+        write: KVWrite,
+        mask: Mask,
+        rope_at: int | mx.array,
+        selection: Selection | None = None,
+    ) -> mx.array:  # [B, L, H]
+        """The layer with its latents stored by `write` (`LatentAttention.attend`)."""
+        h = x + self.self_attn.attend(
+            self.input_layernorm(x), write, mask, rope_at, selection
         )
         return h + self.mlp(self.post_attention_layernorm(h))
 

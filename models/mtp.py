@@ -290,22 +290,22 @@ def build_mtp(
     weights: Mapping[str, mx.array],
     declared: DeclaredQuantization | None = None,
 ) -> Result[MtpHead, LoadError]:
-    """The MTP head of a target of `args` (a Qwen hybrid's, or GLM-4.5's:
-    models/glm_mtp.py), loaded strictly from its target's `split_mtp`'s
+    """The MTP head of a target of `args` (a Qwen hybrid's, or GLM-4.5's or
+    GLM-5's: models/glm_mtp.py), loaded strictly from its target's `split_mtp`'s
     second dict: the names and shapes must equal the head's parameters.
     Layers the weights hold quantized become quantized layers first (bits
     and group size per layer, from the packed shapes); `declared`, when
     given, must agree with them."""
     from models.glm_mtp import build_glm_mtp  # it builds on this module
-    from schemas.hf_glm4_moe import Glm4MoeArgs
+    from schemas.hf_glm4_moe import MoeArgs
 
-    if isinstance(args, Glm4MoeArgs):
+    if isinstance(args, MoeArgs):  # GLM-4.5 MoE or GLM-5
         return build_glm_mtp(args, weights, declared)
     if not isinstance(args, HybridArgs):
         return Failure(
             LoadError(
-                f"a {args.model_type} model has no MTP head (Qwen3-Next / Qwen3.5 "
-                "and GLM-4.5 MoE models do)"
+                f"a {args.model_type} model has no MTP head (Qwen3-Next / Qwen3.5, "
+                "GLM-4.5 MoE and GLM-5 models do)"
             )
         )
     return load_head(MtpHead(args), weights, declared)

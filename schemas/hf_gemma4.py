@@ -1,7 +1,10 @@
 """Records for upstream `config.json` files of Gemma-4: the text model
 (`model_type` `gemma4_text`, transformers' `Gemma4ForCausalLM`) and the
 multimodal wrapper (`gemma4`, `Gemma4ForConditionalGeneration`), whose text
-settings live under `text_config` and which runs here as its text model.
+settings live under `text_config` and which runs here as its text model;
+and Gemma-4 "Unified" (`gemma4_unified_text`, `Gemma4UnifiedForCausalLM`;
+the multimodal `gemma4_unified`, `Gemma4UnifiedForConditionalGeneration`),
+the same decoder without per-layer embeddings and without the MoE block.
 
 `Gemma4Args` extends `DecoderArgs`, so every field the pipeline reads on
 `args` means the same as for the dense decoders; `head_dim` and
@@ -26,6 +29,14 @@ How the keys are read (transformers' `Gemma4TextConfig` semantics):
   transformers' default 256). `final_logit_softcapping` null: none.
 - The wrapper's `tie_word_embeddings`, `eos_token_id`, `bos_token_id` and
   MLX `quantization` win over (or fill) its `text_config`'s.
+- Unified (transformers' `Gemma4UnifiedTextConfig`): other defaults
+  (`sliding_window` 1024, `max_position_embeddings` 262144,
+  `use_bidirectional_attention` "vision": image tokens attend both ways
+  among themselves, text tokens causally, so text decodes as a causal LM);
+  the per-layer-embedding and MoE keys are not part of the model (its
+  config class drops them, its model has neither), so a unified config's
+  `hidden_size_per_layer_input`, `enable_moe_block`, ... are ignored, as
+  transformers ignores them.
 
 Two readers: `gemma4_text_args` parses a text config as a Gemma-4 decoder
 stack (what `DecoderLayer`s need), also one whose every layer is kv-shared
@@ -35,6 +46,7 @@ it); `gemma4_args` reads a target's config.json and also refuses a stack in
 which a kv-shared layer has no earlier layer of its type to read from
 (`target_problem`).
 Reference: transformers `models/gemma4/configuration_gemma4.py`,
+`models/gemma4_unified/configuration_gemma4_unified.py`,
 `modeling_rope_utils.py` (`_compute_proportional_rope_parameters`).
 """
 
@@ -52,7 +64,21 @@ from schemas.hf_glm4_moe import foreign_quantization
 
 GEMMA4_TEXT = "gemma4_text"
 GEMMA4_MULTIMODAL = "gemma4"
-GEMMA4_MODEL_TYPES = (GEMMA4_TEXT, GEMMA4_MULTIMODAL)
+GEMMA4_UNIFIED_TEXT = "gemma4_unified_text"
+GEMMA4_UNIFIED = "gemma4_unified"
+GEMMA4_MODEL_TYPES = (
+    GEMMA4_TEXT,
+    GEMMA4_MULTIMODAL,
+    GEMMA4_UNIFIED_TEXT,
+    GEMMA4_UNIFIED,
+)
+UNIFIED_MODEL_TYPES = (GEMMA4_UNIFIED_TEXT, GEMMA4_UNIFIED)
+# a multimodal wrapper's model_type -> its text model's, and transformers'
+# class of that text model (what `convert` writes for the text part)
+TEXT_MODELS: dict[str, tuple[str, str]] = {
+    GEMMA4_MULTIMODAL: (GEMMA4_TEXT, "Gemma4ForCausalLM"),
+    GEMMA4_UNIFIED: (GEMMA4_UNIFIED_TEXT, "Gemma4UnifiedForCausalLM"),
+}
 
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
@@ -83,6 +109,21 @@ _DEFAULTS: dict[str, Any] = {
     "eos_token_id": 1,
     "bos_token_id": 2,
     "tie_word_embeddings": True,
+}
+# where Gemma4UnifiedTextConfig's defaults differ from Gemma4TextConfig's
+_UNIFIED_DEFAULTS: dict[str, Any] = {
+    "sliding_window": 1024,
+    "max_position_embeddings": 262_144,
+    "use_bidirectional_attention": "vision",
+}
+# the Gemma-4 keys a unified model does not have (no PLE, no MoE block)
+_NOT_UNIFIED: dict[str, Any] = {
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 0,
+    "enable_moe_block": False,
+    "num_experts": 0,
+    "top_k_experts": 0,
+    "moe_intermediate_size": 0,
 }
 # keys whose null means "none" (not "the default")
 _NULLABLE = (
@@ -411,10 +452,12 @@ def _per_layer_heads(
 
 
 def text_part(raw: dict[str, Any]) -> dict[str, Any]:
-    """A config dict's text settings: a `gemma4` wrapper's `text_config`
-    with the wrapper's `tie_word_embeddings`, token ids and MLX
-    quantization, under the wrapper's `model_type`; any other dict as is."""
-    if raw.get("model_type") != GEMMA4_MULTIMODAL:
+    """A config dict's text settings: a multimodal wrapper's (`gemma4`,
+    `gemma4_unified`) `text_config` with the wrapper's
+    `tie_word_embeddings`, token ids and MLX quantization, under the
+    wrapper's `model_type`; any other dict as is."""
+    wrapper = raw.get("model_type")
+    if wrapper not in TEXT_MODELS:
         return raw
     text = raw.get("text_config")
     flat = dict(text) if isinstance(text, dict) else {}
@@ -422,7 +465,7 @@ def text_part(raw: dict[str, Any]) -> dict[str, Any]:
         if raw.get(key) is not None:
             flat[key] = raw[key]
     flat["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
-    flat["model_type"] = GEMMA4_MULTIMODAL
+    flat["model_type"] = wrapper
     return flat
 
 
@@ -432,7 +475,11 @@ def normalize_gemma4_config(raw: dict[str, Any]) -> dict[str, Any] | str:
     if "hidden_size_per_layer_input" in raw and not raw["hidden_size_per_layer_input"]:
         given["hidden_size_per_layer_input"] = 0
     given.setdefault("model_type", GEMMA4_TEXT)
-    cfg = normalize_hf_config({**_DEFAULTS, **given})
+    defaults = _DEFAULTS
+    if given["model_type"] in UNIFIED_MODEL_TYPES:
+        defaults = {**_DEFAULTS, **_UNIFIED_DEFAULTS}
+        given = {**given, **_NOT_UNIFIED}  # as transformers, whatever the keys say
+    cfg = normalize_hf_config({**defaults, **given})
     layers = cfg["num_hidden_layers"]
     if not isinstance(layers, int) or layers < 1:
         return f"num_hidden_layers ({layers!r}) must be a positive integer"
@@ -455,8 +502,9 @@ def normalize_gemma4_config(raw: dict[str, Any]) -> dict[str, Any] | str:
 def gemma4_text_args(
     raw: dict[str, Any], where: str
 ) -> Result[Gemma4Args, ConfigError]:
-    """A Gemma-4 text config dict (a `gemma4_text` config.json, or the
-    `text_config` a wrapper or an assistant draft nests) -> `Gemma4Args`, or
+    """A Gemma-4 text config dict (a `gemma4_text` or `gemma4_unified_text`
+    config.json, or the `text_config` a wrapper or an assistant draft nests;
+    its `model_type` picks the defaults) -> `Gemma4Args`, or
     a `ConfigError` naming `where`, the problem and the key to fix. Every
     layer may be kv-shared (an assistant's stack, which reads a target's
     keys and values); `gemma4_args` is the target's reader."""
@@ -474,9 +522,10 @@ def gemma4_text_args(
 
 
 def gemma4_args(raw: dict[str, Any], where: str) -> Result[Gemma4Args, ConfigError]:
-    """A target's config.json (`gemma4_text`, or the `gemma4` wrapper, run as
-    its text model) -> `Gemma4Args`, or a `ConfigError` naming `where`, the
-    problem and the key to fix (`target_problem` included)."""
+    """A target's config.json (`gemma4_text`, `gemma4_unified_text`, or the
+    `gemma4` / `gemma4_unified` wrapper, run as its text model) ->
+    `Gemma4Args`, or a `ConfigError` naming `where`, the problem and the key
+    to fix (`target_problem` included)."""
     model_type = raw.get("model_type")
     if model_type not in GEMMA4_MODEL_TYPES:
         return Failure(

@@ -1,16 +1,23 @@
 """The config of Gemma-4's assistant drafter (`model_type`
-`gemma4_assistant`, transformers' `Gemma4AssistantConfig`).
+`gemma4_assistant`, transformers' `Gemma4AssistantConfig`) and of Gemma-4
+Unified's (`gemma4_unified_assistant`, `Gemma4UnifiedAssistantConfig`; the
+same model over a `gemma4_unified_text` stack).
 
 Its top-level keys: the target's hidden size it was trained with
-(`backbone_hidden_size`), and the centroid-restricted head
-(`use_ordered_embeddings`, `num_centroids`, `centroid_intermediate_top_k`).
-Its decoder is a Gemma-4 text stack (`text_config`, read by
-`schemas.hf_gemma4.gemma4_text_args`) whose layers are all kv-shared: where
-the nested config names fewer shared layers (0, as transformers' default),
-every layer is made shared, as transformers does. It has no per-layer
-embeddings and no MoE block (transformers' `validate_architecture`).
+(`backbone_hidden_size`; default 1536, the unified one's 3840), and the
+centroid-restricted head (`use_ordered_embeddings`, `num_centroids`,
+`centroid_intermediate_top_k`). Its decoder is a Gemma-4 text stack
+(`text_config`, read by `schemas.hf_gemma4.gemma4_text_args`; without a
+`model_type` of its own, `gemma4_text`, or `gemma4_unified_text` for the
+unified assistant) whose layers are all kv-shared: where the nested config
+names fewer shared layers (0, as transformers' default), every layer is
+made shared, as transformers does. It has no per-layer embeddings and no
+MoE block (transformers' `validate_architecture`; a unified stack has
+neither), and a `gemma4_assistant`'s MLPs are not double-wide (the same
+check; the unified assistant's config has no such check).
 
-Reference: transformers `models/gemma4_assistant/configuration_gemma4_assistant.py`.
+Reference: transformers `models/gemma4_assistant/configuration_gemma4_assistant.py`,
+`models/gemma4_unified_assistant/configuration_gemma4_unified_assistant.py`.
 """
 
 from __future__ import annotations
@@ -21,9 +28,22 @@ from attrs import frozen
 from returns.result import Failure, Result, Success
 
 from schemas.errors import ConfigError
-from schemas.hf_gemma4 import Gemma4Args, gemma4_text_args
+from schemas.hf_gemma4 import (
+    GEMMA4_TEXT,
+    GEMMA4_UNIFIED_TEXT,
+    Gemma4Args,
+    gemma4_text_args,
+)
 
-ASSISTANT_MODEL_TYPES = ("gemma4_assistant",)
+GEMMA4_ASSISTANT = "gemma4_assistant"
+GEMMA4_UNIFIED_ASSISTANT = "gemma4_unified_assistant"
+ASSISTANT_MODEL_TYPES = (GEMMA4_ASSISTANT, GEMMA4_UNIFIED_ASSISTANT)
+# per assistant model_type: its nested text config's default model_type and
+# its default backbone_hidden_size (transformers')
+_DEFAULTS: dict[str, tuple[str, int]] = {
+    GEMMA4_ASSISTANT: (GEMMA4_TEXT, 1536),
+    GEMMA4_UNIFIED_ASSISTANT: (GEMMA4_UNIFIED_TEXT, 3840),
+}
 
 
 @frozen(kw_only=True)
@@ -73,8 +93,9 @@ def assistant_args(
     text = raw.get("text_config")
     if not isinstance(text, dict):
         return Failure(ConfigError(f"{where}: text_config (a dict) is missing"))
+    text_type, backbone_default = _DEFAULTS[str(model_type)]
     text = dict(text)
-    text.setdefault("model_type", "gemma4_text")
+    text.setdefault("model_type", text_type)
     layers = text.get("num_hidden_layers")
     if isinstance(layers, int) and not text.get("num_kv_shared_layers"):
         text["num_kv_shared_layers"] = layers  # transformers' __post_init__
@@ -82,7 +103,7 @@ def assistant_args(
     tied = raw.get("tie_word_embeddings", True)
     text["tie_word_embeddings"] = tied
     problems: list[str] = []
-    backbone = _positive(raw, "backbone_hidden_size", 1536)
+    backbone = _positive(raw, "backbone_hidden_size", backbone_default)
     centroids = _positive(raw, "num_centroids", 2048)
     top_k = _positive(raw, "centroid_intermediate_top_k", 32)
     problems.extend(p for p in (backbone, centroids, top_k) if isinstance(p, str))
@@ -98,6 +119,8 @@ def assistant_args(
 
     def fits(args: Gemma4Args) -> Result[AssistantArgs, ConfigError]:
         bad = _text_problems(args)
+        if model_type == GEMMA4_ASSISTANT and args.use_double_wide_mlp:
+            bad.append("text_config.use_double_wide_mlp must be false")
         if ordered:
             if args.vocab_size % centroids:
                 bad.append(

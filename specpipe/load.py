@@ -33,8 +33,7 @@ from schemas.errors import ConfigError, LoadError
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
 from schemas.hf_gemma4 import (
     GEMMA4_MODEL_TYPES,
-    GEMMA4_MULTIMODAL,
-    GEMMA4_TEXT,
+    TEXT_MODELS,
     Gemma4Args,
     gemma4_args,
     text_part,
@@ -227,9 +226,10 @@ def assemble(
 ) -> Result[LoadedModel, LoadError]:
     def finish(model: Any) -> Result[LoadedModel, LoadError]:
         mtp: dict[str, mx.array] = {}
-        if isinstance(args, HybridArgs | Glm4MoeArgs):
-            # the head a checkpoint carries (Qwen's `mtp.*`, GLM's layer
-            # `model.layers.{num_hidden_layers}`), for a native MTP draft
+        if isinstance(args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs):
+            # the head a checkpoint carries (Qwen's `mtp.*`, GLM-4.5's and
+            # GLM-5's layer `model.layers.{num_hidden_layers}`), for a native
+            # MTP draft
             mtp = model.split_mtp(weights)[1]
         return load_weights(model, weights, args).map(
             lambda _: LoadedModel(
@@ -349,19 +349,20 @@ def config_for(
     family, the upstream config (MTP layers dropped) for hybrid graphs and
     glm4_moe and glm_moe_dsa (whose MoE and attention settings `config_dict`
     does not write), Gemma-4's text config for gemma4 (a multimodal one's
-    text part: the folder holds the text model's weights only)."""
+    text part, `gemma4_text` or `gemma4_unified_text`: the folder holds the
+    text model's weights only)."""
     if not isinstance(
         loaded.args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs | Gemma4Args
     ):
         return config_dict(loaded.args, quantize, group_size, weights)
     raw = loaded.raw_config
-    if (
-        isinstance(loaded.args, Gemma4Args)
-        and raw.get("model_type") == GEMMA4_MULTIMODAL
-    ):
-        # the text part, as a `Gemma4ForCausalLM` config (its weights' names)
-        architecture = {"architectures": ["Gemma4ForCausalLM"]}
-        raw = {**text_part(raw), "model_type": GEMMA4_TEXT, **architecture}
+    text_model = TEXT_MODELS.get(str(raw.get("model_type")))
+    if isinstance(loaded.args, Gemma4Args) and text_model is not None:
+        # the text part, as a `Gemma4ForCausalLM` (`Gemma4UnifiedForCausalLM`)
+        # config (its weights' names)
+        model_type, architecture = text_model
+        raw = {**text_part(raw), "model_type": model_type}
+        raw["architectures"] = [architecture]
     cfg = {
         k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")
     }

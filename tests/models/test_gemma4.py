@@ -682,8 +682,15 @@ def test_a_multimodal_folder_loads_and_converts_to_4_bits(tmp_path: Path) -> Non
 def tiny_gemma(case: str, seed: int = 1, gain: float = 2.5) -> Model:
     """Random weights, every matrix scaled by `gain` (varied greedy output),
     as tests/specpipe/spec_support.py does."""
+    return random_model(
+        {**TINY, **CASES[case], "model_type": "gemma4_text"}, seed, gain
+    )
+
+
+def random_model(raw: dict[str, Any], seed: int = 1, gain: float = 2.5) -> Model:
+    """`tiny_gemma`'s model of any Gemma-4 config dict."""
     mx.random.seed(seed)
-    args = args_of({**TINY, **CASES[case], "model_type": "gemma4_text"})
+    args = args_of(raw)
     model = build_model(args).unwrap()
     assert isinstance(model, Model)
     model.update(

@@ -9,9 +9,11 @@ values it reads are random arrays standing for the target's stored ones.
 
 transformers 5.23 cannot build this model as it ships: its
 `Gemma4TextConfig.kv_sharing_modes` raises when every layer is kv-shared
-(no layer "produces" a cache), which an assistant's stack always is. The
-`hf_assistant` fixture patches that one property to answer "reuse" for
-every layer of such a stack, which is what the assistant's attention reads.
+(no layer "produces" a cache), which an assistant's stack always is (and
+so does `Gemma4UnifiedTextConfig`'s, a copy of it, for the unified
+assistant). The `all_shared_stacks` fixture patches that one property of
+both to answer "reuse" for every layer of such a stack, which is what the
+assistant's attention reads.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import transformers
 from returns.result import Failure, Success
 from transformers.models.gemma4 import configuration_gemma4
+from transformers.models.gemma4_unified import configuration_gemma4_unified
 
 from models.gemma4_assistant import Assistant
 from models.layers import flat_parameters
@@ -57,30 +60,49 @@ TEXT: dict[str, Any] = {
     "max_position_embeddings": 512,
 }
 TOL = 1e-4
+# keys a unified text config does not have (no per-layer embeddings)
+_PLE_KEYS = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def all_shared_stacks() -> Iterator[None]:
-    """transformers 5.23's kv_sharing_modes, answering "reuse" for a stack
-    whose every layer is kv-shared (see the module doc)."""
-    cls = configuration_gemma4.Gemma4TextConfig
-    shipped = cls.__dict__["kv_sharing_modes"]
+    """transformers 5.23's kv_sharing_modes (Gemma-4's and Gemma-4
+    Unified's), answering "reuse" for a stack whose every layer is kv-shared
+    (see the module doc)."""
+    classes = (
+        configuration_gemma4.Gemma4TextConfig,
+        configuration_gemma4_unified.Gemma4UnifiedTextConfig,
+    )
+    shipped = {cls: cls.__dict__["kv_sharing_modes"] for cls in classes}
 
-    def modes(config: Any) -> list[str | None]:
-        if config.num_kv_shared_layers == config.num_hidden_layers:
-            return ["reuse"] * config.num_hidden_layers
-        result: list[str | None] = shipped.fget(config)
-        return result
+    def patched(original: Any) -> property:
+        def modes(config: Any) -> list[str | None]:
+            if config.num_kv_shared_layers == config.num_hidden_layers:
+                return ["reuse"] * config.num_hidden_layers
+            result: list[str | None] = original.fget(config)
+            return result
 
-    cls.kv_sharing_modes = property(modes)
+        return property(modes)
+
+    for cls, original in shipped.items():
+        cls.kv_sharing_modes = patched(original)
     yield
-    cls.kv_sharing_modes = shipped
+    for cls, original in shipped.items():
+        cls.kv_sharing_modes = original
 
 
-def assistant_config(ordered: bool, **overrides: Any) -> dict[str, Any]:
+def assistant_config(
+    ordered: bool, unified: bool = False, **overrides: Any
+) -> dict[str, Any]:
+    """An assistant's config.json; `unified`: a `gemma4_unified_assistant`
+    over a `gemma4_unified_text` stack (no per-layer-embedding keys)."""
+    text = {**TEXT, **overrides}
+    if unified:
+        text = {k: v for k, v in text.items() if k not in _PLE_KEYS}
+        text["model_type"] = "gemma4_unified_text"
     return {
-        "model_type": "gemma4_assistant",
-        "text_config": {**TEXT, **overrides},
+        "model_type": "gemma4_unified_assistant" if unified else "gemma4_assistant",
+        "text_config": text,
         "backbone_hidden_size": BACKBONE,
         "use_ordered_embeddings": ordered,
         "num_centroids": 8,
@@ -88,18 +110,33 @@ def assistant_config(ordered: bool, **overrides: Any) -> dict[str, Any]:
     }
 
 
-def hf_assistant(ordered: bool, seed: int = 0) -> Any:
-    raw = assistant_config(ordered)
-    text = transformers.Gemma4TextConfig(
+def hf_assistant(
+    ordered: bool, seed: int = 0, unified: bool = False, **overrides: Any
+) -> Any:
+    """transformers' assistant (`Gemma4UnifiedAssistantForCausalLM` when
+    `unified`) with random weights."""
+    raw = assistant_config(ordered, unified, **overrides)
+    text_class, config_class, model_class = (
+        (
+            transformers.Gemma4UnifiedTextConfig,
+            transformers.Gemma4UnifiedAssistantConfig,
+            transformers.Gemma4UnifiedAssistantForCausalLM,
+        )
+        if unified
+        else (
+            transformers.Gemma4TextConfig,
+            transformers.Gemma4AssistantConfig,
+            transformers.Gemma4AssistantForCausalLM,
+        )
+    )
+    text = text_class(
         **{k: v for k, v in raw["text_config"].items() if k != "model_type"},
         attn_implementation="eager",
     )
-    config = transformers.Gemma4AssistantConfig(
-        **{**raw, "text_config": text.to_dict()}
-    )
+    config = config_class(**{**raw, "text_config": text.to_dict()})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Gemma4AssistantForCausalLM(config).eval()
+    model = model_class(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -15,8 +15,10 @@ selection keeps every position) and a dense-then-MoE mix with groups;
 drops positions); `index_topk` 3 from an `index_topk_pattern`, explicit
 `mlp_layer_types`, attention biases and a tied head. Also: the cache layout,
 the checkpoint layouts (per-expert names, an MTP layer split off), a folder
-through the loader (q_a / kv_a fused into one product) and a 4-bit
-conversion, configs it cannot run, and
+through the loader (q_a / kv_a fused into one product; its MTP layer, named
+as transformers names a decoder layer, kept for the native draft) and a
+4-bit conversion (the MTP layer as a 4-bit `mtp/` companion), configs it
+cannot run, and
 lossless speculative decoding with sparse selection in the verify windows.
 """
 
@@ -502,14 +504,33 @@ def test_layers_and_checkpoint_layouts() -> None:
 
 def write_dsa_folder(folder: Path, hf: Any) -> None:
     """An HF-layout folder as GLM-5 ships: per-expert names and an MTP layer
-    (a decoder layer's weights plus eh_proj, here random)."""
+    (layer N of a transformers model one layer deeper, named as transformers
+    names a decoder layer, its indexer included, plus eh_proj, enorm, hnorm
+    and shared_head, here random)."""
     write_tiny_model(folder)  # tokenizer files (config and weights replaced)
     config = {**hf.config.to_dict(), "architectures": ["GlmMoeDsaForCausalLM"]}
     (folder / "config.json").write_text(json.dumps(config))
     weights = per_expert(hf_weights(hf))
     n = hf.config.num_hidden_layers
-    weights[f"model.layers.{n}.eh_proj.weight"] = mx.ones((64, 128))
-    weights[f"model.layers.{n}.enorm.weight"] = mx.ones((64,))
+    deeper = make_hf(
+        "sparse-shared",
+        seed=3,
+        vocab_size=hf.config.vocab_size,
+        num_hidden_layers=n + 1,
+    )
+    prefix = f"model.layers.{n}."
+    weights.update(
+        {
+            k: v
+            for k, v in per_expert(hf_weights(deeper)).items()
+            if k.startswith(prefix)
+        }
+    )
+    noise = mx.random.normal((64, 128), key=mx.random.key(3))
+    weights[f"{prefix}eh_proj.weight"] = 0.15 * noise
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{prefix}{norm}.weight"] = mx.ones((64,))
+    weights[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"]
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
 
 
@@ -520,7 +541,10 @@ def test_a_folder_loads_and_converts_to_4_bits(tmp_path: Path) -> None:
     loaded = load(str(tmp_path / "glm5")).unwrap()
     model = loaded.model
     assert isinstance(model, Model) and isinstance(loaded.args, GlmMoeDsaArgs)
-    assert model.padding_safe and loaded.mtp == {}  # no GLM-5 MTP drafter
+    assert model.padding_safe
+    # the MTP layer apart, for the native draft (models/glm_mtp.py)
+    assert {"eh_proj.weight", "self_attn.indexer.wk.weight"} <= loaded.mtp.keys()
+    assert "mlp.switch_mlp.gate_proj.weight" in loaded.mtp
     ids = token_ids((2, 9), seed=7, vocab=vocab)
     assert (
         np.abs(
@@ -535,6 +559,10 @@ def test_a_folder_loads_and_converts_to_4_bits(tmp_path: Path) -> None:
     assert config["quantization"] == {"group_size": 32, "bits": 4}
     assert config["indexer_types"] == ["full", "shared", "full", "shared"]
     assert config["index_topk"] == 4 and config["kv_lora_rank"] == 16
+    # the MTP layer as an `mtp/` companion, quantized as the target is
+    companion = json.loads((out / "mtp" / "config.json").read_text())
+    assert companion["model_type"] == "glm_moe_dsa_mtp"
+    assert companion["quantization"]["bits"] == 4
     quantized = forward(model, ids, model.make_cache(2), [0, 0])
     again = load(str(out)).unwrap().model
     assert isinstance(again, Model)

@@ -107,18 +107,15 @@ def drafted(
     return result
 
 
-def test_the_first_round_drafts_are_transformers() -> None:
-    """After a prefill, transformers' candidate generator feeds the assistant
-    [embed(the new token), the target's last hidden state] at the new
-    token's position over the target's stored keys/values, then its own
-    projected state and draft, at the same position."""
-    hf_target = make_hf("shared-ple", seed=3)
-    target = ours(hf_target)
-    hf_draft = hf_assistant(ordered=True, seed=4)
-    from tests.models.test_gemma4_assistant import ours as our_assistant
-
-    draft = our_assistant(hf_draft)
-    prompt = [5, 17, 3, 99, 42, 8, 61, 23, 11]  # past the sliding window of 4
+def transformers_first_round(
+    hf_target: Any, hf_draft: Any, prompt: list[int], depth: int
+) -> tuple[int, list[int]]:
+    """The target's greedy token after `prompt`, and the `depth` greedy
+    drafts transformers' candidate generator asks of the assistant next:
+    after a prefill, it feeds the assistant [embed(the new token), the
+    target's last hidden state] at the new token's position over the
+    target's stored keys/values, then its own projected state and draft,
+    at the same position."""
     n = len(prompt)
     with torch.no_grad():
         out = hf_target(
@@ -130,7 +127,7 @@ def test_the_first_round_drafts_are_transformers() -> None:
         hidden = out.hidden_states[-1][:, -1:]
         embed = hf_target.get_input_embeddings()
         theirs = []
-        for _ in range(4):
+        for _ in range(depth):
             step = hf_draft(
                 inputs_embeds=torch.cat([embed(token), hidden], dim=-1),
                 position_ids=torch.tensor([[n]]),
@@ -140,7 +137,18 @@ def test_the_first_round_drafts_are_transformers() -> None:
             token = step.logits.argmax(-1)
             hidden = step.last_hidden_state
             theirs.append(int(token))
-    first = int(out.logits[0, -1].argmax())
+    return int(out.logits[0, -1].argmax()), theirs
+
+
+def test_the_first_round_drafts_are_transformers() -> None:
+    hf_target = make_hf("shared-ple", seed=3)
+    target = ours(hf_target)
+    hf_draft = hf_assistant(ordered=True, seed=4)
+    from tests.models.test_gemma4_assistant import ours as our_assistant
+
+    draft = our_assistant(hf_draft)
+    prompt = [5, 17, 3, 99, 42, 8, 61, 23, 11]  # past the sliding window of 4
+    first, theirs = transformers_first_round(hf_target, hf_draft, prompt, 4)
     rows, cache, states = opened(target, drafter_of(target, draft), [[*prompt, first]])
     assert drafted(rows, cache, states, 4) == [theirs]
 
