@@ -194,6 +194,27 @@ def _declared_quantization(
     return Success(DeclaredQuantization(block))
 
 
+def _artifact_config(
+    request: DraftLoadRequest, own_head: str | None = None
+) -> Result[tuple[Path, dict[str, Any]], BindingError]:
+    """The draft folder and its config.json. `own_head` names a draft that
+    projects through its own head, for which an FR-Spec list (which narrows
+    the target's head) is refused."""
+    assert request.source is not None
+    folder = Path(request.source)
+    config = DraftArtifact(folder).config
+    if config is None:
+        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    if own_head is not None and request.draft_vocab not in (None, "off"):
+        return Failure(
+            BindingError(
+                "a draft vocabulary (--draft-vocab) narrows the target's head; "
+                f"{own_head} draft projects through its own head: drop the option"
+            )
+        )
+    return Success((folder, config))
+
+
 def _read_weights(folder: Path, what: str) -> Result[dict[str, Any], BindingError]:
     """Every array of a draft folder's *.safetensors files."""
     import mlx.core as mx
@@ -216,11 +237,10 @@ def _read_weights(folder: Path, what: str) -> Result[dict[str, Any], BindingErro
 
 def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
 
-    assert request.source is not None
-    folder = Path(request.source)
-    config = DraftArtifact(folder).config
-    if config is None:
-        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    opened = _artifact_config(request)
+    if not isinstance(opened, Success):
+        return Failure(opened.failure())
+    folder, config = opened.unwrap()
     read = _read_weights(folder, "MTP")
     if not isinstance(read, Success):
         return Failure(read.failure())
@@ -264,15 +284,14 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     from specpipe.draft_vocab import SubsetHead, configured
     from specpipe.drafts.dflash import DFlashDrafter
 
-    assert request.source is not None
-    folder = Path(request.source)
-    where = str(folder)
     asked = request.draft_bits
     if asked is not None and (problem := bits_problem(asked)) is not None:
         return Failure(BindingError(f"{problem} (--draft-bits)"))
-    config = DraftArtifact(folder).config
-    if config is None:
-        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
+    opened = _artifact_config(request)
+    if not isinstance(opened, Success):
+        return Failure(opened.failure())
+    folder, config = opened.unwrap()
+    where = str(folder)
     settings = DFlashSettings.of(config)
     if not isinstance(settings, Success):
         return Failure(BindingError(f"{where}: {settings.failure().message}"))
@@ -413,19 +432,11 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     from schemas.hf_gemma4 import Gemma4Args
     from specpipe.drafts.dspark import DSparkDrafter
 
-    assert request.source is not None
-    folder = Path(request.source)
+    opened = _artifact_config(request, own_head="a DSpark")
+    if not isinstance(opened, Success):
+        return Failure(opened.failure())
+    folder, config = opened.unwrap()
     where = str(folder)
-    config = DraftArtifact(folder).config
-    if config is None:
-        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
-    if request.draft_vocab not in (None, "off"):
-        return Failure(
-            BindingError(
-                "a draft vocabulary (--draft-vocab) narrows the target's head; a DSpark "
-                "draft projects through its own lm_head: drop the option"
-            )
-        )
     settings = DSparkSettings.of(config)
     if not isinstance(settings, Success):
         return Failure(BindingError(f"{where}: {settings.failure().message}"))
@@ -524,19 +535,11 @@ def _load_assistant(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
     from schemas.hf_gemma4_assistant import assistant_args
     from specpipe.drafts.assistant import AssistantDrafter
 
-    assert request.source is not None
-    folder = Path(request.source)
+    opened = _artifact_config(request, own_head="an assistant")
+    if not isinstance(opened, Success):
+        return Failure(opened.failure())
+    folder, config = opened.unwrap()
     where = str(folder)
-    config = DraftArtifact(folder).config
-    if config is None:
-        return Failure(BindingError(f"{folder}: missing or unreadable config.json"))
-    if request.draft_vocab not in (None, "off"):
-        return Failure(
-            BindingError(
-                "a draft vocabulary (--draft-vocab) narrows the target's head; an "
-                "assistant draft projects through its own head: drop the option"
-            )
-        )
     parsed = assistant_args(config, where)
     if not isinstance(parsed, Success):
         return Failure(BindingError(parsed.failure().message))

@@ -60,7 +60,7 @@ from returns.result import Failure, Result, Success
 from schemas.converter import hf, structure
 from schemas.errors import ConfigError
 from schemas.hf import DecoderArgs, normalize_hf_config
-from schemas.hf_glm4_moe import foreign_quantization
+from schemas.hf_glm4_moe import upstream_problem
 
 GEMMA4_TEXT = "gemma4_text"
 GEMMA4_MULTIMODAL = "gemma4"
@@ -526,24 +526,10 @@ def gemma4_args(raw: dict[str, Any], where: str) -> Result[Gemma4Args, ConfigErr
     `gemma4` / `gemma4_unified` wrapper, run as its text model) ->
     `Gemma4Args`, or a `ConfigError` naming `where`, the problem and the key
     to fix (`target_problem` included)."""
-    model_type = raw.get("model_type")
-    if model_type not in GEMMA4_MODEL_TYPES:
-        return Failure(
-            ConfigError(
-                f"{where}: model_type {model_type!r} is not a Gemma-4 model; "
-                f"supported: {', '.join(GEMMA4_MODEL_TYPES)}"
-            )
-        )
     flat = text_part(raw)
-    foreign = foreign_quantization(flat)
-    if foreign is not None:
-        return Failure(
-            ConfigError(
-                f"{where}: quantization_config quant_method {foreign!r} is not "
-                "supported; use the bfloat16 checkpoint or an MLX (affine) "
-                "conversion of it"
-            )
-        )
+    unsupported = upstream_problem(raw, where, "Gemma-4", GEMMA4_MODEL_TYPES, flat)
+    if unsupported is not None:
+        return Failure(unsupported)
 
     def runnable(args: Gemma4Args) -> Result[Gemma4Args, ConfigError]:
         problem = target_problem(args)

@@ -175,24 +175,9 @@ def checked_args(
     `cls` by `normalized`, or a `ConfigError` naming `where`, the problem and
     the key to fix: another model type, a non-MLX quantization, a field that
     does not parse, or what `problem` says the model cannot run."""
-    model_type = raw.get("model_type")
-    if model_type not in model_types:
-        return Failure(
-            ConfigError(
-                f"{where}: model_type {model_type!r} is not a {family} model; "
-                f"supported: {', '.join(model_types)}"
-            )
-        )
-
-    foreign = foreign_quantization(raw)
-    if foreign is not None:
-        return Failure(
-            ConfigError(
-                f"{where}: quantization_config quant_method {foreign!r} is not "
-                "supported; use the bfloat16 checkpoint or an MLX (affine) "
-                "conversion of it"
-            )
-        )
+    unsupported = upstream_problem(raw, where, family, model_types)
+    if unsupported is not None:
+        return Failure(unsupported)
 
     def runnable(args: A) -> Result[A, ConfigError]:
         found = problem(args)
@@ -215,6 +200,32 @@ def glm4_moe_args(raw: dict[str, Any], where: str) -> Result[Glm4MoeArgs, Config
         Glm4MoeArgs,
         layout_problem,
     )
+
+
+def upstream_problem(
+    raw: dict[str, Any],
+    where: str,
+    family: str,
+    model_types: tuple[str, ...],
+    settings: dict[str, Any] | None = None,
+) -> ConfigError | None:
+    """What keeps an upstream config from being read as a `family` model:
+    another model type, or a quantization that is not MLX affine (looked up
+    in `settings`, the model's own settings where a wrapper nests them)."""
+    model_type = raw.get("model_type")
+    if model_type not in model_types:
+        return ConfigError(
+            f"{where}: model_type {model_type!r} is not a {family} model; "
+            f"supported: {', '.join(model_types)}"
+        )
+    foreign = foreign_quantization(raw if settings is None else settings)
+    if foreign is not None:
+        return ConfigError(
+            f"{where}: quantization_config quant_method {foreign!r} is not "
+            "supported; use the bfloat16 checkpoint or an MLX (affine) "
+            "conversion of it"
+        )
+    return None
 
 
 def foreign_quantization(raw: dict[str, Any]) -> str | None:
