@@ -315,7 +315,8 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
             BindingError(
                 f"{where}: a DFlash draft reads the target's layer outputs, which the "
                 f"{target.args.model_type} target does not expose yet (specpipe's "
-                "llama, qwen2, qwen3, glm4_moe, qwen3_next and qwen3_5 models do)"
+                "llama, qwen2, qwen3, glm4_moe, qwen3_next, qwen3_5 and gemma4 "
+                "models do)"
             )
         )
     # the hidden size and the tapped layers are the binding's checks (`bind`,

@@ -873,3 +873,24 @@ def test_dflash_on_a_hybrid_target_is_plain_decoding(
     spec, results = run(hybrid, prompts, params, drafter, depth=3, max_tokens=14)
     assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
     assert spec == plain
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "t0.8-topk"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_dflash_on_a_gemma4_target_is_plain_decoding(sampling: str, batch: int) -> None:
+    """A Gemma-4 target taps its layers as the others do; the draft projects
+    through its softcapped head (`HeadWeights.softcap`) and reads its scaled
+    embedding."""
+    from tests.models.test_gemma4 import tiny_gemma
+
+    target = tiny_gemma("shared-ple")
+    prompts = PROMPTS[:batch]
+    params = SAMPLINGS[sampling]
+    plain, _ = run(target, prompts, params, max_tokens=14)
+    config = dflash_config()
+    config["dflash_config"] = {**config["dflash_config"], "target_layer_ids": [0, 3]}
+    target.tap((0, 3))
+    drafter = DFlashDrafter(target, random_draft(config, seed=17))
+    spec, results = run(target, prompts, params, drafter, depth=3, max_tokens=14)
+    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    assert spec == plain
