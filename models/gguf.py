@@ -1,4 +1,6 @@
 """Import of llama.cpp GGUF checkpoints: HF config, float32 weights, tokenizer.
+Architectures: llama, qwen2, qwen3, and gemma4 (read as a `gemma4_text`
+config and transformers' Gemma4ForCausalLM weight names).
 
 Notable:
 - The header (metadata and tensor table) is parsed here, with bounds checks, so
@@ -11,12 +13,31 @@ Notable:
   projections so that its RoPE can rotate adjacent pairs (traditional RoPE);
   the permutation is undone here, so the weights equal the HF checkpoint's and
   RoPE runs with traditional=False. Qwen2/Qwen3 files are not permuted.
+- Gemma-4 (llama.cpp's `gemma4`) needs no weight transform: its converter
+  stores norms as they are (Gemma-4's RMSNorm multiplies by w, not 1 + w),
+  leaves Q/K unpermuted (its RoPE is NeoX-style, rotate-half) and stacked
+  experts as transformers stacks them (gate rows first). What it moves into
+  metadata is read back: per-layer arrays (`sliding_window_pattern`,
+  `head_count_kv`, `feed_forward_length`), the two head widths
+  (`key_length` full, `key_length_swa` sliding), the two RoPE bases, and
+  the full layers' "proportional" RoPE, which it encodes as the
+  `rope_freqs` tensor (factor 1 for a rotated pair, 1e30 for an unrotated
+  one). Names are renamed back: `router.scale` <- `ffn_gate_inp.scale`,
+  `router.per_expert_scale` <- `ffn_down_exps.scale`, `layer_scalar` <-
+  `layer_output_scale`, the per-layer embeddings (PLE) <- `per_layer_*`,
+  `inp_gate`, `proj`, `post_norm`. Values-as-keys layers are the full layers
+  without `attn_v`. What the file cannot say as a Gemma-4 config is refused
+  with the key or tensor named.
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+Gemma-4: llama.cpp `conversion/gemma.py` (Gemma4Model, Gemma3Model,
+TextModel.set_gguf_parameters), `src/models/gemma4*.cpp` (hparams, tensors,
+graph), `gguf-py/gguf/constants.py` and `tensor_mapping.py` (names).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -32,9 +53,11 @@ from returns.result import Failure, Result, Success
 
 from models.tokenizer import gguf_tokenizer
 from schemas.errors import LoadError
+from schemas.hf_gemma4 import FULL_ATTENTION, GEMMA4_TEXT, SLIDING_ATTENTION
 
 MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GEMMA4 = "gemma4"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", GEMMA4)
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -254,9 +277,11 @@ def _parse_header(path: Path, cursor: _Cursor) -> Result[GgufHeader, LoadError]:
 
 
 def read_gguf(path: Path, load_weights: bool = True) -> Result[GgufModel, LoadError]:
-    """Config, float32 HF-layout weights and tokenizer of a llama/qwen2/qwen3 GGUF.
+    """Config, float32 HF-layout weights and tokenizer of a llama, qwen2, qwen3
+    or gemma4 GGUF.
 
-    With `load_weights=False` only the header is read (config and tokenizer).
+    With `load_weights=False` only the header is read (config and tokenizer),
+    and a gemma4 file's `rope_freqs` (its RoPE, a few floats).
     """
     return read_gguf_header(path).bind(lambda h: _model(h, load_weights))
 
@@ -295,6 +320,8 @@ def gguf_config(header: GgufHeader) -> dict[str, Any] | LoadError:
             f"{header.path}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if arch == GEMMA4:
+        return gemma4_config(header)
     names = {t.name: t for t in header.tensors}
     embed = names.get("token_embd.weight")
     if embed is None:
@@ -357,13 +384,19 @@ def gguf_config(header: GgufHeader) -> dict[str, Any] | LoadError:
                 meta[key("rope.scaling.original_context_length")]
             )
         config["rope_scaling"] = rope_scaling
+    return {**config, **_token_ids(meta)}
+
+
+def _token_ids(meta: dict[str, Any]) -> dict[str, int]:
+    """bos_token_id, eos_token_id and pad_token_id, where the tokenizer has them."""
+    ids: dict[str, int] = {}
     for name in ("bos", "eos", "padding"):
         token = meta.get(f"tokenizer.ggml.{name}_token_id")
         if token is not None:
-            config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(
+            ids["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(
                 token
             )
-    return config
+    return ids
 
 
 def hf_weight_name(name: str) -> str | None:
@@ -404,18 +437,20 @@ def _load_weights(
             "attn_q": config["num_attention_heads"],
             "attn_k": config["num_key_value_heads"],
         }
+    gemma = config["model_type"] == GEMMA4_TEXT
+    weight_name = gemma4_weight_name if gemma else hf_weight_name
     weights: dict[str, mx.array] = {}
     try:
         with header.path.open("rb") as handle:
             for info in header.tensors:
-                name = hf_weight_name(info.name)
-                if name is None:
+                name = weight_name(info.name)
+                if name is None:  # gemma4's rope_freqs: read into the config
                     continue
                 n_heads = heads.get(info.name.split(".")[-2])
                 weights[name] = mx.array(_read_tensor(handle.fileno(), info, n_heads))
     except (OSError, ValueError, NotImplementedError) as exc:
         return LoadError(f"{header.path}: cannot read tensor data: {exc}")
-    return weights
+    return _join_split_experts(weights) if gemma else weights
 
 
 def _read_tensor(
@@ -439,3 +474,432 @@ def _read_tensor(
         out[start : start + count] = dequantize(flat, info.qtype).reshape(count, width)
     weight = out.reshape(info.shape)
     return weight if n_heads is None else unpermute_rope_rows(weight, n_heads)
+
+
+# -- Gemma-4 (llama.cpp's `gemma4`) -------------------------------------------
+
+# GGUF name -> transformers' Gemma4ForCausalLM name (gguf-py tensor_mapping.py;
+# `.scale` names: llama.cpp conversion/gemma.py, Gemma4Model.modify_tensors)
+_GEMMA4_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
+# after "blk.N." -> after "model.layers.N."
+_GEMMA4_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    # llama.cpp also loads the experts' gate and up apart; joined on load
+    "ffn_gate_exps.weight": "experts.gate_proj",
+    "ffn_up_exps.weight": "experts.up_proj",
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+# the full layers' RoPE frequency factors: read into the config, not a weight
+ROPE_FREQS = "rope_freqs.weight"
+# llama.cpp's converter writes 1e30 for a pair that does not rotate; any
+# factor this large turns a float32 angle into 0 for every position
+_UNROTATED = 1e20
+_GEMMA4_REQUIRED = (
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "attention.sliding_window_pattern",
+    "attention.key_length_swa",
+    "embedding_length_per_layer_input",
+)
+
+
+class _Refused(Exception):
+    """A gemma4 GGUF says what a Gemma-4 config cannot; the message names it."""
+
+
+def gemma4_weight_name(name: str) -> str | None:
+    """The transformers name of a gemma4 GGUF tensor; None for `rope_freqs`
+    (config) and tensors a Gemma-4 text model has no place for."""
+    if name in _GEMMA4_TOP:
+        return _GEMMA4_TOP[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        rest = _GEMMA4_LAYER.get(parts[2])
+        if rest is not None:
+            return f"model.layers.{parts[1]}.{rest}"
+    return None
+
+
+def gemma4_config(header: GgufHeader) -> dict[str, Any] | LoadError:
+    """The `gemma4_text` config.json equivalent of a gemma4 GGUF (transformers'
+    Gemma4TextConfig keys), or what it cannot say, named."""
+    try:
+        return _gemma4_config(header)
+    except _Refused as exc:
+        return LoadError(f"{header.path}: {exc}")
+    except (OSError, ValueError, NotImplementedError) as exc:
+        return LoadError(f"{header.path}: cannot read {ROPE_FREQS}: {exc}")
+
+
+def _gemma4_config(header: GgufHeader) -> dict[str, Any]:
+    meta = header.metadata
+    tensors = {t.name: t for t in header.tensors}
+    unknown = [n for n in tensors if n != ROPE_FREQS and gemma4_weight_name(n) is None]
+    if unknown:
+        raise _Refused(
+            "tensors with no place in a Gemma-4 text model (transformers' "
+            f"Gemma4ForCausalLM): {', '.join(unknown[:5])}"
+        )
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise _Refused("no token_embd.weight tensor")
+
+    def key(name: str) -> str:
+        return f"{GEMMA4}.{name}"
+
+    missing = [key(k) for k in _GEMMA4_REQUIRED if key(k) not in meta]
+    if missing:
+        raise _Refused(
+            f"metadata lacks {', '.join(missing)} (llama.cpp's gemma4 needs them "
+            "too): convert the checkpoint again with a current llama.cpp, or load "
+            "its HF folder"
+        )
+    layers = int(meta[key("block_count")])
+    hidden = int(meta[key("embedding_length")])
+    kinds = _gemma4_layer_types(meta[key("attention.sliding_window_pattern")], layers)
+    heads = _uniform(
+        _per_layer(meta, key("attention.head_count"), layers, None),
+        key("attention.head_count"),
+    )
+    if heads < 1:
+        raise _Refused(f"{key('attention.head_count')} is {heads}")
+    kv = _per_layer(meta, key("attention.head_count_kv"), layers, heads)
+    kv_of = {
+        kind: _uniform(
+            [kv[i] for i in range(layers) if kinds[i] == kind],
+            f"{key('attention.head_count_kv')} of the {kind} layers",
+        )
+        for kind in sorted(set(kinds))
+    }
+    dims = _gemma4_head_dims(meta, kinds, hidden // heads)
+    shared = int(meta.get(key("attention.shared_kv_layers"), 0))
+    if not 0 <= shared <= layers:
+        raise _Refused(
+            f"{key('attention.shared_kv_layers')} ({shared}) exceeds the "
+            f"{layers} layers"
+        )
+    intermediate, double_wide = _gemma4_mlp_widths(meta, layers, shared)
+    keys_are_values = _keys_are_values(tensors, kinds, layers - shared)
+    kv_full, kv_sliding = kv_of[FULL_ATTENTION], kv_of.get(SLIDING_ATTENTION)
+    if not keys_are_values and kv_sliding is not None and kv_full != kv_sliding:
+        raise _Refused(
+            f"{key('attention.head_count_kv')} gives the full layers {kv_full} KV "
+            f"heads and the sliding ones {kv_sliding}, but the full layers have "
+            "their own values (attn_v): transformers' Gemma-4 gives its full "
+            "layers a KV head count of their own only where they take values "
+            "from the keys (attention_k_eq_v)"
+        )
+    base = float(meta.get(key("rope.freq_base"), 10_000.0))
+    with header.path.open("rb") as handle:
+        partial = _proportional_rope(handle.fileno(), tensors, dims[FULL_ATTENTION])
+    per_layer = int(meta[key("embedding_length_per_layer_input")])
+    ple = tensors.get("per_layer_token_embd.weight")
+    ple_tensors = [n for n in tensors if n.startswith("per_layer_")]
+    if bool(per_layer) != bool(ple_tensors) or (per_layer and ple is None):
+        raise _Refused(
+            f"{key('embedding_length_per_layer_input')} is {per_layer} but the "
+            f"per-layer embedding tensors are {ple_tensors or 'absent'}"
+        )
+    softcap = meta.get(key("final_logit_softcapping"))
+    config: dict[str, Any] = {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": GEMMA4_TEXT,
+        "vocab_size": embed.shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_sliding if kv_sliding is not None else kv_full,
+        "head_dim": dims[SLIDING_ATTENTION],
+        "global_head_dim": dims[FULL_ATTENTION],
+        "num_global_key_value_heads": kv_full if keys_are_values else None,
+        "attention_k_eq_v": keys_are_values,
+        "layer_types": kinds,
+        "sliding_window": int(meta[key("attention.sliding_window")]),
+        "rope_parameters": {
+            SLIDING_ATTENTION: {
+                "rope_type": "default",
+                # llama.cpp: the sliding layers' base defaults to the full ones'
+                "rope_theta": float(meta.get(key("rope.freq_base_swa"), base)),
+            },
+            FULL_ATTENTION: {
+                "rope_type": "proportional",
+                "partial_rotary_factor": partial,
+                "rope_theta": base,
+            },
+        },
+        "rms_norm_eps": float(meta[key("attention.layer_norm_rms_epsilon")]),
+        "max_position_embeddings": int(meta.get(key("context_length"), 131_072)),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size_per_layer_input": per_layer,
+        "vocab_size_per_layer_input": (embed if ple is None else ple).shape[0],
+        "num_kv_shared_layers": shared,
+        "use_double_wide_mlp": double_wide,
+        **_gemma4_experts(meta, tensors, layers),
+        # llama.cpp: 0 or absent is no cap
+        "final_logit_softcapping": float(softcap) if softcap else None,
+        "attention_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    return {**config, **_token_ids(meta)}
+
+
+def _per_layer(
+    meta: dict[str, Any], name: str, layers: int, default: int | None
+) -> list[int]:
+    """A key llama.cpp reads as one value or one per layer, as a list."""
+    value = meta.get(name, default)
+    if isinstance(value, list):
+        if len(value) != layers:
+            raise _Refused(f"{name} lists {len(value)} values for {layers} layers")
+        return [int(v) for v in value]
+    if value is None:
+        raise _Refused(f"metadata lacks {name}")
+    return [int(value)] * layers
+
+
+def _uniform(values: list[int], what: str) -> int:
+    if len(set(values)) != 1:
+        raise _Refused(
+            f"{what} differ per layer ({sorted(set(values))}); a Gemma-4 config "
+            "has one value per layer type"
+        )
+    return values[0]
+
+
+def _gemma4_layer_types(pattern: Any, layers: int) -> list[str]:
+    """`sliding_window_pattern` (one flag per layer, true: sliding) as
+    transformers' `layer_types`."""
+    name = f"{GEMMA4}.attention.sliding_window_pattern"
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise _Refused(
+            f"{name} must flag each of the {layers} layers as sliding or not, "
+            f"got {pattern!r}"
+        )
+    kinds = [SLIDING_ATTENTION if flag else FULL_ATTENTION for flag in pattern]
+    if kinds[-1] != FULL_ATTENTION:
+        raise _Refused(
+            f"{name}: the last layer is sliding, but transformers' Gemma-4 makes "
+            "its last layer full attention (another head width: the weights "
+            "would not fit)"
+        )
+    return kinds
+
+
+def _gemma4_head_dims(
+    meta: dict[str, Any], kinds: list[str], default: int
+) -> dict[str, int]:
+    """Each layer type's head width; refused where values or RoPE are not as
+    wide as the keys (llama.cpp's defaults: key_length = hidden / heads,
+    rope.dimension_count = key_length, rope.dimension_count_swa =
+    rope.dimension_count)."""
+    full = int(meta.get(f"{GEMMA4}.attention.key_length", default))
+    dims = {
+        FULL_ATTENTION: full,
+        SLIDING_ATTENTION: int(meta[f"{GEMMA4}.attention.key_length_swa"]),
+    }
+    rot_full = int(meta.get(f"{GEMMA4}.rope.dimension_count", full))
+    rotations = {
+        FULL_ATTENTION: ("", rot_full),
+        SLIDING_ATTENTION: (
+            "_swa",
+            int(meta.get(f"{GEMMA4}.rope.dimension_count_swa", rot_full)),
+        ),
+    }
+    for kind in sorted(set(kinds)):
+        suffix, rot = rotations[kind]
+        dim = dims[kind]
+        width = int(meta.get(f"{GEMMA4}.attention.value_length{suffix}", dim))
+        if width != dim:
+            raise _Refused(
+                f"{GEMMA4}.attention.value_length{suffix} ({width}) differs from "
+                f"key_length{suffix} ({dim}): Gemma-4's values are as wide as "
+                "its keys"
+            )
+        if rot != dim:
+            raise _Refused(
+                f"{GEMMA4}.rope.dimension_count{suffix} ({rot}) is not the "
+                f"{kind} layers' head width ({dim}): Gemma-4's RoPE spans the "
+                "whole head (the full layers' partial rotation is rope_freqs')"
+            )
+    scaling = meta.get(f"{GEMMA4}.rope.scaling.type")
+    factor = meta.get(f"{GEMMA4}.rope.scaling.factor")
+    if scaling not in (None, "none", "linear") or factor not in (None, 0.0, 1.0):
+        raise _Refused(
+            f"RoPE scaling ({GEMMA4}.rope.scaling.type {scaling!r}, factor "
+            f"{factor!r}): llama.cpp scales both layer types' RoPE by it, which "
+            "a Gemma-4 config cannot say; load the HF folder instead"
+        )
+    return dims
+
+
+def _gemma4_mlp_widths(
+    meta: dict[str, Any], layers: int, shared: int
+) -> tuple[int, bool]:
+    """intermediate_size and use_double_wide_mlp from `feed_forward_length`
+    (per layer where the kv-shared layers' MLPs are twice as wide)."""
+    name = f"{GEMMA4}.feed_forward_length"
+    widths = _per_layer(meta, name, layers, None)
+    base = widths[0]
+    if len(set(widths)) == 1:
+        return base, False
+    first = layers - shared
+    if (
+        shared
+        and all(w == base for w in widths[:first])
+        and all(w == 2 * base for w in widths[first:])
+    ):
+        return base, True
+    raise _Refused(
+        f"{name} {widths}: Gemma-4's MLPs are all as wide, or twice as wide in "
+        "the kv-shared layers (use_double_wide_mlp)"
+    )
+
+
+def _keys_are_values(
+    tensors: dict[str, TensorInfo], kinds: list[str], first_shared: int
+) -> bool:
+    """attention_k_eq_v: the full layers that compute keys have no attn_v
+    (llama.cpp then takes the values from the key projection)."""
+    missing = {
+        kinds[i] for i in range(first_shared) if f"blk.{i}.attn_v.weight" not in tensors
+    }
+    present = {
+        kinds[i] for i in range(first_shared) if f"blk.{i}.attn_v.weight" in tensors
+    }
+    if SLIDING_ATTENTION in missing:
+        raise _Refused(
+            "sliding layers without attn_v: Gemma-4 takes the values from the "
+            "keys (attention_k_eq_v) in its full layers only"
+        )
+    if FULL_ATTENTION in missing and FULL_ATTENTION in present:
+        raise _Refused(
+            "some full layers have attn_v and some not: Gemma-4's full layers "
+            "take the values from the keys (attention_k_eq_v) all or none"
+        )
+    return FULL_ATTENTION in missing
+
+
+def _proportional_rope(
+    fd: int, tensors: dict[str, TensorInfo], dim: int
+) -> float:  # partial_rotary_factor
+    """The full layers' "proportional" RoPE from `rope_freqs`: llama.cpp
+    rotates pair i at theta^(-2i/D) / factor_i, and its converter writes
+    factor 1 for the first partial_rotary_factor * D/2 pairs and 1e30 for the
+    others (which then do not rotate), as transformers rotates them."""
+    info = tensors.get(ROPE_FREQS)
+    pairs = dim // 2
+    if info is None:
+        raise _Refused(
+            f"no {ROPE_FREQS} tensor: llama.cpp's gemma4 keeps the full layers' "
+            "proportional RoPE in it"
+        )
+    if info.shape != (pairs,):
+        raise _Refused(
+            f"{ROPE_FREQS} has shape {list(info.shape)}, not [{pairs}] (half the "
+            "full layers' head width, key_length)"
+        )
+    factors = _read_tensor(fd, info, None)
+    ones = factors == 1.0
+    rotated = pairs if ones.all() else int(np.argmin(ones))
+    if not np.all(factors[rotated:] >= _UNROTATED):
+        raise _Refused(
+            f"{ROPE_FREQS} holds factors other than 1 (a rotated pair) followed by "
+            f"1e30 (an unrotated one): {factors.tolist()[:8]}...; not Gemma-4's "
+            "proportional RoPE"
+        )
+    # transformers rotates int(factor * D // 2) pairs: make that exactly `rotated`
+    factor = rotated / pairs
+    while int(factor * dim // 2) < rotated:
+        factor = math.nextafter(factor, 2.0)
+    return factor
+
+
+def _gemma4_experts(
+    meta: dict[str, Any], tensors: dict[str, TensorInfo], layers: int
+) -> dict[str, Any]:
+    """The MoE block's config keys: present (in every layer) where the file
+    has the router, `ffn_gate_inp`."""
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if not routed:
+        return {
+            "enable_moe_block": False,
+            "num_experts": None,
+            "top_k_experts": None,
+            "moe_intermediate_size": None,
+        }
+    if len(routed) != layers:
+        raise _Refused(
+            f"the MoE block (ffn_gate_inp) is in layers {routed} only; Gemma-4's "
+            "is in every layer or none"
+        )
+    names = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+    missing = [f"{GEMMA4}.{n}" for n in names if f"{GEMMA4}.{n}" not in meta]
+    if missing:
+        raise _Refused(f"MoE layers, but the metadata lacks {', '.join(missing)}")
+    for i in routed:
+        joined = f"blk.{i}.ffn_gate_up_exps.weight" in tensors
+        apart = all(f"blk.{i}.ffn_{p}_exps.weight" in tensors for p in ("gate", "up"))
+        if joined == apart:
+            raise _Refused(
+                f"blk.{i} needs either ffn_gate_up_exps or both ffn_gate_exps "
+                "and ffn_up_exps"
+            )
+    count, used, width = (int(meta[f"{GEMMA4}.{n}"]) for n in names)
+    return {
+        "enable_moe_block": True,
+        "num_experts": count,
+        "top_k_experts": used,
+        "moe_intermediate_size": width,
+    }
+
+
+def _join_split_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Experts stored as gate and up apart ([E, I, H] each) -> transformers'
+    `experts.gate_up_proj` [E, 2I, H], gate rows first."""
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        if name.endswith(".experts.up_proj"):
+            continue
+        if name.endswith(".experts.gate_proj"):
+            stem = name[: -len("gate_proj")]
+            up = weights[stem + "up_proj"]
+            out[stem + "gate_up_proj"] = mx.concatenate([value, up], axis=1)
+        else:
+            out[name] = value
+    return out

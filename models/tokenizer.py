@@ -114,7 +114,8 @@ def gguf_tokenizer(
     if kind != "gpt2":
         return LoadError(
             f"{where}: tokenizer model {kind!r} is not supported (only byte-level "
-            f"BPE, 'gpt2')"
+            "BPE, 'gpt2', as tokenizer.ggml.model); load the model's HF folder "
+            "(tokenizer.json) instead"
         )
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
     if pre not in _PRE_TOKENIZERS:

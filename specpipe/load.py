@@ -270,9 +270,15 @@ def load_gguf(
     from models.gguf import read_gguf
 
     def build(g: Any) -> Result[LoadedModel, LoadError]:
+        # the config as a config.json: what `convert` writes for a Gemma-4
         return args_from_config(g.config, str(path)).bind(
             lambda args: assemble(
-                args, _cast(g.weights, dtype), Tokenizer.from_gguf(g), str(path), None
+                args,
+                _cast(g.weights, dtype),
+                Tokenizer.from_gguf(g),
+                str(path),
+                None,
+                g.config,
             )
         )
 

@@ -1,13 +1,22 @@
 """Tiny GGUF files written with `gguf.GGUFWriter`, for tests that need no
 checkpoint: known HF weights go in (Q/K rows permuted the way llama.cpp's
-converter does for llama), and `read_gguf` must give them back."""
+converter does for llama; a Gemma-4 model named and laid out as llama.cpp's
+converter writes it), and `read_gguf` must give them back."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFWriter,
+)
 from gguf.quants import dequantize, quantize
 
 CHATML = (
@@ -180,6 +189,184 @@ def write_tiny_gguf(
         else:
             writer.add_tensor(name, stored)
             expected[hf_name] = value
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+# -- Gemma-4 ------------------------------------------------------------------
+
+GEMMA4_ARCH = gguf.MODEL_ARCH.GEMMA4
+GEMMA4_ARCH_NAME = gguf.MODEL_ARCH_NAMES[GEMMA4_ARCH]  # "gemma4"
+
+
+def gemma4_gguf_name(hf_name: str, layers: int) -> str:
+    """The GGUF name llama.cpp's converter gives a Gemma4ForCausalLM tensor:
+    Gemma4Model.filter_tensors (`layer_scalar` and the stacked experts gain
+    `.weight`), Gemma4Model.modify_tensors (the router's `scale` and
+    `per_expert_scale` become `.scale` tensors of ffn_gate_inp and
+    ffn_down_exps), then gguf's own tensor map for the rest."""
+    name = hf_name
+    if name.endswith("layer_scalar") or (
+        ".experts." in name and not name.endswith(".weight")
+    ):
+        name += ".weight"
+    if name.endswith(("router.scale", "router.per_expert_scale")):
+        bid = int(name.split(".")[2])
+        kind = name.endswith("router.scale")
+        tensor = MODEL_TENSOR.FFN_GATE_INP if kind else MODEL_TENSOR.FFN_DOWN_EXP
+        return TENSOR_NAMES[tensor].format(bid=bid) + ".scale"
+    mapped = gguf.get_tensor_name_map(GEMMA4_ARCH, layers).get_name(
+        name, try_suffixes=(".weight", ".bias")
+    )
+    if mapped is None:
+        raise ValueError(f"llama.cpp's gemma4 map has no name for {hf_name}")
+    return mapped
+
+
+def _stored_type(
+    name: str, value: np.ndarray, qtype: GGMLQuantizationType
+) -> GGMLQuantizationType:
+    """The converter's choice: 1-D tensors and the router stay F32; a row that
+    is not whole blocks of `qtype` falls back to F16."""
+    if value.ndim == 1 or ".ffn_gate_inp." in name or qtype == GGMLQuantizationType.F32:
+        return GGMLQuantizationType.F32
+    if qtype == GGMLQuantizationType.F16:
+        return qtype
+    block, _ = GGML_QUANT_SIZES[qtype]
+    return qtype if value.shape[-1] % block == 0 else GGMLQuantizationType.F16
+
+
+def write_gemma4_gguf(
+    path: Path,
+    hparams: dict[str, Any],  # config.json keys, transformers' defaults filled
+    state: dict[str, np.ndarray],  # Gemma4ForCausalLM state dict, float32
+    *,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    split_experts: bool = False,
+    omit: tuple[str, ...] = (),  # metadata keys to leave out
+    rope_freqs: np.ndarray | None = None,  # [global_head_dim / 2], else the converter's
+    extra: dict[str, np.ndarray] | None = None,  # GGUF name -> array, as is
+) -> dict[str, np.ndarray]:
+    """Write a Gemma-4 text model as llama.cpp's converter does (conversion/
+    gemma.py: Gemma4Model over Gemma3Model over TextModel) and return what a
+    reader must give back: the weights (HF names) after a round trip through
+    their stored types. Norms are stored as they are (Gemma-4's norm_shift is
+    0), nothing is permuted, the full layers' proportional RoPE becomes
+    `rope_freqs`. The tokenizer is the tiny byte-level BPE above (specpipe
+    reads no `gemma4` SentencePiece-style tokenizer). `split_experts` stores
+    the experts' gate and up apart, a layout llama.cpp also loads."""
+    h = hparams
+    layers = int(h["num_hidden_layers"])
+    kinds = list(h["layer_types"])
+    rope = h["rope_parameters"]
+    full_rope = rope["full_attention"]
+    if full_rope["rope_type"] != "proportional":
+        raise ValueError("llama.cpp's converter asserts a proportional full RoPE")
+    if full_rope.get("factor", 1.0) != 1.0:
+        raise ValueError("llama.cpp's converter drops the proportional RoPE factor")
+    writer = GGUFWriter(str(path), GEMMA4_ARCH_NAME)
+    # TextModel.set_gguf_parameters
+    writer.add_block_count(layers)
+    writer.add_context_length(h["max_position_embeddings"])
+    writer.add_embedding_length(h["hidden_size"])
+    writer.add_feed_forward_length(h["intermediate_size"])
+    writer.add_head_count(h["num_attention_heads"])
+    writer.add_head_count_kv(h["num_key_value_heads"])
+    writer.add_rope_freq_base(full_rope["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(h["rms_norm_eps"])
+    if h.get("num_experts") is not None:
+        writer.add_expert_count(h["num_experts"])
+    if h.get("top_k_experts") is not None:
+        writer.add_expert_used_count(h["top_k_experts"])
+    writer.add_key_length(h["head_dim"])
+    writer.add_value_length(h["head_dim"])
+    # Gemma3Model.set_gguf_parameters
+    if h.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(h["final_logit_softcapping"])
+    writer.add_sliding_window(h["sliding_window"])
+    # Gemma4Model.set_gguf_parameters
+    shared = int(h["num_kv_shared_layers"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(
+        h.get("hidden_size_per_layer_input") or 0
+    )
+    swa = [kind == "sliding_attention" for kind in kinds]
+    writer.add_sliding_window_pattern(swa)
+    writer.add_key_length(h["global_head_dim"])
+    writer.add_value_length(h["global_head_dim"])
+    writer.add_key_length_swa(h["head_dim"])
+    writer.add_value_length_swa(h["head_dim"])
+    if h.get("moe_intermediate_size") is not None:
+        writer.add_expert_feed_forward_length(h["moe_intermediate_size"])
+    if h.get("use_double_wide_mlp"):
+        ff = h["intermediate_size"]
+        writer.add_feed_forward_length(
+            [ff if i < layers - shared else 2 * ff for i in range(layers)]
+        )
+    if h.get("num_global_key_value_heads") is not None:
+        writer.add_head_count_kv(
+            [
+                h["num_key_value_heads"] if s else h["num_global_key_value_heads"]
+                for s in swa
+            ]
+        )
+    writer.add_rope_dimension_count(h["global_head_dim"])
+    writer.add_rope_dimension_count_swa(
+        int(h["head_dim"] * h.get("partial_rotary_factor", 1.0))
+    )
+    tokens, types = tiny_tokens()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(h["bos_token_id"])
+    writer.add_eos_token_id(h["eos_token_id"])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHATML)
+    for key in omit:
+        del writer.kv_data[0][key]
+
+    expected: dict[str, np.ndarray] = {}
+
+    def add(name: str, value: np.ndarray) -> np.ndarray:
+        kind = _stored_type(name, value, qtype)
+        if kind == GGMLQuantizationType.F32:
+            writer.add_tensor(name, value)
+            return value
+        if kind == GGMLQuantizationType.F16:
+            writer.add_tensor(name, value.astype(np.float16))
+            return value.astype(np.float16).astype(np.float32)
+        raw = quantize(value, kind)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        back: np.ndarray = dequantize(raw, kind).reshape(value.shape)
+        return back
+
+    for hf_name, value in state.items():
+        if hf_name == "lm_head.weight" and h["tie_word_embeddings"]:
+            continue  # a tied checkpoint's file has no lm_head
+        name = gemma4_gguf_name(hf_name, layers)
+        if split_experts and name.endswith("ffn_gate_up_exps.weight"):
+            half = value.shape[1] // 2
+            stem = name[: -len("gate_up_exps.weight")]
+            gate = add(stem + "gate_exps.weight", value[:, :half])
+            up = add(stem + "up_exps.weight", value[:, half:])
+            expected[hf_name] = np.concatenate([gate, up], axis=1)
+        else:
+            expected[hf_name] = add(name, value)
+    # Gemma4Model.generate_extra_tensors
+    dim = int(h["global_head_dim"])
+    rotated = int(dim * full_rope["partial_rotary_factor"] / 2)
+    freqs = [1.0] * rotated + [1e30] * (dim // 2 - rotated)
+    if rope_freqs is None:
+        rope_freqs = np.array(freqs, dtype=np.float32)
+    writer.add_tensor("rope_freqs.weight", rope_freqs)
     for name, value in (extra or {}).items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
