@@ -7,8 +7,9 @@ state) and, in its metadata, a JSON record of the checkpoints (tokens, cache
 layouts, draft state kinds and scalars) and of the model they belong to: its
 shape and a digest of its embedding. A file made for another model, or with
 another layout, is refused with a message saying so; a file is written to a
-temporary name first and moved into place, so an interrupted save leaves the
-old file (or none), never half of one.
+temporary name of its own first and moved into place, so an interrupted
+save leaves the old file (or none), never half of one, and two processes
+saving to one path leave one's file whole (the last to finish).
 
 Draft states round-trip through their attrs fields: ints and strings in the
 record, arrays and caches as arrays. Only `DraftState` classes of specpipe's
@@ -22,6 +23,7 @@ import hashlib
 import importlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, cast
 
@@ -79,8 +81,12 @@ def save_prompt_cache(cache: PromptCache, path: Path) -> Result[Path, LoadError]
         "entries": entries,
     }
     path = Path(path)
-    # mx.save_safetensors names a file without the suffix `<name>.safetensors`
-    staging = path.with_name(path.name + ".partial.safetensors")
+    # a staging name of this save's own (two processes saving to one path
+    # each write their own file, and the last move wins, whole); MLX names a
+    # file without the suffix `<name>.safetensors`
+    staging = path.with_name(
+        f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.partial.safetensors"
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(staging), arrays, metadata={FORMAT: json.dumps(record)})

@@ -456,3 +456,43 @@ def test_a_cache_file_of_another_model_or_damaged_is_refused(
     blocked.write_text("")
     failed = save_prompt_cache(store, blocked / "cache.safetensors").failure()
     assert "cannot write the prompt cache" in failed.message
+
+
+def test_saves_to_one_path_stage_apart_and_leave_one_whole_file(
+    dense: CausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each save stages under a name of its own: saves racing to one path
+    (two processes, or threads) never write into one another's staging
+    file, and the path ends holding one of them whole."""
+    import os
+    import threading
+
+    import specpipe.prompt_cache_file as cache_file
+
+    stores = []
+    for prompt in (PROMPTS[0], PROMPTS[1]):
+        store = PromptCache(dense)
+        generate(dense, [list(prompt)], SAMPLINGS["greedy"], None, 0, store)
+        stores.append(store)
+    staged: list[str] = []
+    moved = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        staged.append(str(src))
+        moved(src, dst)
+
+    monkeypatch.setattr(cache_file.os, "replace", replace)
+    path = tmp_path / "shared.safetensors"
+    threads = [
+        threading.Thread(target=save_prompt_cache, args=(store, path))
+        for store in stores
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(staged) == 2 and len(set(staged)) == 2
+    assert not list(tmp_path.glob("*partial*"))
+    reread = load_prompt_cache(path, PromptCache(dense)).unwrap()
+    saved = [[c.tokens for c in s.checkpoints()] for s in stores]
+    assert [c.tokens for c in reread.checkpoints()] in saved
