@@ -32,8 +32,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.gemma4 import Attention, DecoderLayer, RMSNorm
-from models.parallel import Embedding, Linear
+from models.gemma4 import Attention, Gemma4TextModel
+from models.parallel import Linear
 from models.vocab_head import HeadWeights
 from schemas.hf_gemma4_assistant import AssistantArgs
 
@@ -96,20 +96,6 @@ def _borrowed(
     return attention.attend(attention.queries(normed, rope_at), keys, values, mask)
 
 
-class AssistantModel(nn.Module):
-    """The assistant's decoder: its layers and final norm (`model.*`); the
-    embedding table is only its tied head."""
-
-    def __init__(self, args: AssistantArgs) -> None:
-        super().__init__()
-        text = args.text
-        self.embed_tokens: nn.Embedding | nn.QuantizedEmbedding = Embedding(
-            text.vocab_size, text.hidden_size
-        )
-        self.layers = [DecoderLayer(text, i) for i in range(text.num_hidden_layers)]
-        self.norm = RMSNorm(text.hidden_size, eps=text.rms_norm_eps)
-
-
 class Assistant(nn.Module):
     """A Gemma-4 assistant draft (implements
     `specpipe.drafts.assistant.BorrowingDraft`)."""
@@ -118,7 +104,9 @@ class Assistant(nn.Module):
         super().__init__()
         self.args = args
         text = args.text
-        self.model = AssistantModel(args)
+        # its decoder: layers and final norm; the embedding table is only its
+        # tied head (no per-layer embeddings: schemas/hf_gemma4_assistant.py)
+        self.model = Gemma4TextModel(args.text)
         self.pre_projection = Linear(
             2 * args.backbone_hidden_size, text.hidden_size, bias=False
         )

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from attrs import evolve, field, frozen
 
-from models.base import ModelOutput, rope_offset
+from models.base import CausalLM, ModelOutput, rope_offset
 from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft import DraftRows, DraftState, Proposal
 from specpipe.sample_window import sample_window
@@ -41,25 +41,11 @@ from specpipe.transaction import Prepared
 KV = tuple[mx.array, mx.array]  # keys, values [B, Hkv, C, D]
 
 
-class LendingTarget(Protocol):
-    """What a KV-borrowing draft reads from its target (models/gemma4.py)."""
+class LendingTarget(CausalLM, Protocol):
+    """A target a KV-borrowing draft reads the stored keys/values of
+    (models/gemma4.py)."""
 
     def shared_kv(self, cache: Any, layer_type: str) -> KV: ...
-
-    def embed(self, ids: mx.array) -> mx.array: ...
-
-    def final_norm(self, hidden: mx.array) -> mx.array: ...
-
-    def __call__(
-        self,
-        ids: mx.array,
-        cache: Any,
-        offsets: Sequence[int],
-        *,
-        prefill: bool = False,
-    ) -> ModelOutput: ...
-
-    def make_cache(self, batch: int) -> Any: ...
 
 
 class BorrowingDraft(Protocol):
