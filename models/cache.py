@@ -115,6 +115,11 @@ class KVCache:
                 v_buf[row, :, start : start + length, :] = values[row]
         return k_buf[:, :, :end, :], v_buf[:, :, :end, :]
 
+    def writer(self, layer: int, offsets: Sequence[int]) -> KVWrite:
+        """`write` for one layer's window at `offsets`, as an attention layer
+        takes its store (`KVWrite`)."""
+        return functools.partial(self.write, layer, offsets=offsets)
+
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values]
 

@@ -158,10 +158,9 @@ class DecoderLayer(nn.Module):
         mask: Mask,  # None, "causal" or [B, 1, L, S]
         rope_at: int | mx.array,  # scalar or [B]
     ) -> mx.array:  # [B, L, H]
-        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-            return cache.write(self.self_attn.kv_index, keys, values, offsets)
-
-        return self.forward(x, write, mask, rope_at)
+        return self.forward(
+            x, cache.writer(self.self_attn.kv_index, offsets), mask, rope_at
+        )
 
     def forward(
         self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array

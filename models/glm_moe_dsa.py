@@ -300,10 +300,9 @@ class DecoderLayer(nn.Module):
         """`selection` carries a full layer's DSA choice to the shared layers
         after it (needed by a shared layer; None: a full layer keeps its own)."""
 
-        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-            return cache.write(self.self_attn.kv_index, keys, values, offsets)
-
-        return self.forward(x, write, mask, rope_at, selection)
+        return self.forward(
+            x, cache.writer(self.self_attn.kv_index, offsets), mask, rope_at, selection
+        )
 
     def forward(
         self,

@@ -121,10 +121,7 @@ class Attention(nn.Module):
         mask: Mask,  # None, "causal" or [B, 1, L, S]
         rope_at: int | mx.array,  # scalar or [B]
     ) -> mx.array:  # [B, L, H]
-        def write(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-            return cache.write(self.kv_index, keys, values, offsets)
-
-        return self.attend(x, write, mask, rope_at)
+        return self.attend(x, cache.writer(self.kv_index, offsets), mask, rope_at)
 
     def attend(
         self,
