@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -147,27 +147,30 @@ def read_config(folder: Path) -> Result[DecoderArgs, LoadError]:
     return args_from_config(raw, str(config_path))
 
 
+# model types -> the reader of their configs (other types: the decoder
+# family's, `DecoderArgs`); in the order a refusal lists them
+_FAMILY_READERS: tuple[
+    tuple[
+        tuple[str, ...],
+        Callable[[dict[str, Any], str], Result[DecoderArgs, ConfigError]],
+    ],
+    ...,
+] = (
+    (HYBRID_MODEL_TYPES, hybrid_args),
+    (GLM4_MOE_MODEL_TYPES, glm4_moe_args),
+    (GLM_MOE_DSA_MODEL_TYPES, glm_moe_dsa_args),
+    (GEMMA4_MODEL_TYPES, gemma4_args),
+)
+
+
 def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, LoadError]:
     model_type = raw.get("model_type")
-    if model_type in HYBRID_MODEL_TYPES:
-        hybrid: Result[DecoderArgs, ConfigError] = hybrid_args(raw, where)
-        return hybrid.alt(lambda err: LoadError(err.message))
-    if model_type in GLM4_MOE_MODEL_TYPES:
-        glm: Result[DecoderArgs, ConfigError] = glm4_moe_args(raw, where)
-        return glm.alt(lambda err: LoadError(err.message))
-    if model_type in GLM_MOE_DSA_MODEL_TYPES:
-        dsa: Result[DecoderArgs, ConfigError] = glm_moe_dsa_args(raw, where)
-        return dsa.alt(lambda err: LoadError(err.message))
-    if model_type in GEMMA4_MODEL_TYPES:
-        gemma: Result[DecoderArgs, ConfigError] = gemma4_args(raw, where)
-        return gemma.alt(lambda err: LoadError(err.message))
+    for model_types, read in _FAMILY_READERS:
+        if model_type in model_types:
+            return read(raw, where).alt(lambda err: LoadError(err.message))
     if model_type not in SUPPORTED_MODEL_TYPES:
-        supported = (
-            SUPPORTED_MODEL_TYPES
-            + HYBRID_MODEL_TYPES
-            + GLM4_MOE_MODEL_TYPES
-            + GLM_MOE_DSA_MODEL_TYPES
-            + GEMMA4_MODEL_TYPES
+        supported = SUPPORTED_MODEL_TYPES + tuple(
+            t for model_types, _ in _FAMILY_READERS for t in model_types
         )
         return Failure(
             LoadError(
