@@ -1,5 +1,6 @@
 """Shared pieces of the hybrid models' tests (tests/models/test_qwen3_next.py,
-test_qwen3_5.py, test_qwen3_5_moe.py): the tiny layouts, HF parameter
+test_qwen3_5.py, test_qwen3_5_moe.py; the HF weights, forward and array
+helpers also the GLM and Gemma-4 parity tests'): the tiny layouts, HF parameter
 re-drawing, forward-and-commit helpers, the parity and rollback checks every
 hybrid model must pass against transformers, and the MTP head's reference
 wiring from HF building blocks.
@@ -123,6 +124,17 @@ def as_np(x: mx.array) -> np.ndarray:
 
 def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=shape)
+
+
+def forward(
+    model: Any,  # an attention-only model (nothing to commit)
+    ids: np.ndarray | Sequence[Sequence[int]],  # [B, L]
+    cache: Any,
+    offsets: Sequence[int],
+) -> np.ndarray:  # [B, L, V]
+    """One forward's logits (the GLM and Gemma-4 parity tests')."""
+    out = model(mx.array(np.asarray(ids), dtype=mx.int32), cache, offsets)
+    return as_np(out.logits)
 
 
 def step(

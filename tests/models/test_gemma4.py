@@ -25,7 +25,6 @@ a prompt-cache file round trip, and lossless n-gram speculation.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from specpipe.loop import RoundOptions, RowRequest, generate_rows
 from specpipe.prompt_cache import PromptCache
 from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
 from tests.cli.conftest import write_tiny_model
+from tests.models.hybrid_support import as_np, forward, hf_weights
 from tests.specpipe.spec_support import PROMPTS, CollectSink, run
 
 pytestmark = pytest.mark.reference
@@ -167,10 +167,6 @@ def args_of(raw: dict[str, Any]) -> Gemma4Args:
     return args
 
 
-def hf_weights(module: torch.nn.Module) -> dict[str, mx.array]:
-    return {k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()}
-
-
 def ours(hf: Any, weights: dict[str, mx.array] | None = None) -> Model:
     args = args_of(hf.config.to_dict())
     model = build_model(args).unwrap()
@@ -187,20 +183,6 @@ def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
         out = hf(torch.tensor(ids), output_hidden_states=True)
     logits: np.ndarray = out.logits.numpy()
     return logits
-
-
-def forward(
-    model: Any,
-    ids: np.ndarray | Sequence[Sequence[int]],
-    cache: Gemma4Cache,
-    offsets: Sequence[int],
-) -> np.ndarray:  # [B, L, V]
-    out = model(mx.array(np.asarray(ids), dtype=mx.int32), cache, offsets)
-    return as_np(out.logits)
-
-
-def as_np(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32))
 
 
 def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:

@@ -35,6 +35,7 @@ from models.layers import flat_parameters
 from schemas.errors import ConfigError
 from schemas.hf_gemma4_assistant import AssistantArgs, assistant_args
 from specpipe.drafts.assistant import borrowed_masks
+from tests.models.hybrid_support import hf_weights
 
 pytestmark = pytest.mark.reference
 
@@ -161,8 +162,7 @@ def parsed(raw: dict[str, Any]) -> AssistantArgs:
 def ours(hf: Any) -> Assistant:
     args = parsed(hf.config.to_dict())
     model = Assistant(args)
-    weights = {k: mx.array(v.detach().numpy()) for k, v in hf.state_dict().items()}
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model.load_weights(list(model.sanitize(hf_weights(hf)).items()), strict=True)
     return model
 
 

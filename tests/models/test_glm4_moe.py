@@ -17,7 +17,6 @@ affine quantization, and lossless speculative decoding on the tiny model.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,7 @@ from schemas.request import SamplingParams
 from specpipe.drafts.ngram import NgramDrafter
 from specpipe.load import args_from_config, load, save_folder
 from tests.cli.conftest import write_tiny_model
-from tests.models.hybrid_support import per_expert
+from tests.models.hybrid_support import as_np, forward, hf_weights, per_expert
 from tests.specpipe.spec_support import PROMPTS, run
 
 pytestmark = pytest.mark.reference
@@ -143,10 +142,6 @@ def args_of(raw: dict[str, Any]) -> Glm4MoeArgs:
     return args
 
 
-def hf_weights(module: torch.nn.Module) -> dict[str, mx.array]:
-    return {k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()}
-
-
 def ours(hf: Any) -> Model:
     args = args_of(hf.config.to_dict())
     model = build_model(args).unwrap()
@@ -159,20 +154,6 @@ def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
     with torch.no_grad():
         logits: np.ndarray = hf(torch.tensor(ids)).logits.numpy()
     return logits
-
-
-def forward(
-    model: Any,
-    ids: np.ndarray | Sequence[Sequence[int]],
-    cache: KVCache,
-    offsets: Sequence[int],
-) -> np.ndarray:  # [B, L, V]
-    out = model(mx.array(np.asarray(ids), dtype=mx.int32), cache, offsets)
-    return as_np(out.logits)
-
-
-def as_np(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32))
 
 
 def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:

@@ -25,7 +25,6 @@ lossless speculative decoding with sparse selection in the verify windows.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
 
 from models.build import build_model, load_weights
-from models.cache import KVCache
 from models.glm4_moe import MoE
 from models.glm_moe_dsa import DecoderLayer, Indexer, Model
 from models.layers import MLP, flat_parameters
@@ -53,7 +51,7 @@ from schemas.request import SamplingParams
 from specpipe.drafts.ngram import NgramDrafter
 from specpipe.load import args_from_config, load, save_folder
 from tests.cli.conftest import write_tiny_model
-from tests.models.hybrid_support import per_expert
+from tests.models.hybrid_support import as_np, forward, hf_weights, per_expert
 from tests.specpipe.spec_support import PROMPTS, run
 
 pytestmark = pytest.mark.reference
@@ -148,10 +146,6 @@ def args_of(raw: dict[str, Any]) -> GlmMoeDsaArgs:
     return args
 
 
-def hf_weights(module: torch.nn.Module) -> dict[str, mx.array]:
-    return {k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()}
-
-
 def ours(hf: Any) -> Model:
     args = args_of(hf.config.to_dict())
     model = build_model(args).unwrap()
@@ -164,20 +158,6 @@ def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
     with torch.no_grad():
         logits: np.ndarray = hf(torch.tensor(ids)).logits.numpy()
     return logits
-
-
-def forward(
-    model: Any,
-    ids: np.ndarray | Sequence[Sequence[int]],
-    cache: KVCache,
-    offsets: Sequence[int],
-) -> np.ndarray:  # [B, L, V]
-    out = model(mx.array(np.asarray(ids), dtype=mx.int32), cache, offsets)
-    return as_np(out.logits)
-
-
-def as_np(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32))
 
 
 def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
