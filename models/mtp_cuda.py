@@ -306,6 +306,13 @@ ATT_MIN_SHARE = 16
 # Compile-checked with 4; not yet run on a device (`bash bench/h200_run.sh
 # setup-min copy`).
 COPY_UNROLL = 1
+# KB of each block's chunk of the head's rows asked of L2 (one bulk prefetch
+# hint) when attention starts: at short contexts attention, the router and
+# the grid barriers up to the projection leave DRAM mostly idle, and the
+# projection then finds its first rows in L2 (0: off). Cache hints only:
+# the same sums, the same drafts. Not yet run on a device (`HEAD_WARM=96`
+# as a kernel switch of bench/draft_device.py).
+HEAD_WARM = 0
 # Whether bfloat16 weights, keys and values convert to float by a shift or a
 # mask of their 32-bit words instead of the compiler's conversion (the same
 # values): ptxas lowers a word's high half by inserting it into the result
@@ -1142,6 +1149,9 @@ _SOURCE = r"""
 
   // ---- 3. attention of each row's last position ---------------------------
   if (PREFETCH && tid == 0) prefetch_share(w_o, (size_t)H * HQ * D * WB, PF_CAP);
+  if (HEAD_WARM > 0 && tid == 0 && h_lo < h_hi)  // the projection's first rows, ahead
+    prefetch_range(w_head + (size_t)h_lo * H,
+                   min((size_t)(h_hi - h_lo) * H * WB, (size_t)HEAD_WARM << 10));
   // A warp holds DPL consecutive dims per lane; RoPE pairs dim d < HALF with
   // d + HALF, HALF / DPL lanes away. Lane j computes the angles of the
   // frequencies j, j + 32, ... once and the lanes that rotate read them by
@@ -2960,6 +2970,7 @@ class FusedStep:
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("COPY_UNROLL", COPY_UNROLL),
+            ("HEAD_WARM", HEAD_WARM),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),

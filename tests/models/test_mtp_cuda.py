@@ -749,6 +749,9 @@ QWEN3_NEXT_CONSTANTS = {
         # the round's KV copy four vectors per thread at once (COPY_UNROLL=4)
         (1, 3, True, 64, ("COPY_UNROLL=4",)),
         (3, 2, False, 64, ("COPY_UNROLL=4",)),
+        # the projection's first rows asked of L2 when attention starts
+        (1, 3, True, 64, ("HEAD_WARM=192",)),
+        (3, 2, False, 512, ("HEAD_WARM=192",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
