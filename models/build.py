@@ -11,6 +11,7 @@ checkpoint as quantized.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
@@ -41,10 +42,13 @@ from schemas.hf_glm_moe_dsa import GlmMoeDsaArgs
 from schemas.hf_hybrid import HybridArgs
 
 __all__ = [
+    "ROUTER_BITS",
     "Model",
     "build_model",
+    "is_router",
     "load_weights",
     "model_dtype",
+    "quantization_block",
     "quantize_layers",
     "quantize_model",
     "quantized_layers",
@@ -138,6 +142,13 @@ _AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 # glm_moe_dsa and gemma4 included; GLM's router is a plain array and stays
 # float, Gemma-4's `router.proj` is a Linear)
 _QUANTIZABLE = (nn.Linear, nn.Embedding, qwen3_next.SwitchLinear)
+# The bits of MoE routers (and Qwen's shared-expert gate) in a model quantized
+# below them: the experts' choice is sensitive to the router's rounding, and
+# the layers are small (mlx-lm's Qwen3-Next / Qwen3.5 conversions keep them at
+# 8 bits too). Their paths' last parts: Qwen's `mlp.gate` and
+# `shared_expert_gate`, Gemma-4's `router.proj`.
+ROUTER_BITS = 8
+_ROUTERS = ("mlp.gate", "shared_expert_gate", "router.proj")
 _SHOWN = 5
 
 
@@ -194,15 +205,49 @@ def quantize_layers(
     picks); norms and other layers stay in float."""
     assert bits in _AFFINE_BITS, f"bits must be one of {_AFFINE_BITS}"
     assert group_size in (32, 64, 128), "group_size must be 32, 64 or 128"
+    router = {
+        "group_size": group_size,
+        "bits": max(bits, ROUTER_BITS),
+        "mode": "affine",
+    }
 
-    def eligible(path: str, layer: nn.Module) -> bool:
-        return (
+    def eligible(path: str, layer: nn.Module) -> bool | dict[str, Any]:
+        if not (
             isinstance(layer, _QUANTIZABLE)
             and layer.weight.shape[-1] % group_size == 0
             and (where is None or where(path, layer))
-        )
+        ):
+            return False
+        return dict(router) if is_router(path) else True
 
     nn.quantize(module, group_size=group_size, bits=bits, class_predicate=eligible)
+
+
+def is_router(path: str) -> bool:
+    """Whether the layer at `path` scores a MoE block's experts (or gates
+    Qwen's shared expert): `quantize_layers` keeps these at `ROUTER_BITS`."""
+    return any(path == s or path.endswith("." + s) for s in _ROUTERS)
+
+
+def quantization_block(module: nn.Module) -> dict[str, Any] | None:
+    """The config `quantization` block that describes a model's or head's
+    quantized layers (None when all are float): the most common bits and
+    group size, and a per-layer entry (keyed by the layer's path, as mlx-lm
+    writes them) for each layer that differs from them."""
+    layers: dict[str, tuple[int, int]] = {}
+    for path, layer in module.named_modules():
+        group_size = getattr(layer, "group_size", None)
+        bits = getattr(layer, "bits", None)
+        if isinstance(group_size, int) and isinstance(bits, int) and "scales" in layer:
+            layers[path] = (group_size, bits)
+    if not layers:
+        return None
+    (group_size, bits), _ = Counter(layers.values()).most_common(1)[0]
+    block: dict[str, Any] = {"group_size": group_size, "bits": bits}
+    for path, (g, b) in sorted(layers.items()):
+        if (g, b) != (group_size, bits):
+            block[path] = {"group_size": g, "bits": b}
+    return block
 
 
 def _quantize_like(

@@ -29,7 +29,7 @@ and HF conventions converted (zero-centred norms +1, experts stacked). MLX
 affine-quantized heads (`.scales` / `.biases` beside a packed `.weight`) load
 into quantized layers, bits and group size read per layer from the packed
 shapes; a companion's config block is checked against them
-(`DeclaredQuantization`), and `quantization_block` writes one.
+(`DeclaredQuantization`), and `models.build.quantization_block` writes one.
 Reference: https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen3_next_mtp.py
 """
 
@@ -263,26 +263,6 @@ def _setting(settings: Mapping[str, Any] | None) -> str:
 def _described(found: Mapping[str, Mapping[str, Any]]) -> str:
     kinds = Counter(_setting(s) for s in found.values())
     return ", ".join(f"{n} layers {what}" for what, n in kinds.most_common())
-
-
-def quantization_block(head: nn.Module) -> dict[str, Any] | None:
-    """The config `quantization` block that describes the head's quantized
-    layers (None when all are float): the most common bits and group size,
-    and a per-layer entry for each layer that differs from them."""
-    layers: dict[str, tuple[int, int]] = {}
-    for path, layer in head.named_modules():
-        group_size = getattr(layer, "group_size", None)
-        bits = getattr(layer, "bits", None)
-        if isinstance(group_size, int) and isinstance(bits, int) and "scales" in layer:
-            layers[path] = (group_size, bits)
-    if not layers:
-        return None
-    (group_size, bits), _ = Counter(layers.values()).most_common(1)[0]
-    block: dict[str, Any] = {"group_size": group_size, "bits": bits}
-    for path, (g, b) in sorted(layers.items()):
-        if (g, b) != (group_size, bits):
-            block[path] = {"group_size": g, "bits": b}
-    return block
 
 
 def build_mtp(

@@ -23,7 +23,13 @@ from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
 from models.base import CausalLM
-from models.build import build_model, load_weights, quantize_layers, quantize_model
+from models.build import (
+    build_model,
+    load_weights,
+    quantization_block,
+    quantize_layers,
+    quantize_model,
+)
 from models.fuse import fuse_projections
 from models.mtp import DEFAULT_BLOCK_SIZE
 from models.paths import cache_root
@@ -363,7 +369,10 @@ def config_for(
     if not isinstance(
         loaded.args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs | Gemma4Args
     ):
-        return config_dict(loaded.args, quantize, group_size, weights)
+        dense = config_dict(loaded.args, quantize, group_size, weights)
+        if quantize is not None:
+            _write_quantization(dense, loaded.model)
+        return dense
     raw = loaded.raw_config
     text_model = TEXT_MODELS.get(str(raw.get("model_type")))
     if isinstance(loaded.args, Gemma4Args) and text_model is not None:
@@ -376,10 +385,19 @@ def config_for(
         k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")
     }
     if quantize is not None:
-        q = {"group_size": group_size, "bits": quantize}
-        cfg["quantization"] = q
-        cfg["quantization_config"] = q
+        _write_quantization(cfg, loaded.model)
     return cfg
+
+
+def _write_quantization(cfg: dict[str, Any], model: Any) -> None:
+    """The converted model's quantization block (`quantization_block`: its
+    bits and group size, and a per-layer entry for each layer quantized
+    otherwise, e.g. its MoE routers at `ROUTER_BITS`) under the two names
+    MLX loaders read."""
+    block = quantization_block(model)
+    if block is not None:
+        cfg["quantization"] = block
+        cfg["quantization_config"] = block
 
 
 def companion_head(
@@ -396,7 +414,7 @@ def companion_head(
     target are not part of it. A head the checkpoint already holds quantized
     keeps its quantized layers."""
     from models.layers import flat_parameters
-    from models.mtp import build_mtp, quantization_block
+    from models.mtp import build_mtp
 
     built = build_mtp(loaded.args, _cast(loaded.mtp, dtype))
     if not isinstance(built, Success):

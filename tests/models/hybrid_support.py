@@ -78,6 +78,24 @@ TOL = 1e-4
 ROLLBACK_TOL = 2e-5
 
 
+def dequantized(weights: dict[str, mx.array], group_size: int) -> dict[str, mx.array]:
+    """A float checkpoint holding exactly the values a quantized (MLX affine)
+    one encodes, each layer's bits read from its packed width (a MoE's
+    routers keep more bits than its experts)."""
+    out = dict(weights)
+    for name in [k for k in weights if k.endswith(".scales")]:
+        prefix = name.removesuffix(".scales")
+        packed, scales = out.pop(f"{prefix}.weight"), out.pop(f"{prefix}.scales")
+        out[f"{prefix}.weight"] = mx.dequantize(
+            packed,
+            scales,
+            out.pop(f"{prefix}.biases"),
+            group_size=group_size,
+            bits=packed.shape[-1] * 32 // (scales.shape[-1] * group_size),
+        )
+    return out
+
+
 def randomize(module: torch.nn.Module, seed: int) -> None:
     """Re-draw every parameter so the zero-centred norms, A_log and dt_bias
     are non-trivial (HF's init leaves them at 0 / fixed values)."""

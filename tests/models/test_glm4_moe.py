@@ -53,7 +53,13 @@ from schemas.request import SamplingParams
 from specpipe.drafts.ngram import NgramDrafter
 from specpipe.load import args_from_config, load, save_folder
 from tests.cli.conftest import write_tiny_model
-from tests.models.hybrid_support import as_np, forward, hf_weights, per_expert
+from tests.models.hybrid_support import (
+    as_np,
+    dequantized,
+    forward,
+    hf_weights,
+    per_expert,
+)
 from tests.specpipe.spec_support import PROMPTS, run
 
 pytestmark = pytest.mark.reference
@@ -615,31 +621,9 @@ def test_a_4bit_conversion_computes_its_dequantized_weights_and_reloads(
     assert "model.layers.1.mlp.gate.scales" not in saved
     float_args = evolve(model.glm, quantization=None)
     simulated = build_model(float_args).unwrap()
-    assert load_weights(simulated, dequantized(saved, 4, 32), float_args) == Success(
-        None
-    )
+    assert load_weights(simulated, dequantized(saved, 32), float_args) == Success(None)
     expected = forward(simulated, ids, simulated.make_cache(2), [0, 0])
     assert np.abs(expected - quantized).max() < TOL
-
-
-def dequantized(
-    weights: dict[str, mx.array], bits: int, group: int
-) -> dict[str, mx.array]:
-    out: dict[str, mx.array] = {}
-    for key, value in weights.items():
-        if key.endswith((".scales", ".biases")):
-            continue
-        stem = key[: -len(".weight")]
-        if f"{stem}.scales" in weights:
-            value = mx.dequantize(
-                value,
-                weights[f"{stem}.scales"],
-                weights[f"{stem}.biases"],
-                group_size=group,
-                bits=bits,
-            )
-        out[key] = value
-    return out
 
 
 def test_in_memory_quantization_keeps_the_router_float() -> None:

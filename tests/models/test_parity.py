@@ -34,6 +34,7 @@ from schemas.hf import (
     QuantizationConfig,
     normalize_hf_config,
 )
+from tests.models.hybrid_support import dequantized
 
 TINY: dict[str, Any] = {
     "vocab_size": 160,
@@ -223,23 +224,6 @@ def test_float16_model_tracks_float32(case: str) -> None:
     assert max_diff(got, hf_logits(hf, ids)) < 5e-2
 
 
-def dequantized(
-    weights: dict[str, mx.array], bits: int, group_size: int
-) -> dict[str, mx.array]:
-    """A float checkpoint holding exactly the values a quantized one encodes."""
-    out = dict(weights)
-    for name in [k for k in weights if k.endswith(".scales")]:
-        prefix = name.removesuffix(".scales")
-        out[f"{prefix}.weight"] = mx.dequantize(
-            out.pop(f"{prefix}.weight"),
-            out.pop(f"{prefix}.scales"),
-            out.pop(f"{prefix}.biases"),
-            group_size=group_size,
-            bits=bits,
-        )
-    return out
-
-
 @pytest.mark.parametrize("case", ["llama", "qwen2-tied", "qwen3"])
 def test_4bit_quantized_model_computes_its_dequantized_weights(case: str) -> None:
     model_type, overrides = CASES[case]
@@ -262,9 +246,7 @@ def test_4bit_quantized_model_computes_its_dequantized_weights(case: str) -> Non
     assert "model.layers.0.mlp.down_proj.scales" not in saved
     float_args = evolve(model.args, quantization=None)
     simulated = build_model(float_args).unwrap()
-    assert load_weights(simulated, dequantized(saved, 4, 64), float_args) == Success(
-        None
-    )
+    assert load_weights(simulated, dequantized(saved, 64), float_args) == Success(None)
     expected = forward(simulated, ids, simulated.make_cache(2), [0, 0]).logits
     assert max_diff(expected, quantized) < F32_TOL
 

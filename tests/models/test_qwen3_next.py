@@ -28,7 +28,13 @@ from returns.result import Failure, Success
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 
 from models import gated_delta
-from models.build import build_model, load_weights, quantize_model
+from models.build import (
+    ROUTER_BITS,
+    build_model,
+    load_weights,
+    quantization_block,
+    quantize_model,
+)
 from models.hybrid_cache import HybridCache
 from models.layers import flat_parameters
 from models.mtp import MtpHead, build_mtp
@@ -52,6 +58,7 @@ from tests.models.hybrid_support import (
     VOCAB,
     TorchMtp,
     as_np,
+    dequantized,
     hf_logits,
     hf_weights,
     mtp_weights,
@@ -415,26 +422,6 @@ def test_missing_weight_is_a_load_error_naming_it(pair: tuple[Any, Model]) -> No
     assert "model.layers.0.linear_attn.A_log" in result.failure().message
 
 
-def dequantized(
-    weights: dict[str, mx.array], bits: int, group: int
-) -> dict[str, mx.array]:
-    out: dict[str, mx.array] = {}
-    for key, value in weights.items():
-        if key.endswith((".scales", ".biases")):
-            continue
-        stem = key[: -len(".weight")]
-        if f"{stem}.scales" in weights:
-            value = mx.dequantize(
-                value,
-                weights[f"{stem}.scales"],
-                weights[f"{stem}.biases"],
-                group_size=group,
-                bits=bits,
-            )
-        out[key] = value
-    return out
-
-
 def test_4bit_model_with_quantized_experts_computes_its_dequantized_weights(
     pair: tuple[Any, Model],
 ) -> None:
@@ -444,6 +431,16 @@ def test_4bit_model_with_quantized_experts_computes_its_dequantized_weights(
     switch = model.model.layers[0].mlp
     assert isinstance(switch, SparseMoeBlock)
     assert isinstance(switch.switch_mlp.down_proj, QuantizedSwitchLinear)
+    # the router and the shared expert's gate keep 8 bits, as mlx-lm's conversions
+    assert (switch.gate.bits, switch.shared_expert_gate.bits) == (ROUTER_BITS, 8)
+    assert switch.switch_mlp.down_proj.bits == 4
+    block = quantization_block(model)
+    assert block is not None and (block["bits"], block["group_size"]) == (4, 32)
+    assert block["model.layers.0.mlp.gate"] == {"group_size": 32, "bits": 8}
+    assert block["model.layers.0.mlp.shared_expert_gate"] == {
+        "group_size": 32,
+        "bits": 8,
+    }
     ids = token_ids((2, 9), seed=70)
     quantized = step(model, model.make_cache(2), ids, [0, 0])
     saved = flat_parameters(model)
@@ -451,9 +448,7 @@ def test_4bit_model_with_quantized_experts_computes_its_dequantized_weights(
 
     float_args = evolve(model.hybrid, quantization=None)
     simulated = build_model(float_args).unwrap()
-    assert load_weights(simulated, dequantized(saved, 4, 32), float_args) == Success(
-        None
-    )
+    assert load_weights(simulated, dequantized(saved, 32), float_args) == Success(None)
     expected = step(simulated, simulated.make_cache(2), ids, [0, 0])
     assert np.abs(expected - quantized).max() < TOL
 

@@ -19,8 +19,13 @@ from spec_support import run
 from test_mtp import CONFIG, copy_head, repeating_target, scaled
 from test_mtp_companion import LIMITS, PROMPTS, write_hybrid
 
-from models.build import build_model, quantize_layers, quantize_model
-from models.mtp import MtpHead, quantization_block
+from models.build import (
+    build_model,
+    quantization_block,
+    quantize_layers,
+    quantize_model,
+)
+from models.mtp import MtpHead
 from schemas.hf_hybrid import hybrid_args
 from schemas.request import SamplingParams
 from specpipe.api import load
@@ -58,6 +63,13 @@ def float_head() -> MtpHead:
     return head
 
 
+# a 4-bit head's per-layer entries: its MoE router and shared-expert gate
+ROUTERS_AT_8 = {
+    "layers.0.mlp.gate": {"group_size": 64, "bits": 8},
+    "layers.0.mlp.shared_expert_gate": {"group_size": 64, "bits": 8},
+}
+
+
 def tokens(pipeline: Any, sampling: SamplingParams) -> list[tuple[int, ...]]:
     results = pipeline.generate_batch(PROMPTS, sampling, LIMITS).unwrap()
     assert all(not r.stats.draft_errors for r in results)
@@ -78,10 +90,24 @@ def test_convert_quantizes_the_companion(converted: tuple[int, Path]) -> None:
     bits, out = converted
     config = json.loads((out / "mtp" / "config.json").read_text())
     assert config["model_type"] == "qwen3_next_mtp"
-    assert config["quantization"] == {"group_size": 64, "bits": bits}
+    # the router and the shared expert's gate keep 8 bits (as mlx-lm's
+    # conversions), in the target's config too, under its layers' paths
+    routers = {} if bits == 8 else ROUTERS_AT_8
+    target = json.loads((out / "config.json").read_text())["quantization"]
+    assert (target["group_size"], target["bits"]) == (64, bits)
+    assert {k for k in target if "." in k} == {
+        f"model.layers.{i}.mlp.{name}"
+        for i in range(CONFIG["num_hidden_layers"])
+        for name in ("gate", "shared_expert_gate")
+        if bits < 8
+    }
+    assert config["quantization"] == {"group_size": 64, "bits": bits, **routers}
     assert config["quantization_config"] == config["quantization"]
     weights = mx.load(str(out / "mtp" / "model.safetensors"))
     assert isinstance(weights, dict)
+    hidden = CONFIG["hidden_size"]
+    assert weights["layers.0.mlp.gate.weight"].shape[-1] == hidden * 8 // 32
+    assert weights["fc.weight"].shape[-1] == 2 * hidden * bits // 32
     assert weights["fc.weight"].dtype == mx.uint32
     assert weights["layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
     assert weights["layers.0.mlp.switch_mlp.gate_proj.weight"].dtype == mx.uint32
@@ -183,7 +209,7 @@ def test_quantized_copy_head_is_accepted() -> None:
     repeating = repeating_target()
     head = copy_head(repeating)
     quantize_layers(head, 4, 64)
-    assert quantization_block(head) == {"group_size": 64, "bits": 4}
+    assert quantization_block(head) == {"group_size": 64, "bits": 4, **ROUTERS_AT_8}
     prompts = [(3, 3, 3, 3), (7, 1, 7, 5, 5)]
     plain, _ = run(repeating, prompts, SamplingParams(), max_tokens=16)
     spec, results = run(
@@ -269,11 +295,19 @@ def test_companion_quantization_mismatches_are_refused(
         quantization={"group_size": 64, "bits": 8, "fc": {"group_size": 64, "bits": 4}},
     )
     text = message(mixed)
-    assert "layers.0.mlp.gate is 4-bit (group size 64) in the weights, 8-bit" in text
-    assert "fc is" not in text
+    assert (
+        "layers.0.mlp.switch_mlp.gate_proj is 4-bit (group size 64) in the weights, 8-bit"
+        in text
+    )
+    assert "fc is" not in text and "mlp.gate is" not in text
     matching = edited(
         quantized / "mtp",
         tmp_path / "h",
-        quantization={"group_size": 64, "bits": 4, "fc": {"group_size": 64, "bits": 4}},
+        quantization={
+            "group_size": 64,
+            "bits": 4,
+            "fc": {"group_size": 64, "bits": 4},
+            **ROUTERS_AT_8,
+        },
     )
     assert load(str(quantized), draft=str(matching)).unwrap().draft_kind == "mtp"
