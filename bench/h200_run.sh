@@ -73,6 +73,10 @@
 # (twenty-third session: no device lent; next: `setup-min grouped` (ATT_GROUPED's drafts at 4,096 positions,
 #  then its time against the defaults at 32,768, 4,096 and 48), then `SETS="none BF16_SHIFTS" SAMPLINGS="greedy
 #  qwen" DEPTHS=2,3 CONTEXT=48 NO_AGREE=1 switches`, then `spread`)
+# (twenty-seventh session, one lease on an H100 (asked for an H200): `setup-min` then `SETS="none HEAD_WARM=192"
+#  SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=200 switches` (HEAD_WARM since removed),
+#  `SETS=none SAMPLINGS=qwen ...` the same, draft_device.py --experts 512 by hand, `NO_AGREE=1 REPEATS=8 copy`
+#  with COPY_UNROLL=4 then off by default, and its fused_probe.py --copy-unroll 4 agreement run by hand)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -324,14 +328,14 @@ for step in "$@"; do
         --sets "${PSETS:-none;-ATT_PIPE;ATT_GROUPED}" --samplings ${PSAMPLINGS:-greedy} \
         --heads ${HEADS:-fr} --out $OUT/phase-probe${PROBE_TAG:-}-h200.json || echo "STEP FAILED: $?"
     ;;
-  copy)  # a whole round's KV copy COPY_UNROLL vectors per thread at once against one (the defaults): time at
+  copy)  # a whole round's KV copy one vector per thread at a time against the defaults (COPY_UNROLL=4): time at
     # 32,768 and 4,096 positions (greedy, depth 2), then the drafts and KV buffers at 2,048 (one and three rows)
     for c in ${CONTEXTS:-32768 4096}; do
-      SETS=${SETS:-none COPY_UNROLL=4} SAMPLINGS=greedy NO_AGREE=1 DEPTHS=${DEPTHS:-2} CONTEXT=$c bash $0 switches
+      SETS=${SETS:-none COPY_UNROLL=1} SAMPLINGS=greedy NO_AGREE=1 DEPTHS=${DEPTHS:-2} CONTEXT=$c bash $0 switches
     done
     [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} \
-        --samplings greedy,qwen --agree-only --repeats 1 --context 2048 --copy-unroll 4 \
-        --out $OUT/fused-probe-next-copy4-ctx2048-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
+        --samplings greedy,qwen --agree-only --repeats 1 --context 2048 --copy-unroll 1 \
+        --out $OUT/fused-probe-next-copy1-ctx2048-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   grouped)  # attention per kv head, its cached keys and values staged in shared memory (ATT_GROUPED, off),
     # against the defaults: the drafts first (one row: two tiles a split at 4,096 positions; three rows: seven),

@@ -298,21 +298,18 @@ ATT_TILE = 32
 ATT_MIN_SHARE = 16
 # A whole-round launch (`kv_out`) copies the head's KV buffers into its new
 # ones: O(capacity) per round, ~34 us of a depth-2 launch at 32,768 positions
-# on the H200 (twenty-first session's first-step figures), one 16-byte vector
-# of keys and one of values per thread at a time (1). COPY_UNROLL > 1: that
-# many of each per thread in flight at once. (Copying only the rows' cached
-# positions would leave the buffers' tails unwritten: MLX's attention over a
-# bucketed span multiplies them by zero weights, which a NaN would survive.)
-# Compile-checked with 4; not yet run on a device (`bash bench/h200_run.sh
-# setup-min copy`).
-COPY_UNROLL = 1
-# KB of each block's chunk of the head's rows asked of L2 (one bulk prefetch
-# hint) when attention starts: at short contexts attention, the router and
-# the grid barriers up to the projection leave DRAM mostly idle, and the
-# projection then finds its first rows in L2 (0: off). Cache hints only:
-# the same sums, the same drafts. Not yet run on a device (`HEAD_WARM=96`
-# as a kernel switch of bench/draft_device.py).
-HEAD_WARM = 0
+# on the H200 (twenty-first session's first-step figures). COPY_UNROLL
+# 16-byte vectors of keys and as many of values per thread in flight at once
+# (1: one of each at a time). 4: H100 (2026-12-05, twenty-seventh session,
+# greedy, depth 2, one row, full head / FR-Spec 32k us per launch) 809.3 /
+# 496.7 -> 796.0 / 482.6 at 32,768 positions, 614.7 / 300.5 -> 611.0 / 298.5
+# at 4,096; the kernel's drafts at 2,048 positions (1 and 3 rows, greedy and
+# Qwen's sampling, both heads) equal the bf16 MLX step's in the same launch
+# forms as the defaults' on the H200 (bench/RESULTS.md); 251 registers as
+# without it. (Copying only the rows' cached positions would leave the
+# buffers' tails unwritten: MLX's attention over a bucketed span multiplies
+# them by zero weights, which a NaN would survive.)
+COPY_UNROLL = 4
 # Whether bfloat16 weights, keys and values convert to float by a shift or a
 # mask of their 32-bit words instead of the compiler's conversion (the same
 # values): ptxas lowers a word's high half by inserting it into the result
@@ -1149,9 +1146,6 @@ _SOURCE = r"""
 
   // ---- 3. attention of each row's last position ---------------------------
   if (PREFETCH && tid == 0) prefetch_share(w_o, (size_t)H * HQ * D * WB, PF_CAP);
-  if (HEAD_WARM > 0 && tid == 0 && h_lo < h_hi)  // the projection's first rows, ahead
-    prefetch_range(w_head + (size_t)h_lo * H,
-                   min((size_t)(h_hi - h_lo) * H * WB, (size_t)HEAD_WARM << 10));
   // A warp holds DPL consecutive dims per lane; RoPE pairs dim d < HALF with
   // d + HALF, HALF / DPL lanes away. Lane j computes the angles of the
   // frequencies j, j + 32, ... once and the lanes that rotate read them by
@@ -2970,7 +2964,6 @@ class FusedStep:
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("COPY_UNROLL", COPY_UNROLL),
-            ("HEAD_WARM", HEAD_WARM),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
