@@ -353,12 +353,12 @@ for step in "$@"; do
     SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
         DEPTHS=${DEPTHS:-1,2,3} bash $0 switches
     ;;
-  piped)  # the products' loads through shared-memory rings (PIPE_PRODUCTS, off) against the defaults: time at
-    # 48 positions (greedy, depths 2 and 3), then the drafts at 48 positions, one row (AGREE_ROWS), both samplings
-    SETS=${SETS:-none PIPE_PRODUCTS} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=48 \
+  piped)  # the products' loads through shared-memory rings (PIPE_PRODUCTS, PIPE_HEAD, off) against the defaults:
+    # time at 48 positions (greedy, depths 2 and 3), then the drafts at 48 positions, one row (AGREE_ROWS), both samplings
+    SETS=${SETS:-none PIPE_PRODUCTS PIPE_PRODUCTS,PIPE_HEAD} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=48 \
         REPEATS=${REPEATS:-8} bash $0 switches
     [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${AGREE_ROWS:-1} \
-        --samplings greedy,qwen --agree-only --repeats 1 --context 48 --pipe-products \
+        --samplings greedy,qwen --agree-only --repeats 1 --context 48 --pipe-products --pipe-head \
         --out $OUT/fused-probe-next-piped-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches

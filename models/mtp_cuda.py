@@ -322,7 +322,11 @@ COPY_UNROLL = 4
 # launch's shared memory has no room for the stages (up to 128 KB) the
 # products keep their loads in registers. Compile-checked; not yet run on a
 # device (`PIPE_PRODUCTS` as a kernel switch of bench/draft_device.py).
+# PIPE_HEAD: the head's projection too (it streams at ~4 TB/s already: a
+# faster head shortens both heads' rounds and lowers FR-Spec's cut, so the
+# two are measured apart).
 PIPE_PRODUCTS = False
+PIPE_HEAD = False
 # The most shared memory a block may ask for (227 KB on sm_80 / sm_90), bytes.
 SHARED_OPTIN = 227 * 1024
 # Whether bfloat16 weights, keys and values convert to float by a shift or a
@@ -960,6 +964,8 @@ _SOURCE = r"""
   constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
   constexpr bool TREE = TREE_MERGE;
   constexpr int AU = ATT_UNROLL;
+  // PIPE_PRODUCTS / PIPE_HEAD: the layer's products' and the head's rings
+  constexpr int RL = PIPE_LAYER ? RING_OFF : -1, RH = PIPE_HEAD ? RING_OFF : -1;
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -1237,7 +1243,7 @@ _SOURCE = r"""
       }
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC, RING_OFF, RING_STAGE>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC, RL, RING_STAGE>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1251,7 +1257,7 @@ _SOURCE = r"""
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV, RING_OFF, RING_STAGE>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV, RL, RING_STAGE>(
       QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1789,7 +1795,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_O, RING_OFF, RING_STAGE>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_O, RL, RING_STAGE>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
@@ -1837,7 +1843,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RING_OFF, RING_STAGE>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1850,7 +1856,7 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, false, RING_OFF, RING_STAGE>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
         H, IM, gwarp, NW, mlp1_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
         [&](int r, float (&acc)[B][1]) {
@@ -1875,7 +1881,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RING_OFF, RING_STAGE>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1980,7 +1986,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL, false, RING_OFF, RING_STAGE>(
+    product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -2080,7 +2086,7 @@ _SOURCE = r"""
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RING_OFF, RING_STAGE>(
+  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RH, RING_STAGE>(
       h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
@@ -3052,7 +3058,7 @@ class FusedStep:
         grouped = s.grouped(length + count - 1)
         needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks, grouped)
         ring_at, stage = -1, 1  # PIPE_PRODUCTS: the rings' float offset, their stage
-        if PIPE_PRODUCTS:
+        if PIPE_PRODUCTS or PIPE_HEAD:
             start = -(-needed // 16) * 16
             ring = (BLOCK // 32) * 2 * s.ring_stage(vectors, rows, fold) * 32 * 16
             room = SHARED_OPTIN - s.static_shared(rows, self.blocks)
@@ -3110,6 +3116,8 @@ class FusedStep:
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("COPY_UNROLL", COPY_UNROLL),
             ("RING_OFF", ring_at),
+            ("PIPE_LAYER", PIPE_PRODUCTS and ring_at >= 0),
+            ("PIPE_HEAD", PIPE_HEAD and ring_at >= 0),
             ("RING_STAGE", stage),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),

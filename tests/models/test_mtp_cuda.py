@@ -754,6 +754,8 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, False, 64, ("PIPE_PRODUCTS",)),
         (3, 2, False, 64, ("PIPE_PRODUCTS",)),
         (1, 3, False, 512, ("PIPE_PRODUCTS",)),
+        (1, 3, False, 64, ("PIPE_PRODUCTS", "PIPE_HEAD")),
+        (3, 2, True, 64, ("PIPE_HEAD",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
