@@ -381,7 +381,8 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
                 f"selector's {dflash.selector[1]} candidates per position"
             )
         )
-    model.tap(dflash.target_layers)  # the target's forwards return them now
+    # the target's forwards return them now (beside any other draft's)
+    model.tap_also(dflash.target_layers)
     subset = SubsetHead.of(model, listed) if listed is not None else None
     drafter = DFlashDrafter(model, draft, request.policy, kind, subset)
     # (the drafter times its own rounds for calibration: `calibration_round`)
@@ -513,7 +514,8 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     built = build_dspark(draft_args, dspark, read.unwrap(), model_dtype(model))
     if not isinstance(built, Success):
         return Failure(BindingError(f"{where}: {built.failure().message}"))
-    model.tap(dspark.target_layers)  # the target's forwards return them now
+    # the target's forwards return them now (beside any other draft's)
+    model.tap_also(dspark.target_layers)
     drafter = DSparkDrafter(model, built.unwrap(), request.policy)
     return Success(
         LoadedDraft(drafter, binding.unwrap().width, "dspark", drafter, where)

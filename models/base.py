@@ -89,10 +89,37 @@ class Tapping:
         # an instance attribute, not a module child: no parameter of the model
         object.__setattr__(self, "_taps", tuple(layers))
 
+    def tap_also(self, layers: Sequence[int]) -> None:
+        """Tap `layers` as well as the layers tapped already (their order
+        kept, new ones after them): every draft bound to this model reads
+        its own layers' columns of the features (`tapped_columns`)."""
+        self.tap(tuple(dict.fromkeys((*self.taps, *layers))))
+
     @staticmethod
     def features(outputs: Sequence[mx.array]) -> mx.array | None:
         """The tapped layers' outputs as one array [B, L, n * H] (None: none)."""
         return mx.concatenate(list(outputs), axis=-1) if outputs else None
+
+
+def tapped_columns(
+    taps: Sequence[int], layers: Sequence[int], features: mx.array
+) -> mx.array:
+    """The outputs of `layers` (in their order) from a forward's `features`,
+    which hold the outputs of `taps` (the model's, in its order) side by side.
+    Raises ValueError naming the layers the model does not tap."""
+    taps, layers = tuple(taps), tuple(layers)
+    if taps == layers:
+        return features
+    missing = [layer for layer in layers if layer not in taps]
+    if missing or not taps or features.shape[-1] % len(taps):
+        raise ValueError(
+            f"the draft reads layers {missing or list(layers)}, which the target's "
+            f"forward does not return (it taps {list(taps)}; its taps were changed "
+            "after binding)"
+        )
+    width = features.shape[-1] // len(taps)
+    at = [taps.index(layer) for layer in layers]
+    return mx.concatenate([features[..., i * width : (i + 1) * width] for i in at], -1)
 
 
 class CausalLM(Protocol):

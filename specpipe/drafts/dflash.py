@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 from attrs import evolve, field, frozen
 
-from models.base import CausalLM, ModelOutput
+from models.base import CausalLM, ModelOutput, tapped_columns
 from models.cache import KVCache
 from models.dflash import DFlashDraft
 from models.vocab_head import HeadWeights
@@ -170,12 +170,12 @@ class DFlashRows:
         accepted: Sequence[int],
         verified: ModelOutput,
     ) -> Prepared[DraftRows]:
-        features = verified.features
-        if features is None:
+        if verified.features is None:
             raise RuntimeError(
                 "a DFlash draft reads the target's tapped layers, and the target's "
                 "forward returned none (its taps were cleared after binding)"
             )
+        features = own_features(self.target, self.draft, verified.features)
         # the round's proposal stored the pending features (`propose`)
         stored = proposal.depth > 0
         cached = tuple(row.length for row in rows) if stored else self.cached
@@ -213,6 +213,16 @@ class DFlashRows:
             cached=self.cached + other.cached,
             pending=self.pending + other.pending,
         )
+
+
+def own_features(target: CausalLM, draft: DFlashDraft, features: mx.array) -> mx.array:
+    """The draft's layers' columns of the target's features (the target may
+    tap other drafts' layers too: `Tapping.tap_also`)."""
+    taps = getattr(target, "taps", ())
+    try:
+        return tapped_columns(taps, draft.settings.target_layers, features)
+    except ValueError as exc:
+        raise RuntimeError(f"a DFlash draft's features: {exc}") from None
 
 
 @frozen
@@ -260,11 +270,12 @@ class DFlashDrafter:
         opened = self.open(rows, out.features)
         assert isinstance(opened, DFlashRows)
         length = rows[0].length
+        features = own_features(self.target, self.draft, out.features)
         opened.draft.write_context(
-            out.features[:, : length - 1], opened.cache, opened.cached
+            features[:, : length - 1], opened.cache, opened.cached
         )
         ready_rows = evolve(
-            opened, cached=(length - 1,), pending=(out.features[0, length - 1 :],)
+            opened, cached=(length - 1,), pending=(features[0, length - 1 :],)
         )
 
         def run(depth: int) -> mx.array:  # [1, depth] int32
@@ -292,6 +303,7 @@ class DFlashDrafter:
         """Per row, the draft's cache and unstored features from `states[b]`
         (a copy), followed by `hidden`'s."""
         assert hidden is not None, "a DFlash draft needs the prompt's features"
+        hidden = own_features(self.target, self.draft, hidden)
         width = len(self.draft.settings.target_layers) * self.draft.args.hidden_size
         if hidden.shape[-1] != width:
             raise RuntimeError(

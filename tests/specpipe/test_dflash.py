@@ -894,3 +894,79 @@ def test_dflash_on_a_gemma4_target_is_plain_decoding(sampling: str, batch: int) 
     spec, results = run(target, prompts, params, drafter, depth=3, max_tokens=14)
     assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
     assert spec == plain
+
+
+def test_tapped_columns_pick_a_draft_s_layers_from_the_target_s_taps() -> None:
+    from models.base import tapped_columns
+
+    features = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(2, 3, 4)  # taps (4, 0)
+    assert tapped_columns((4, 0), (4, 0), features) is features
+    swapped = tapped_columns((4, 0), (0, 4), features)
+    assert mx.array_equal(
+        swapped, mx.concatenate([features[..., 2:], features[..., :2]], -1)
+    )
+    assert mx.array_equal(tapped_columns((4, 0), (0,), features), features[..., 2:])
+    with pytest.raises(ValueError, match=r"layers \[1\]"):
+        tapped_columns((4, 0), (0, 1), features)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "t0.8-topk"])
+def test_two_dflash_drafts_bound_to_one_target_each_read_their_own_layers(
+    tmp_path: Path, plain: PlainReference, sampling: str
+) -> None:
+    """Binding a second DFlash draft with other layers to the same target
+    object taps the union; each draft reads its own layers' columns, so each
+    drafts exactly what it drafts bound alone, and both are lossless."""
+    configs = {
+        name: dflash_config(
+            dflash_config={
+                "target_layer_ids": layers,
+                "block_size": BLOCK,
+                "mask_token_id": MASK,
+            }
+        )
+        for name, layers in (("a", [0, 1]), ("b", [1, 0]), ("c", [1]))
+    }
+    folders = {
+        name: write_artifact(tmp_path / name, config, random_draft(config, seed=11))
+        for name, config in configs.items()
+    }
+    registry = default_registry()
+
+    def bound(target: Any, name: str) -> DFlashDrafter:
+        request = DraftLoadRequest(target=target, source=str(folders[name]))
+        drafter = registry.load("dflash", request).unwrap().drafter
+        assert isinstance(drafter, DFlashDrafter)
+        return drafter
+
+    shared = _target()
+    together = {name: bound(shared, name) for name in folders}
+    assert shared.model.taps == (0, 1)  # the union, in binding order
+    params = SAMPLINGS[sampling]
+    prompts = PROMPTS[:2]
+    for name, drafter in together.items():
+        alone = _target()
+        solo = bound(alone, name)
+        assert alone.model.taps == tuple(
+            configs[name]["dflash_config"]["target_layer_ids"]
+        )
+        tokens, results = run(shared.model, prompts, params, drafter, depth=BLOCK - 1)
+        solo_tokens, solo_results = run(
+            alone.model, prompts, params, solo, depth=BLOCK - 1
+        )
+        assert tokens == solo_tokens == plain(prompts, params)
+        assert all(
+            not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results
+        )
+        accepted = [r.metrics.accepted for r in results]
+        assert accepted == [r.metrics.accepted for r in solo_results], name
+        # the first round's drafts, from each target's own prefill features
+        prompt = list(PROMPTS[0])
+        rows = _rows([prompt], params)
+        drafts = []
+        for target, drafter_of in ((shared, drafter), (alone, solo)):
+            ids = mx.array([prompt[:-1]])
+            features = target.model(ids, target.model.make_cache(1), [0]).features
+            proposal = drafter_of.open(rows, features).propose(rows, BLOCK - 1)
+            drafts.append(proposal.device.tolist())
+        assert drafts[0] == drafts[1], name
