@@ -43,7 +43,7 @@ from models.base import Mask
 from models.cache import KVCache, KVWrite
 from models.layers import MLP, Attention, BlockSpec
 from models.llama import Backbone, DecoderLM
-from models.qwen3_next import SwitchGLU
+from models.qwen3_next import SwitchGLU, stack_experts, take_expert
 from schemas.hf import DecoderArgs
 from schemas.hf_glm4_moe import Glm4MoeArgs, MoeArgs, layout_problem
 
@@ -225,9 +225,6 @@ class Model(MoeLM):
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(
-    r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
-)
 
 
 def split_mtp(
@@ -272,29 +269,6 @@ def sanitize_weights(
     out = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     listed: dict[tuple[str, str], dict[int, mx.array]] = {}
     for key in list(out):
-        if match := _EXPERT.match(key):
-            prefix, index, name = match.groups()
-            listed.setdefault((prefix, name), {})[int(index)] = out.pop(key)
-        elif key.endswith(".mlp.experts.gate_up_proj"):
-            # transformers 5 state dicts: [E, 2I, H], gate rows first
-            value = out.pop(key)
-            prefix = key[: -len(".experts.gate_up_proj")]
-            half = value.shape[1] // 2
-            out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[:, :half]
-            out[f"{prefix}.switch_mlp.up_proj.weight"] = value[:, half:]
-        elif key.endswith(".mlp.experts.down_proj"):
-            prefix = key[: -len(".experts.down_proj")]
-            out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(key)
-    for (prefix, name), per_expert in listed.items():
-        if sorted(per_expert) != list(range(experts)):
-            # left under their own names, for the strict loader to report
-            out.update(
-                {
-                    f"{prefix}.experts.{e}.{name}.weight": w
-                    for e, w in per_expert.items()
-                }
-            )
-            continue
-        stacked = mx.stack([per_expert[e] for e in range(experts)])
-        out[f"{prefix}.switch_mlp.{name}.weight"] = stacked
+        take_expert(out, key, listed)
+    stack_experts(out, listed, experts)
     return out

@@ -579,22 +579,46 @@ def sanitize_weights(
             out[key] = value.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
         elif _ZERO_CENTRED.search(key) and value.ndim == 1:
             out[key] = value + 1.0
-        elif match := _EXPERT.match(key):
-            prefix, index, name = match.groups()
-            experts.setdefault((prefix, name), {})[int(index)] = out.pop(key)
-        elif key.endswith(".mlp.experts.gate_up_proj"):
-            # transformers 5 state dicts: [E, 2I, H], gate rows first
-            prefix = key[: -len(".experts.gate_up_proj")]
-            half = value.shape[1] // 2
-            out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[:, :half]
-            out[f"{prefix}.switch_mlp.up_proj.weight"] = value[:, half:]
-            del out[key]
-        elif key.endswith(".mlp.experts.down_proj"):
-            prefix = key[: -len(".experts.down_proj")]
-            out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(key)
-    for (prefix, name), per_expert in experts.items():
-        if sorted(per_expert) != list(range(num_experts)):
-            # left under their own names, for the strict loader to report
+        else:
+            take_expert(out, key, experts)
+    stack_experts(out, experts, num_experts)
+    return out
+
+
+def take_expert(
+    out: dict[str, mx.array],
+    key: str,
+    listed: dict[tuple[str, str], dict[int, mx.array]],
+) -> None:
+    """An HF expert weight at `key` of `out` under MLX's `switch_mlp` names:
+    one expert's projection moved to `listed` (per (MoE prefix, projection),
+    by expert index) for `stack_experts`; transformers 5's stacked
+    `experts.gate_up_proj` ([E, 2I, H], gate rows first) split, and its
+    `experts.down_proj` renamed. Other keys stay."""
+    if match := _EXPERT.match(key):
+        prefix, index, name = match.groups()
+        listed.setdefault((prefix, name), {})[int(index)] = out.pop(key)
+    elif key.endswith(".mlp.experts.gate_up_proj"):
+        value = out.pop(key)
+        prefix = key[: -len(".experts.gate_up_proj")]
+        half = value.shape[1] // 2
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[:, :half]
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = value[:, half:]
+    elif key.endswith(".mlp.experts.down_proj"):
+        prefix = key[: -len(".experts.down_proj")]
+        out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(key)
+
+
+def stack_experts(
+    out: dict[str, mx.array],
+    listed: dict[tuple[str, str], dict[int, mx.array]],
+    experts: int,
+) -> None:
+    """`take_expert`'s per-expert weights stacked per projection into `out`;
+    a projection missing some of the `experts` is left under its own names,
+    for the strict loader to report."""
+    for (prefix, name), per_expert in listed.items():
+        if sorted(per_expert) != list(range(experts)):
             out.update(
                 {
                     f"{prefix}.experts.{e}.{name}.weight": w
@@ -602,6 +626,5 @@ def sanitize_weights(
                 }
             )
             continue
-        stacked = mx.stack([per_expert[e] for e in range(num_experts)])
+        stacked = mx.stack([per_expert[e] for e in range(experts)])
         out[f"{prefix}.switch_mlp.{name}.weight"] = stacked
-    return out
