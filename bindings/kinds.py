@@ -139,11 +139,7 @@ def _mtp_drafter(
         if config.get(key, getattr(args, key)) != getattr(args, key)
     ]
     if problems:
-        return Failure(
-            BindingError(
-                f"{where}: the MTP head does not fit the target: " + "; ".join(problems)
-            )
-        )
+        return Failure(_misfit(where, "MTP head", problems))
     head = build_mtp(args, weights, declared)
     if not isinstance(head, Success):
         return Failure(BindingError(f"{where}: {head.failure().message}"))
@@ -213,6 +209,14 @@ def _artifact_config(
             )
         )
     return Success((folder, config))
+
+
+def _misfit(where: str, draft: str, problems: list[str]) -> BindingError:
+    """The refusal of a draft (`draft`: "MTP head", "DFlash draft", ...) whose checkpoint
+    at `where` does not fit the target, naming every problem."""
+    return BindingError(
+        f"{where}: the {draft} does not fit the target: " + "; ".join(problems)
+    )
 
 
 def _read_weights(folder: Path, what: str) -> Result[dict[str, Any], BindingError]:
@@ -346,12 +350,7 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
             f"({target.args.vocab_size})"
         )
     if problems:
-        return Failure(
-            BindingError(
-                f"{where}: the DFlash draft does not fit the target: "
-                + "; ".join(problems)
-            )
-        )
+        return Failure(_misfit(where, "DFlash draft", problems))
     read = _read_weights(folder, "DFlash")
     if not isinstance(read, Success):
         return Failure(read.failure())
@@ -502,12 +501,7 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
             f"({draft_args.vocab_size})"
         )
     if problems:
-        return Failure(
-            BindingError(
-                f"{where}: the DSpark draft does not fit the target: "
-                + "; ".join(problems)
-            )
-        )
+        return Failure(_misfit(where, "DSpark draft", problems))
     read = _read_weights(folder, "DSpark")
     if not isinstance(read, Success):
         return Failure(read.failure())
