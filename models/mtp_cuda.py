@@ -3057,14 +3057,17 @@ class FusedStep:
         # (one block per multiprocessor anyway), in steps of 16 KiB.
         grouped = s.grouped(length + count - 1)
         needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks, grouped)
-        ring_at, stage = -1, 1  # PIPE_PRODUCTS: the rings' float offset, their stage
+        # PIPE_PRODUCTS / PIPE_HEAD: the rings' float offset and stage (0 and 1
+        # unused; MLX names the kernel by its template values, so none may be
+        # negative: a "-" in the name does not compile)
+        ring_at, stage, piped = 0, 1, False
         if PIPE_PRODUCTS or PIPE_HEAD:
             start = -(-needed // 16) * 16
             ring = (BLOCK // 32) * 2 * s.ring_stage(vectors, rows, fold) * 32 * 16
             room = SHARED_OPTIN - s.static_shared(rows, self.blocks)
             if -(-(start + ring) // (16 * 1024)) * (16 * 1024) <= room:
                 ring_at, stage = start // 4, s.ring_stage(vectors, rows, fold)
-                needed = start + ring
+                needed, piped = start + ring, True
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         lean = -(-needed // 1024) * 1024
         if LEAN_SHARED and lean + s.static_shared(rows, self.blocks) <= 48000:
@@ -3116,8 +3119,8 @@ class FusedStep:
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("COPY_UNROLL", COPY_UNROLL),
             ("RING_OFF", ring_at),
-            ("PIPE_LAYER", PIPE_PRODUCTS and ring_at >= 0),
-            ("PIPE_HEAD", PIPE_HEAD and ring_at >= 0),
+            ("PIPE_LAYER", PIPE_PRODUCTS and piped),
+            ("PIPE_HEAD", PIPE_HEAD and piped),
             ("RING_STAGE", stage),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),

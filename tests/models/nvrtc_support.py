@@ -96,7 +96,15 @@ def source(
     """The translation unit MLX builds for a kernel called with these arrays."""
     text = _DEFAULT_HEADER + header
     text += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    text += f"__global__ void custom_kernel_{name}(\n"
+    # MLX names the kernel by its template values too (bools t / f, ints as
+    # written, dtypes by name) and a hash: a value that is no part of an
+    # identifier (a negative int's "-") does not compile
+    named = "_".join(
+        "t" if value is True else "f" if value is False
+        else str(value) if isinstance(value, int) else str(value).removeprefix("mlx.core.")
+        for _, value in template
+    )  # fmt: skip
+    text += f"__global__ void custom_kernel_{name}_{named}_0123456789abcdef(\n"
     for input_name, array in inputs:
         text += f"    const {_TYPES[array.dtype]}* {input_name},\n"
         if array.ndim > 0 and f"{input_name}_shape" in body:
