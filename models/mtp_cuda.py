@@ -681,6 +681,41 @@ struct Tile {
   static constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
 };
 
+// One 8-element stretch of a tile's sums at inputs k .. k + 7:
+// acc[q][v][j] += (weight row (q, j)'s 8 elements, `wf(q, j)`) . (input v's).
+template <typename W, int R, int NV, int NDOT, typename WF, typename XF>
+__device__ __forceinline__ void tile_step(float (&acc)[R][NV][NDOT], WF wf, XF& xf, int r0, int k) {
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    float x[8];
+    xf(v, r0, k, x);
+#pragma unroll
+    for (int q = 0; q < R; ++q)
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) {
+        const uint4 w = wf(q, j);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s += elem<W>(w, i) * x[i];
+        acc[q][v][j] += s;
+      }
+  }
+}
+
+// A tile's sums over the warp, each live row's handed to `of`.
+template <int R, int NV, int NDOT, typename OF>
+__device__ __forceinline__ void tile_out(float (&acc)[R][NV][NDOT], int r0, int stride, int rows, OF& of) {
+#pragma unroll
+  for (int q = 0; q < R; ++q)
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) acc[q][v][j] = warp_sum(acc[q][v][j]);
+#pragma unroll
+  for (int q = 0; q < R; ++q)
+    if (r0 + q * stride < rows) of(r0 + q * stride, acc[q]);
+}
+
 // Rows r = first, first + stride, ... of a product: NV input vectors times
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
@@ -727,9 +762,6 @@ __device__ __forceinline__ void product(
     if (first < rows) issue(first, lane * 8, 0);
     int st = 0;
     for (int r0 = first; r0 < rows; r0 += stride * R) {
-      bool live[R];
-#pragma unroll
-      for (int q = 0; q < R; ++q) live[q] = r0 + q * stride < rows;
       float acc[R][NV][NDOT];
 #pragma unroll
       for (int q = 0; q < R; ++q)
@@ -753,32 +785,11 @@ __device__ __forceinline__ void product(
           for (int q = 0; q < R; ++q)
 #pragma unroll
             for (int j = 0; j < NDOT; ++j) raw[q][j] = *slot(st, q, u, j);
-#pragma unroll
-          for (int v = 0; v < NV; ++v) {
-            float x[8];
-            xf(v, r0, k, x);
-#pragma unroll
-            for (int q = 0; q < R; ++q)
-#pragma unroll
-              for (int j = 0; j < NDOT; ++j) {
-                float s = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) s += elem<W>(raw[q][j], i) * x[i];
-                acc[q][v][j] += s;
-              }
-          }
+          tile_step<W>(acc, [&](int q, int j) { return raw[q][j]; }, xf, r0, k);
         }
         st ^= 1;
       }
-#pragma unroll
-      for (int q = 0; q < R; ++q)
-#pragma unroll
-        for (int v = 0; v < NV; ++v)
-#pragma unroll
-          for (int j = 0; j < NDOT; ++j) acc[q][v][j] = warp_sum(acc[q][v][j]);
-#pragma unroll
-      for (int q = 0; q < R; ++q)
-        if (live[q]) of(r0 + q * stride, acc[q]);
+      tile_out(acc, r0, stride, rows, of);
     }
     cp_async_wait<0>();
     return;
@@ -814,6 +825,7 @@ __device__ __forceinline__ void product(
       for (int u = 0; u < U; ++u) {
         const int k = k0 + u * 256;
         if (k >= K) break;
+        // (inline, not `tile_step`: the measured kernel's code, byte for byte)
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           float x[8];
