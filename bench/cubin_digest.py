@@ -13,7 +13,11 @@ checked without device time: run it before and after and compare.
 Some forms compile to other bytes from one run to the next on the same
 source, with the same size and registers (seen 2026-12-04: the dense
 sampled eight-row step often, the dense greedy first step once): rerun a
-differing dense form before reading a change into it.
+differing dense form before reading a change into it. The cubin holds the
+kernel's name, which MLX builds from its template values (as
+tests/models/nvrtc_support.py mirrors since 2026-12-05): a change that adds a
+template constant changes every digest and size by its name alone, so compare
+such trees by registers and `nvdisasm` instead.
 
     python bench/cubin_digest.py > /tmp/before.txt   # then after the change:
     python bench/cubin_digest.py | diff /tmp/before.txt - && echo same code
