@@ -329,12 +329,9 @@ def test_a_draft_vocabulary_is_refused(shared: Model, tmp_path: Path) -> None:
 def test_the_pipeline_loads_a_gemma_target_with_its_assistant(tmp_path: Path) -> None:
     """`specpipe.load(target folder, draft=assistant folder)`: detected as
     an assistant, bound, and generating what the target alone generates."""
-    from specpipe.api import load
-    from tests.cli.conftest import write_tiny_model
     from tests.models.test_gemma4 import CASES, TINY
 
     vocab = 320  # the tiny tokenizer's ids fit
-    folder = write_tiny_model(tmp_path / "gemma")
     raw = {
         **TINY,
         **CASES["shared-ple"],
@@ -342,14 +339,26 @@ def test_the_pipeline_loads_a_gemma_target_with_its_assistant(tmp_path: Path) ->
         "vocab_size": vocab,
         "vocab_size_per_layer_input": vocab,
     }
-    raw.pop("attn_implementation")
+    check_pipeline_load(tmp_path, raw, assistant_config(False, vocab_size=vocab))
+
+
+def check_pipeline_load(
+    tmp_path: Path, raw: dict[str, Any], config: dict[str, Any]
+) -> None:
+    """A random target of config `raw` and a random assistant of `config`,
+    written as folders (the tiny tokenizer's), loaded through `specpipe.load`:
+    the assistant drafts every round, and the output is the target's alone."""
+    from specpipe.api import load
+    from tests.cli.conftest import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "target")
+    raw = {k: v for k, v in raw.items() if k != "attn_implementation"}
     (folder / "config.json").write_text(json.dumps(raw))
     mx.random.seed(3)
     target = Model(ours_args(raw))
     mx.save_safetensors(
         str(folder / "model.safetensors"), dict(tree_flatten(target.parameters()))
     )
-    config = assistant_config(False, vocab_size=vocab)
     parsed = assistant_args(config, "assistant").unwrap()
     mx.random.seed(4)
     folder_a = write_artifact(tmp_path / "assistant", config, Assistant(parsed))

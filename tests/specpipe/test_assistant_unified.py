@@ -20,13 +20,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from returns.result import Failure, Success
 from spec_support import PROMPTS, run
 from test_assistant import (
     SAMPLINGS,
+    check_pipeline_load,
     drafted,
     drafter_of,
     load_request,
@@ -39,10 +38,7 @@ from test_assistant import (
 
 from bindings.kinds import default_registry
 from models.gemma4 import Model
-from models.gemma4_assistant import Assistant
-from schemas.hf_gemma4 import gemma4_args
-from schemas.hf_gemma4_assistant import assistant_args
-from schemas.request import GenerationLimits, SamplingParams
+from schemas.request import SamplingParams
 from specpipe.drafts.assistant import AssistantDrafter
 from tests.models.test_gemma4 import ours, random_model
 from tests.models.test_gemma4_assistant import (
@@ -102,31 +98,10 @@ def test_the_pipeline_loads_a_unified_target_with_its_assistant(
     """`specpipe.load(target folder, draft=assistant folder)`: a
     `gemma4_unified_text` target, a `gemma4_unified_assistant` draft,
     detected, bound, and generating what the target alone generates."""
-    from specpipe.api import load
-    from tests.cli.conftest import write_tiny_model
-
     vocab = 320  # the tiny tokenizer's ids fit
-    folder = write_tiny_model(tmp_path / "unified")
     raw = unified_raw("shared-keqv", vocab_size=vocab)
-    raw.pop("attn_implementation")
-    (folder / "config.json").write_text(json.dumps(raw))
-    mx.random.seed(3)
-    target = Model(gemma4_args(raw, "test").unwrap())
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), dict(tree_flatten(target.parameters()))
-    )
     config = assistant_config(False, unified=True, vocab_size=vocab)
-    mx.random.seed(4)
-    draft = Assistant(assistant_args(config, "assistant").unwrap())
-    folder_a = write_artifact(tmp_path / "assistant", config, draft)
-    limits = GenerationLimits(max_tokens=12)
-    plain = load(str(folder)).unwrap().generate("def fib", limits=limits).unwrap()
-    pipeline = load(
-        str(folder), draft=str(folder_a), num_draft_tokens=2, adaptive=False
-    ).unwrap()  # (adaptive drafting may judge a random draft not worth it)
-    spec = pipeline.generate("def fib", limits=limits).unwrap()
-    assert spec.tokens == plain.tokens and spec.generated_tokens == 12
-    assert spec.stats.draft == "assistant" and spec.stats.drafted > 0
+    check_pipeline_load(tmp_path, raw, config)
 
 
 @pytest.mark.parametrize(
