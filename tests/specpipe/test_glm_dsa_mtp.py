@@ -38,6 +38,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Success
 from spec_support import PROMPTS, run
 from test_glm_mtp import glm_args
+from test_mtp import scaled
 from test_prompt_cache import generate
 
 from models.base import ModelOutput, attention_mask, rope_offset
@@ -101,20 +102,6 @@ def dsa_args(**overrides: Any) -> GlmMoeDsaArgs:
     assert isinstance(parsed, Success), parsed
     args: GlmMoeDsaArgs = parsed.unwrap()
     return args
-
-
-def scaled(module: Any, seed: int, gain: float = 2.5) -> None:
-    """Every matrix times `gain`: varied greedy output, peaked sampling."""
-    mx.random.seed(seed)
-    module.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim >= 2 else v)
-                for k, v in tree_flatten(module.parameters())
-            ]
-        )
-    )
-    mx.eval(module.parameters())
 
 
 @pytest.fixture(scope="module")

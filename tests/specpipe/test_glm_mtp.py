@@ -19,9 +19,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Success
 from spec_support import PROMPTS, run
+from test_mtp import scaled
 
 from models.base import attention_mask, rope_offset
 from models.build import build_model
@@ -72,19 +72,6 @@ def glm_args(**overrides: Any) -> Glm4MoeArgs:
     assert isinstance(parsed, Success), parsed
     args: Glm4MoeArgs = parsed.unwrap()
     return args
-
-
-def scaled(module: Any, seed: int, gain: float = 2.5) -> None:
-    mx.random.seed(seed)
-    module.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim >= 2 else v)
-                for k, v in tree_flatten(module.parameters())
-            ]
-        )
-    )
-    mx.eval(module.parameters())
 
 
 @pytest.fixture(scope="module")
