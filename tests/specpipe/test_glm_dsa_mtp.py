@@ -34,11 +34,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from attrs import evolve
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 from returns.result import Success
 from spec_support import PROMPTS, run
 from test_glm_mtp import glm_args
-from test_mtp import scaled
+from test_mtp import repeating, scaled
 from test_prompt_cache import generate
 
 from models.base import ModelOutput, attention_mask, rope_offset
@@ -329,15 +329,7 @@ def repeating_target() -> Model:
     mx.random.seed(0)
     model = build_model(dsa_args(tie_word_embeddings=True)).unwrap()
     assert isinstance(model, Model)
-    model.update(
-        tree_unflatten(
-            [
-                (k, v if "embed_tokens" in k or v.ndim < 2 else v * 0.01)
-                for k, v in tree_flatten(model.parameters())
-            ]
-        )
-    )
-    mx.eval(model.parameters())
+    repeating(model)
     return model
 
 

@@ -131,7 +131,13 @@ def repeating_target() -> Any:
     token, so greedy decoding repeats the pending token forever."""
     mx.random.seed(0)
     tied = hybrid_args({**CONFIG, "tie_word_embeddings": True}, "test").unwrap()
-    model = build_model(tied).unwrap()
+    return repeating(build_model(tied).unwrap())
+
+
+def repeating(model: Any) -> Any:
+    """`model` (tied embeddings) with every matrix but its embedding scaled
+    to ~0: its residual stream is its input embedding, so it predicts its
+    input token."""
     model.update(
         tree_unflatten(
             [
