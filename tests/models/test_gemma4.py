@@ -457,9 +457,13 @@ def test_bucketed_spans_give_the_exact_spans_logits() -> None:
 # --- the API a KV-borrowing draft uses ----------------------------------------
 
 
-def test_shared_kv_are_transformers_stored_keys_and_values() -> None:
-    hf = make_hf("shared-ple", seed=1)
-    model = ours(hf)
+def shared_kv_against_transformers(
+    hf: Any, model: Model, kv_heads: dict[str, int]
+) -> tuple[Any, np.ndarray]:
+    """`model.shared_kv` of each layer type in `kv_heads` after a two-row
+    prefill against the keys/values transformers hands an assistant
+    (`shared_kv_states`): (rows, kv heads) and values within TOL. The cache
+    and the ids."""
     ids = token_ids((2, 9), seed=5)
     with torch.no_grad():
         expected = hf(
@@ -467,13 +471,23 @@ def test_shared_kv_are_transformers_stored_keys_and_values() -> None:
         ).shared_kv_states
     cache = model.make_cache(2)
     forward(model, ids, cache, [0, 0])
-    assert (model.gemma.producer(SLIDING), model.gemma.producer(FULL)) == (1, 2)
-    for kind in (SLIDING, FULL):
+    for kind, heads in kv_heads.items():
         keys, values = model.shared_kv(cache, kind)
-        assert keys.shape == (2, 2, cache.capacity, model.gemma.head_dim_of(kind))
+        assert keys.shape[:2] == (2, heads)
         theirs = expected[kind]
         assert np.abs(as_np(keys[:, :, :9]) - theirs[0].numpy()).max() < TOL
         assert np.abs(as_np(values[:, :, :9]) - theirs[1].numpy()).max() < TOL
+    return cache, ids
+
+
+def test_shared_kv_are_transformers_stored_keys_and_values() -> None:
+    hf = make_hf("shared-ple", seed=1)
+    model = ours(hf)
+    cache, ids = shared_kv_against_transformers(hf, model, {SLIDING: 2, FULL: 2})
+    assert (model.gemma.producer(SLIDING), model.gemma.producer(FULL)) == (1, 2)
+    for kind in (SLIDING, FULL):
+        keys, _ = model.shared_kv(cache, kind)
+        assert keys.shape == (2, 2, cache.capacity, model.gemma.head_dim_of(kind))
     # without kv-shared layers: the last layer of the type
     plain = ours(make_hf("plain"))
     assert (plain.gemma.producer(SLIDING), plain.gemma.producer(FULL)) == (3, 5)

@@ -44,7 +44,6 @@ from tests.models.test_gemma4 import (
     TOL,
     VOCAB,
     args_of,
-    as_np,
     forward,
     hf_weights,
     ours,
@@ -224,20 +223,7 @@ def test_shared_kv_are_transformers_stored_keys_and_values() -> None:
     """What a KV-borrowing draft reads: the keys/values transformers' unified
     model hands its assistant (`shared_kv_states`)."""
     hf = make_unified("shared-keqv", seed=1)
-    model = ours(hf)
-    ids = token_ids((2, 9), seed=5)
-    with torch.no_grad():
-        expected = hf(
-            torch.tensor(ids), output_hidden_states=True, return_shared_kv_states=True
-        ).shared_kv_states
-    cache = model.make_cache(2)
-    forward(model, ids, cache, [0, 0])
-    for kind, kv_heads in ((SLIDING, 2), (FULL, 1)):
-        keys, values = model.shared_kv(cache, kind)
-        assert keys.shape[:2] == (2, kv_heads)
-        theirs = expected[kind]
-        assert np.abs(as_np(keys[:, :, :9]) - theirs[0].numpy()).max() < TOL
-        assert np.abs(as_np(values[:, :, :9]) - theirs[1].numpy()).max() < TOL
+    gemma4.shared_kv_against_transformers(hf, ours(hf), {SLIDING: 2, FULL: 1})
 
 
 # --- the multimodal wrapper through a folder -------------------------------------
