@@ -3075,10 +3075,11 @@ class FusedStep:
         ring_at, stage, piped = 0, 1, False
         if PIPE_PRODUCTS or PIPE_HEAD:
             start = -(-needed // 16) * 16
-            ring = (BLOCK // 32) * 2 * s.ring_stage(vectors, rows, fold) * 32 * 16
+            tile = s.ring_stage(vectors, rows, fold)
+            ring = (BLOCK // 32) * 2 * tile * 32 * 16
             room = SHARED_OPTIN - s.static_shared(rows, self.blocks)
             if -(-(start + ring) // (16 * 1024)) * (16 * 1024) <= room:
-                ring_at, stage = start // 4, s.ring_stage(vectors, rows, fold)
+                ring_at, stage = start // 4, tile
                 needed, piped = start + ring, True
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         lean = -(-needed // 1024) * 1024
