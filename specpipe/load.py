@@ -369,10 +369,26 @@ def config_for(
     if not isinstance(
         loaded.args, HybridArgs | Glm4MoeArgs | GlmMoeDsaArgs | Gemma4Args
     ):
-        dense = config_dict(loaded.args, quantize, group_size, weights)
-        if quantize is not None:
-            _write_quantization(dense, loaded.model)
-        return dense
+        cfg = config_dict(loaded.args, weights)
+    else:
+        cfg = _upstream_config(loaded)
+    if quantize is not None:
+        model: Any = loaded.model  # (an nn.Module)
+        # the model's quantization block (`quantization_block`: its bits and
+        # group size, and a per-layer entry for each layer quantized otherwise,
+        # e.g. its MoE routers at `ROUTER_BITS`) under the two names MLX
+        # loaders read; the asked setting where no layer was quantized
+        block = quantization_block(model) or {
+            "group_size": group_size,
+            "bits": quantize,
+        }
+        cfg["quantization"] = block
+        cfg["quantization_config"] = block
+    return cfg
+
+
+def _upstream_config(loaded: LoadedModel) -> dict[str, Any]:
+    """The upstream config less its quantization (Gemma-4's text part)."""
     raw = loaded.raw_config
     text_model = TEXT_MODELS.get(str(raw.get("model_type")))
     if isinstance(loaded.args, Gemma4Args) and text_model is not None:
@@ -381,23 +397,9 @@ def config_for(
         model_type, architecture = text_model
         raw = {**text_part(raw), "model_type": model_type}
         raw["architectures"] = [architecture]
-    cfg = {
+    return {
         k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")
     }
-    if quantize is not None:
-        _write_quantization(cfg, loaded.model)
-    return cfg
-
-
-def _write_quantization(cfg: dict[str, Any], model: Any) -> None:
-    """The converted model's quantization block (`quantization_block`: its
-    bits and group size, and a per-layer entry for each layer quantized
-    otherwise, e.g. its MoE routers at `ROUTER_BITS`) under the two names
-    MLX loaders read."""
-    block = quantization_block(model)
-    if block is not None:
-        cfg["quantization"] = block
-        cfg["quantization_config"] = block
 
 
 def companion_head(
@@ -455,12 +457,7 @@ def write_companion(
     )
 
 
-def config_dict(
-    args: DecoderArgs,
-    quantize: int | None,
-    group_size: int,
-    weights: dict[str, mx.array],
-) -> dict[str, Any]:
+def config_dict(args: DecoderArgs, weights: dict[str, mx.array]) -> dict[str, Any]:
     dtypes = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
     dtype_name = next((name for name, dt in _DTYPES.items() if dt in dtypes), "float32")
     cfg: dict[str, Any] = {
@@ -496,10 +493,6 @@ def config_dict(
         cfg["bos_token_id"] = args.bos_token_id
     if args.eos_token_id:
         cfg["eos_token_id"] = list(args.eos_token_id)
-    if quantize is not None:
-        q = {"group_size": group_size, "bits": quantize}
-        cfg["quantization"] = q
-        cfg["quantization_config"] = q
     return cfg
 
 
