@@ -133,8 +133,6 @@ _SWITCHES = [
     ("att-pipe", "ATT_PIPE", "attention's next cached positions loaded during the current ones"),
     ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
     ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
-    ("pipe-products", "PIPE_PRODUCTS", "the layer's products' weight rows through shared-memory rings"),
-    ("pipe-head", "PIPE_HEAD", "the head's projection rows through shared-memory rings"),
 ]
 
 

@@ -77,6 +77,9 @@
 #  SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=200 switches` (HEAD_WARM since removed),
 #  `SETS=none SAMPLINGS=qwen ...` the same, draft_device.py --experts 512 by hand, `NO_AGREE=1 REPEATS=8 copy`
 #  with COPY_UNROLL=4 then off by default, and its fused_probe.py --copy-unroll 4 agreement run by hand)
+# (twenty-eighth session, one lease on an H100 (asked for an H200): `setup-min piped` (PIPE_PRODUCTS and
+#  PIPE_HEAD timed against the defaults, greedy, depths 2 and 3, 48 positions: slower, both removed with the
+#  step), then bench/phase_probe.py --contexts 48 --sets none --samplings greedy --heads fr,full by hand)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -352,14 +355,6 @@ for step in "$@"; do
     # (defaults: fc and o_proj kept; a set may give integer settings too: BLOCKS=132, DRAW_HEADS_K=2)
     SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
         DEPTHS=${DEPTHS:-1,2,3} bash $0 switches
-    ;;
-  piped)  # the products' loads through shared-memory rings (PIPE_PRODUCTS, PIPE_HEAD, off) against the defaults:
-    # time at 48 positions (greedy, depths 2 and 3), then the drafts at 48 positions, one row (AGREE_ROWS), both samplings
-    SETS=${SETS:-none PIPE_PRODUCTS PIPE_PRODUCTS,PIPE_HEAD} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=48 \
-        REPEATS=${REPEATS:-8} bash $0 switches
-    [ -n "${NO_AGREE:-}" ] || timeout ${LIMIT:-200} python3 bench/fused_probe.py --shape qwen3-next --rows ${AGREE_ROWS:-1} \
-        --samplings greedy,qwen --agree-only --repeats 1 --context 48 --pipe-products --pipe-head \
-        --out $OUT/fused-probe-next-piped-agree-h200.json | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \

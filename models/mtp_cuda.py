@@ -310,25 +310,6 @@ ATT_MIN_SHARE = 16
 # buffers' tails unwritten: MLX's attention over a bucketed span multiplies
 # them by zero weights, which a NaN would survive.)
 COPY_UNROLL = 4
-# Whether the kernel's products (fc, q/k/v, o_proj, the MLP's or the chosen
-# experts' gate/up, the head's projection) load their weight rows through two
-# stages of shared memory per warp by asynchronous copies (`cp.async`, the
-# same L2 policies), the next tile's copies issued before the current tile's
-# are waited for: two tiles in flight per warp (128 KB per multiprocessor)
-# instead of one tile's loads in registers (64 KB). A phase's product runs a
-# few tiles per warp (q/k/v: ~5 at Qwen3-Next's sizes), each a DRAM round trip,
-# so the layer's products run at 2.1-3 TB/s of the H200's ~4.8 (twenty-fifth
-# session's phase stamps) while the head's long stream reaches ~4. Where the
-# launch's shared memory has no room for the stages (up to 128 KB) the
-# products keep their loads in registers. Compile-checked; not yet run on a
-# device (`PIPE_PRODUCTS` as a kernel switch of bench/draft_device.py).
-# PIPE_HEAD: the head's projection too (it streams at ~4 TB/s already: a
-# faster head shortens both heads' rounds and lowers FR-Spec's cut, so the
-# two are measured apart).
-PIPE_PRODUCTS = False
-PIPE_HEAD = False
-# The most shared memory a block may ask for (227 KB on sm_80 / sm_90), bytes.
-SHARED_OPTIN = 227 * 1024
 # Whether bfloat16 weights, keys and values convert to float by a shift or a
 # mask of their 32-bit words instead of the compiler's conversion (the same
 # values): ptxas lowers a word's high half by inserting it into the result
@@ -453,23 +434,6 @@ __device__ __forceinline__ typename Packed<N * sizeof(W)>::type load_packed(cons
 // issued, committed as a group, waited for (all but the newest N groups).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned int at = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(gmem) : "memory");
-}
-// The same copy of a weight row's 16 bytes under `load_w`'s L2 policy
-// (STREAM: evict-first, or evict-last where KEEP and `keep`).
-template <bool STREAM, bool KEEP = false>
-__device__ __forceinline__ void cp_async_w(void* smem, const void* gmem, bool keep = false) {
-  const unsigned int at = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-#if __CUDA_ARCH__ >= 800
-  if constexpr (STREAM) {
-    u64 policy;
-    if (KEEP && keep) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-                 ::"r"(at), "l"(gmem), "l"(policy) : "memory");
-    return;
-  }
-#endif
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -681,41 +645,6 @@ struct Tile {
   static constexpr int U = (WIDE && R == 1 && NDOT == 1 && NV <= 2) ? 16 : (NDOT * NV <= 4 ? 8 : 4);
 };
 
-// One 8-element stretch of a tile's sums at inputs k .. k + 7:
-// acc[q][v][j] += (weight row (q, j)'s 8 elements, `wf(q, j)`) . (input v's).
-template <typename W, int R, int NV, int NDOT, typename WF, typename XF>
-__device__ __forceinline__ void tile_step(float (&acc)[R][NV][NDOT], WF wf, XF& xf, int r0, int k) {
-#pragma unroll
-  for (int v = 0; v < NV; ++v) {
-    float x[8];
-    xf(v, r0, k, x);
-#pragma unroll
-    for (int q = 0; q < R; ++q)
-#pragma unroll
-      for (int j = 0; j < NDOT; ++j) {
-        const uint4 w = wf(q, j);
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s += elem<W>(w, i) * x[i];
-        acc[q][v][j] += s;
-      }
-  }
-}
-
-// A tile's sums over the warp, each live row's handed to `of`.
-template <int R, int NV, int NDOT, typename OF>
-__device__ __forceinline__ void tile_out(float (&acc)[R][NV][NDOT], int r0, int stride, int rows, OF& of) {
-#pragma unroll
-  for (int q = 0; q < R; ++q)
-#pragma unroll
-    for (int v = 0; v < NV; ++v)
-#pragma unroll
-      for (int j = 0; j < NDOT; ++j) acc[q][v][j] = warp_sum(acc[q][v][j]);
-#pragma unroll
-  for (int q = 0; q < R; ++q)
-    if (r0 + q * stride < rows) of(r0 + q * stride, acc[q]);
-}
-
 // Rows r = first, first + stride, ... of a product: NV input vectors times
 // NDOT weight rows per r (rowf(r, j)), K inputs (a multiple of 256), one warp
 // per r, U 16-byte loads per lane in flight. xf(v, r, k, x8) writes input v's
@@ -726,74 +655,12 @@ __device__ __forceinline__ void tile_out(float (&acc)[R][NV][NDOT], int r0, int 
 // rows at once (their loads in flight together: half the DRAM round trips
 // where a warp has several short rows), for one weight row of at most two
 // inputs.
-//
-// RING >= 0 (`PIPE_PRODUCTS`): the loads go through this warp's two stages of
-// shared memory at float offset RING of the dynamic shared memory (RSTAGE
-// 16-byte vectors per lane and stage at most) by asynchronous copies, the
-// next tile's (or the next K chunk's) copies issued before the current
-// one's are waited for: two tiles' loads in flight per warp instead of one,
-// no registers held for them. Each lane reads back only what it copied.
 template <typename W, int NV, int NDOT, bool PAIRS, bool WIDE, bool STREAM, bool KEEP = false,
-          int RING = -1, int RSTAGE = 0, typename RF, typename XF, typename OF>
+          typename RF, typename XF, typename OF>
 __device__ __forceinline__ void product(
     int rows, int K, int first, int stride, RF rowf, XF xf, OF of, bool keep = false) {
   constexpr int R = Tile<NV, NDOT, PAIRS, WIDE>::R, U = Tile<NV, NDOT, PAIRS, WIDE>::U;
   const int lane = threadIdx.x & 31;
-  if constexpr (RING >= 0) {
-    static_assert(R * U * NDOT <= RSTAGE, "the ring's stage holds a tile");
-    extern __shared__ __align__(16) float dyn[];
-    uint4* ring = reinterpret_cast<uint4*>(dyn + RING) + (size_t)(threadIdx.x >> 5) * 2 * RSTAGE * 32;
-    // this lane's slot (q, u, j) of stage st
-    auto slot = [&](int st, int q, int u, int j) { return ring + ((size_t)(st * RSTAGE + (q * U + u) * NDOT + j)) * 32 + lane; };
-    auto issue = [&](int r0, int k0, int st) {
-#pragma unroll
-      for (int q = 0; q < R; ++q) {
-        const int r = r0 + q * stride < rows ? r0 + q * stride : r0;
-#pragma unroll
-        for (int j = 0; j < NDOT; ++j) {
-          const W* w = rowf(r, j);
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-            if (k0 + u * 256 < K) cp_async_w<STREAM, KEEP>(slot(st, q, u, j), w + k0 + u * 256, keep);
-        }
-      }
-      cp_async_commit();
-    };
-    if (first < rows) issue(first, lane * 8, 0);
-    int st = 0;
-    for (int r0 = first; r0 < rows; r0 += stride * R) {
-      float acc[R][NV][NDOT];
-#pragma unroll
-      for (int q = 0; q < R; ++q)
-#pragma unroll
-        for (int v = 0; v < NV; ++v)
-#pragma unroll
-          for (int j = 0; j < NDOT; ++j) acc[q][v][j] = 0.0f;
-      for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
-        // the next chunk's copies first (an empty group past the last)
-        int nk = k0 + 256 * U, nr = r0;
-        if (nk >= K) { nk = lane * 8; nr = r0 + stride * R; }
-        if (nr < rows) issue(nr, nk, st ^ 1);
-        else cp_async_commit();
-        cp_async_wait<1>();
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int k = k0 + u * 256;
-          if (k >= K) break;
-          uint4 raw[R][NDOT];
-#pragma unroll
-          for (int q = 0; q < R; ++q)
-#pragma unroll
-            for (int j = 0; j < NDOT; ++j) raw[q][j] = *slot(st, q, u, j);
-          tile_step<W>(acc, [&](int q, int j) { return raw[q][j]; }, xf, r0, k);
-        }
-        st ^= 1;
-      }
-      tile_out(acc, r0, stride, rows, of);
-    }
-    cp_async_wait<0>();
-    return;
-  }
   for (int r0 = first; r0 < rows; r0 += stride * R) {
     const W* wr[R][NDOT];
     bool live[R];
@@ -825,7 +692,6 @@ __device__ __forceinline__ void product(
       for (int u = 0; u < U; ++u) {
         const int k = k0 + u * 256;
         if (k >= K) break;
-        // (inline, not `tile_step`: the measured kernel's code, byte for byte)
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           float x[8];
@@ -976,8 +842,6 @@ _SOURCE = r"""
   constexpr int SU = TIGHT_DRAW ? 1 : 32;  // a sampled step's sorts and draw unrolled, or compact
   constexpr bool TREE = TREE_MERGE;
   constexpr int AU = ATT_UNROLL;
-  // PIPE_PRODUCTS / PIPE_HEAD: the layer's products' and the head's rings
-  constexpr int RL = PIPE_LAYER ? RING_OFF : -1, RH = PIPE_HEAD ? RING_OFF : -1;
   // The launch's small per-row inputs, read once into shared memory at the
   // start, all loads in flight together (the host writes them each round:
   // unified memory a first GPU read may have to fetch from the host; read
@@ -1255,7 +1119,7 @@ _SOURCE = r"""
       }
     }
   }
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC, RL, RING_STAGE>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC>(
       H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1269,7 +1133,7 @@ _SOURCE = r"""
   // ---- 2. q(+gate), k, v of every position ---------------------------------
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
-  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV, RL, RING_STAGE>(
+  product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV>(
       QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
@@ -1807,7 +1671,7 @@ _SOURCE = r"""
       rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
-  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_O, RL, RING_STAGE>(
+  product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_O>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
@@ -1855,7 +1719,7 @@ _SOURCE = r"""
   }
   stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
-    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
+    product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
         [&](int r, float (&acc)[B][2]) {
@@ -1868,7 +1732,7 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
     __syncthreads();
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW, mlp1_row,
         [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * IM + k, x); },
         [&](int r, float (&acc)[B][1]) {
@@ -1893,7 +1757,7 @@ _SOURCE = r"""
       __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
-      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
+      product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
           MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
@@ -1998,7 +1862,7 @@ _SOURCE = r"""
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
-    product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL, false, RL, RING_STAGE>(
+    product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
         ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
@@ -2098,7 +1962,7 @@ _SOURCE = r"""
   int best_i[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) { best_v[b] = -SP_INF; best_i[b] = 0x7fffffff; }
-  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL, false, RH, RING_STAGE>(
+  product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
       h_pairs, H, warp, NWARP, head_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int q, float (&acc)[B][2]) {
@@ -2555,25 +2419,6 @@ class LayerShape:
         # elements), then its combining weights (at most `blocks` floats)
         tiles = 2 * 2 * ATT_TILE * self.head_dim * 2 if grouped else 0
         return max(4 * floats, tiles, 4 * blocks)
-
-    def ring_stage(self, vectors: int, rows: int, fold: bool) -> int:
-        """`PIPE_PRODUCTS`: the 16-byte vectors per lane of one stage of a
-        warp's ring, the largest tile (rows x loads x weight rows) of the
-        step's products (mirrors the source's `Tile`)."""
-
-        def tile(inputs: int, dots: int) -> int:
-            pairs = PAIR_ROWS and dots == 1 and inputs <= 2
-            wide = WIDE_LOADS and not pairs and dots == 1 and inputs <= 2
-            loads = 16 if wide else (8 if dots * inputs <= 4 else 4)
-            return (2 if pairs else 1) * loads * dots
-
-        # fc and q/k/v, o_proj, the head
-        products = [(vectors, 1), (rows, 1), (rows, 2)]
-        if self.dense:
-            products += [(rows, 2), (rows, 1)]
-        else:
-            products += [(1, 2)] + ([] if fold else [(rows, 2)])
-        return max(tile(n, d) for n, d in products)
 
     def static_shared(self, rows: int, blocks: int) -> int:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
@@ -3069,18 +2914,6 @@ class FusedStep:
         # (one block per multiprocessor anyway), in steps of 16 KiB.
         grouped = s.grouped(length + count - 1)
         needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks, grouped)
-        # PIPE_PRODUCTS / PIPE_HEAD: the rings' float offset and stage (0 and 1
-        # unused; MLX names the kernel by its template values, so none may be
-        # negative: a "-" in the name does not compile)
-        ring_at, stage, piped = 0, 1, False
-        if PIPE_PRODUCTS or PIPE_HEAD:
-            start = -(-needed // 16) * 16
-            tile = s.ring_stage(vectors, rows, fold)
-            ring = (BLOCK // 32) * 2 * tile * 32 * 16
-            room = SHARED_OPTIN - s.static_shared(rows, self.blocks)
-            if -(-(start + ring) // (16 * 1024)) * (16 * 1024) <= room:
-                ring_at, stage = start // 4, tile
-                needed, piped = start + ring, True
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         lean = -(-needed // 1024) * 1024
         if LEAN_SHARED and lean + s.static_shared(rows, self.blocks) <= 48000:
@@ -3131,10 +2964,6 @@ class FusedStep:
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("COPY_UNROLL", COPY_UNROLL),
-            ("RING_OFF", ring_at),
-            ("PIPE_LAYER", PIPE_PRODUCTS and piped),
-            ("PIPE_HEAD", PIPE_HEAD and piped),
-            ("RING_STAGE", stage),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),

@@ -749,13 +749,6 @@ QWEN3_NEXT_CONSTANTS = {
         # the round's KV copy one vector per thread at a time (the default: four)
         (1, 3, True, 64, ("COPY_UNROLL=1",)),
         (3, 2, False, 64, ("COPY_UNROLL=1",)),
-        # the products' weight rows through shared-memory rings (PIPE_PRODUCTS, off)
-        (1, 3, True, 64, ("PIPE_PRODUCTS",)),
-        (1, 3, False, 64, ("PIPE_PRODUCTS",)),
-        (3, 2, False, 64, ("PIPE_PRODUCTS",)),
-        (1, 3, False, 512, ("PIPE_PRODUCTS",)),
-        (1, 3, False, 64, ("PIPE_PRODUCTS", "PIPE_HEAD")),
-        (3, 2, True, 64, ("PIPE_HEAD",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
