@@ -356,6 +356,16 @@ for step in "$@"; do
     SETS=${SETS:-none -KEEP_FC,-KEEP_O} SAMPLINGS=${SAMPLINGS:-greedy} NO_AGREE=1 \
         DEPTHS=${DEPTHS:-1,2,3} bash $0 switches
     ;;
+  retime)  # the defaults' FR-Spec cut at CONTEXT (48) positions: both samplings, depths 2 and 3, 64 experts
+    # (the random layer's) then 512 (Qwen3-Next's own count)
+    SETS=none SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=${CONTEXT:-48} \
+        REPEATS=${REPEATS:-8} bash $0 switches
+    for sampling in ${SAMPLINGS:-greedy qwen}; do
+      timeout ${LIMIT:-240} python3 bench/draft_device.py --ncu "${NCU:-ncu}" --experts 512 --depths ${DEPTHS:-2,3} \
+          --rows 1 --repeats ${REPEATS:-8} --cache-control all --context ${CONTEXT:-48} --sampling $sampling \
+          --inputs library --out $OUT/draft-device-all-$sampling-e512-ctx${CONTEXT:-48}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
+    done
+    ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
         --agree-only --repeats 2 ${PROBE_FLAGS:-} --out $OUT/fused-probe-next${PROBE_TAG:-}-agree-h200.json \
