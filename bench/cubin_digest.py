@@ -17,7 +17,8 @@ differing dense form before reading a change into it. The cubin holds the
 kernel's name, which MLX builds from its template values (as
 tests/models/nvrtc_support.py mirrors since 2026-12-05): a change that adds a
 template constant changes every digest and size by its name alone, so compare
-such trees by registers and `nvdisasm` instead.
+such trees by the `code` digest instead: the SHA-256 of the cubin's `.text`
+sections alone (the kernel's instructions, whatever its name).
 
     python bench/cubin_digest.py > /tmp/before.txt   # then after the change:
     python bench/cubin_digest.py | diff /tmp/before.txt - && echo same code
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -62,8 +64,31 @@ def digest(test_module: Any, fixtures: dict[str, Any], case: tuple[Any, ...]) ->
     with tempfile.TemporaryDirectory() as work:
         compiled = compile_source(text, Path(work))
     assert compiled.ok, compiled.log[:4000]
-    code = hashlib.sha256(compiled.cubin).hexdigest()[:16]
-    return f"{len(compiled.cubin)} bytes, {compiled.registers} registers, sha256 {code}"
+    whole = hashlib.sha256(compiled.cubin).hexdigest()[:16]
+    code = hashlib.sha256(text_sections(compiled.cubin)).hexdigest()[:16]
+    return f"{len(compiled.cubin)} bytes, {compiled.registers} registers, sha256 {whole}, code {code}"
+
+
+def text_sections(cubin: bytes) -> bytes:
+    """The bytes of a cubin's `.text.*` sections (its instructions), in
+    section order: an ELF64 little-endian file, as NVRTC writes one."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF cubin")
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        return name, offset, size
+
+    _, names_at, _ = header(shstrndx)
+    out = b""
+    for i in range(shnum):
+        name, offset, size = header(i)
+        end = cubin.index(b"\0", names_at + name)
+        if cubin[names_at + name : end].startswith(b".text."):
+            out += cubin[offset : offset + size]
+    return out
 
 
 def main() -> None:

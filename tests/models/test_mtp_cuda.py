@@ -749,6 +749,8 @@ QWEN3_NEXT_CONSTANTS = {
         # the round's KV copy one vector per thread at a time (the default: four)
         (1, 3, True, 64, ("COPY_UNROLL=1",)),
         (3, 2, False, 64, ("COPY_UNROLL=1",)),
+        (1, 3, False, 64, ("ROW_PREFETCH",)),
+        (3, 2, True, 64, ("ROW_PREFETCH",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
