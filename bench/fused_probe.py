@@ -133,6 +133,7 @@ _SWITCHES = [
     ("att-pipe", "ATT_PIPE", "attention's next cached positions loaded during the current ones"),
     ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
     ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
+    ("fold-batch", "FOLD_BATCH", "the folded router's sums with all of a warp's loads in flight"),
 ]
 
 

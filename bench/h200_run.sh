@@ -80,6 +80,9 @@
 # (twenty-eighth session, one lease on an H100 (asked for an H200): `setup-min piped` (PIPE_PRODUCTS and
 #  PIPE_HEAD timed against the defaults, greedy, depths 2 and 3, 48 positions: slower, both removed with the
 #  step), then bench/phase_probe.py --contexts 48 --sets none --samplings greedy --heads fr,full by hand)
+# (next, on an H200: `setup-min retime` (the defaults' cut, both samplings, 64 and 512 experts), then
+#  `SETS="FOLD_BATCH ROW_PREFETCH" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`
+#  and `ROWS=1,3 PROBE_FLAGS=--fold-batch PROBE_TAG=-foldbatch LIMIT=200 agree`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

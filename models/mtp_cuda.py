@@ -348,6 +348,15 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
+# Whether the folded router's logits are summed from the blocks' shares with
+# all of a warp's loads in flight at once (one row at Qwen3-Next's sizes: 9
+# logits x 4 loads per lane, one L2 round trip) instead of four logits' at a
+# time (three round trips at the start of the experts' phase, which waits
+# on them: ~3.5 us of router sums and top-k before its loads, H100 phase
+# stamps, twenty-eighth session). The same sums in the same order. Where a
+# warp's loads would pass 40, the four-at-a-time form. Off: compile-checked,
+# not yet measured on a device.
+FOLD_BATCH = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -1747,12 +1756,36 @@ _SOURCE = r"""
       // the router's (and the shared gate's) logits: each warp sums its
       // logits' NBLK block shares (lane l: blocks l, l + 32, ...), times the
       // norm's scale; every block the same sums in the same order
+      constexpr int TPW = (B * EP + NWARP - 1) / NWARP, CPL = (NBLK + 31) / 32;
+      if constexpr (FOLD_BATCH && TPW * CPL <= 40) {
+        // FOLD_BATCH: all of the warp's loads in flight at once (one L2
+        // round trip instead of one per four logits), the same sums in the
+        // same order
+        float part[TPW];
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) {
+          const int t = warp + i * NWARP;
+          part[i] = 0.0f;
+#pragma unroll
+          for (int c0 = 0; c0 < CPL; ++c0) {
+            const int c = lane + 32 * c0;
+            if (t < B * EP && c < NBLK) part[i] += __ldcg(S + O_RP + (size_t)t * NBLK + c);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) {
+          const int t = warp + i * NWARP;
+          const float sum = warp_sum(part[i]);
+          if (lane == 0 && t < B * EP) s_rlog[t] = sum * s_inv[t / EP];
+        }
+      } else {
 #pragma unroll 4
       for (int t = warp; t < B * EP; t += NWARP) {
         float part = 0.0f;
         for (int c = lane; c < NBLK; c += 32) part += __ldcg(S + O_RP + (size_t)t * NBLK + c);
         part = warp_sum(part);
         if (lane == 0) s_rlog[t] = part * s_inv[t / EP];
+      }
       }
       __syncthreads();
     } else {
@@ -2968,6 +3001,7 @@ class FusedStep:
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
+            ("FOLD_BATCH", FOLD_BATCH),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -751,6 +751,10 @@ QWEN3_NEXT_CONSTANTS = {
         (3, 2, False, 64, ("COPY_UNROLL=1",)),
         (1, 3, False, 64, ("ROW_PREFETCH",)),
         (3, 2, True, 64, ("ROW_PREFETCH",)),
+        # the folded router's sums all in flight at once (FOLD_BATCH, off)
+        (1, 3, True, 64, ("FOLD_BATCH",)),
+        (1, 3, False, 64, ("FOLD_BATCH",)),
+        (3, 2, False, 64, ("FOLD_BATCH",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
