@@ -248,7 +248,7 @@ for step in "$@"; do
       timeout ${LIMIT:-230} python3 bench/draft_device.py --ncu "${NCU:-ncu}" --depths ${DEPTHS:-1,2,3,5} \
           --rows ${ROWS:-1,3} --repeats ${REPEATS:-20} --cache-control $cc --context ${CONTEXT:-48} \
           --sampling ${SAMPLING:-greedy} --inputs ${INPUTS:-library} ${SWITCHES:+--kernel-switches=$SWITCHES} \
-          --out $OUT/draft-device-$cc${TAG:-}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
+          ${EXPERTS:+--experts $EXPERTS} --out $OUT/draft-device-$cc${TAG:-}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
     done
     ;;
   switches)  # kernel switch sets (none: the defaults; NAME on, -NAME off): the drafts' agreement under
@@ -258,7 +258,7 @@ for step in "$@"; do
     for sw in ${SETS:-none -FOLD_ROUTER}; do
       for sampling in ${SAMPLINGS:-greedy qwen}; do
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
-            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//[,=]/-}${CONTEXT:+-ctx$CONTEXT} \
+            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//[,=]/-}${EXPERTS:+-e$EXPERTS}${CONTEXT:+-ctx$CONTEXT} \
         bash $0 device
       done
     done
@@ -361,12 +361,9 @@ for step in "$@"; do
     ;;
   retime)  # the defaults' FR-Spec cut at CONTEXT (48) positions: both samplings, depths 2 and 3, 64 experts
     # (the random layer's) then 512 (Qwen3-Next's own count)
-    SETS=none SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=${CONTEXT:-48} \
-        REPEATS=${REPEATS:-8} bash $0 switches
-    for sampling in ${SAMPLINGS:-greedy qwen}; do
-      timeout ${LIMIT:-240} python3 bench/draft_device.py --ncu "${NCU:-ncu}" --experts 512 --depths ${DEPTHS:-2,3} \
-          --rows 1 --repeats ${REPEATS:-8} --cache-control all --context ${CONTEXT:-48} --sampling $sampling \
-          --inputs library --out $OUT/draft-device-all-$sampling-e512-ctx${CONTEXT:-48}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
+    for e in 64 512; do
+      SETS=none SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=${CONTEXT:-48} \
+          REPEATS=${REPEATS:-8} EXPERTS=$([ $e = 64 ] || echo $e) bash $0 switches
     done
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches

@@ -1780,12 +1780,12 @@ _SOURCE = r"""
         }
       } else {
 #pragma unroll 4
-      for (int t = warp; t < B * EP; t += NWARP) {
-        float part = 0.0f;
-        for (int c = lane; c < NBLK; c += 32) part += __ldcg(S + O_RP + (size_t)t * NBLK + c);
-        part = warp_sum(part);
-        if (lane == 0) s_rlog[t] = part * s_inv[t / EP];
-      }
+        for (int t = warp; t < B * EP; t += NWARP) {
+          float part = 0.0f;
+          for (int c = lane; c < NBLK; c += 32) part += __ldcg(S + O_RP + (size_t)t * NBLK + c);
+          part = warp_sum(part);
+          if (lane == 0) s_rlog[t] = part * s_inv[t / EP];
+        }
       }
       __syncthreads();
     } else {
