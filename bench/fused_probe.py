@@ -150,6 +150,8 @@ def main() -> None:
                         help="attention's cache positions per warp at once (models.mtp_cuda.ATT_UNROLL)")
     parser.add_argument("--copy-unroll", type=int, default=None,
                         help="a whole round's KV copy, vectors per thread at once (models.mtp_cuda.COPY_UNROLL)")
+    parser.add_argument("--att-share", type=int, default=None,
+                        help="attention's least positions per split, 0: always the most splits (models.mtp_cuda.ATT_SHARE)")
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
     parser.add_argument("--agree-only", action="store_true",
                         help="the drafts' agreement only (no timing, no profiled launches)")
@@ -163,6 +165,8 @@ def main() -> None:
         models.mtp_cuda.ATT_UNROLL = args.att_unroll
     if args.copy_unroll is not None:
         models.mtp_cuda.COPY_UNROLL = args.copy_unroll
+    if args.att_share is not None:
+        models.mtp_cuda.ATT_SHARE = args.att_share
     if args.narrow_loads:
         models.mtp_cuda.WIDE_LOADS = False
 
@@ -196,6 +200,7 @@ def main() -> None:
         "draw_heads_k": models.mtp_cuda.DRAW_HEADS_K,
         "att_unroll": models.mtp_cuda.ATT_UNROLL,
         "copy_unroll": models.mtp_cuda.COPY_UNROLL,
+        "att_share": models.mtp_cuda.ATT_SHARE,
         "context": args.context,
         "rows": [],
     }

@@ -296,6 +296,16 @@ ATT_PIPE = True
 ATT_GROUPED = False
 ATT_TILE = 32
 ATT_MIN_SHARE = 16
+# The per-query-head form's splits: 0, always NBLK / (rows x query heads)
+# (eight at one row of Qwen3-Next: six positions each at 48 positions, one
+# load per warp, then a cross-block combine by the last split to finish: a
+# fence, a counter and two more L2 round trips on the phase's critical
+# path); N > 0, at most that many, each at least N positions, so that a
+# short context's (row, head) is one block, whose warps' partials combine in
+# shared memory and whose output is stored at once. Long contexts keep their
+# splits (4,096 positions / 64 > 8). Compile-checked, off (twenty-ninth
+# session): `SETS="none ATT_SHARE=64"` times it.
+ATT_SHARE = 0
 # A whole-round launch (`kv_out`) copies the head's KV buffers into its new
 # ones: O(capacity) per round, ~34 us of a depth-2 launch at 32,768 positions
 # on the H200 (twenty-first session's first-step figures). COPY_UNROLL
@@ -1511,6 +1521,12 @@ _SOURCE = r"""
       const int split = item % SPLITS, bh = item / SPLITS;
       const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
       const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
+      const int positions = st0 + qslot + 1;
+      // ATT_SHARE > 0: the row's positions in at most SPLITS splits of at
+      // least ATT_SHARE each (a short context's one split combines its own
+      // warps' partials and stores the head's output: no cross-block combine)
+      const int nsp = ATT_SHARE > 0 ? min(SPLITS, max(1, (positions + ATT_SHARE - 1) / ATT_SHARE)) : SPLITS;
+      if (split >= nsp) continue;  // (the whole block)
       const int mq = b * TT + lb;  // every step's query row (later steps: all rows alike)
       // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
       const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
@@ -1524,8 +1540,7 @@ _SOURCE = r"""
   #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
       const size_t cache_row = ((size_t)b * HKV + g) * C;
-      const int positions = st0 + qslot + 1;
-      const int share = (positions + SPLITS - 1) / SPLITS;
+      const int share = (positions + nsp - 1) / nsp;
       const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
       // AU > 1 (`ATT_UNROLL`): the split's positions in the cache (before
       // the window's) AU per warp at once (`attend_cached`)
@@ -1581,6 +1596,23 @@ _SOURCE = r"""
       // this split's partial: its max, its sum, its weighted values (unscaled)
       float top = -SP_INF;
       for (int w = 0; w < NWARP; ++w) top = fmaxf(top, s_l[w] > 0.0f ? s_m[w] : -SP_INF);
+      if (ATT_SHARE > 0 && nsp == 1) {
+        // the only split: the head's output, weighted as the combine below
+        // weights one split (1 / its sum), times sigmoid(gate)
+        float den = 0.0f;
+        for (int w = 0; w < NWARP; ++w)
+          if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
+        const float wt = 1.0f / den;
+        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+        for (int d = tid; d < D; d += blockDim.x) {
+          float num = 0.0f;
+          for (int w = 0; w < NWARP; ++w)
+            if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
+          S[O_COMB + (size_t)bh * D + d] = (0.0f + num * wt) * sigmoid(__ldcg(gate + d));
+        }
+        __syncthreads();  // (s_m, s_l, s_acc: the block's next item)
+        continue;
+      }
       float* part = S + O_ATT + (size_t)item * PART;
       for (int d = tid; d < D; d += blockDim.x) {
         float num = 0.0f;
@@ -1601,33 +1633,33 @@ _SOURCE = r"""
       __syncthreads();
       if (tid == 0) {
         u64* count = bar + 2 + bh;
-        s_combines = atomicAdd(count, 1ULL) == (u64)(SPLITS - 1);
+        s_combines = atomicAdd(count, 1ULL) == (u64)(nsp - 1);
         if (s_combines) *count = 0ULL;
       }
       __syncthreads();
       if (s_combines) {
         __threadfence();
         const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
-        if (tid < 2 * SPLITS) s_split[tid] = __ldcg(parts + (tid >> 1) * PART + (tid & 1));
+        if (tid < 2 * nsp) s_split[tid] = __ldcg(parts + (tid >> 1) * PART + (tid & 1));
         __syncthreads();
         if (tid == 0) {  // each split's weight exp(max_s - max) / sum
           float top = -SP_INF;
-          for (int sp = 0; sp < SPLITS; ++sp)
+          for (int sp = 0; sp < nsp; ++sp)
             if (s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
           float den = 0.0f;
-          for (int sp = 0; sp < SPLITS; ++sp) {
+          for (int sp = 0; sp < nsp; ++sp) {
             const float l = s_split[2 * sp + 1];
             s_split[2 * sp] = l > 0.0f ? expf(s_split[2 * sp] - top) : 0.0f;  // 0: an empty split
             den += l * s_split[2 * sp];
           }
-          for (int sp = 0; sp < SPLITS; ++sp) s_split[2 * sp] /= den;
+          for (int sp = 0; sp < nsp; ++sp) s_split[2 * sp] /= den;
         }
         __syncthreads();
         const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
         for (int d = tid; d < D; d += blockDim.x) {
           float n = 0.0f;
   #pragma unroll
-          for (int sp = 0; sp < SPLITS; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
+          for (int sp = 0; sp < nsp; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
           S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();
@@ -2996,6 +3028,7 @@ class FusedStep:
             ("ATT_GROUPED", grouped),
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
+            ("ATT_SHARE", ATT_SHARE),
             ("COPY_UNROLL", COPY_UNROLL),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),

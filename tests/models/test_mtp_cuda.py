@@ -755,6 +755,11 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, True, 64, ("FOLD_BATCH",)),
         (1, 3, False, 64, ("FOLD_BATCH",)),
         (3, 2, False, 64, ("FOLD_BATCH",)),
+        # a short context's (row, head) in one split, no cross-block combine
+        # (ATT_SHARE, off)
+        (1, 3, True, 64, ("ATT_SHARE=64",)),
+        (1, 3, False, 64, ("ATT_SHARE=64",)),
+        (3, 2, False, 64, ("ATT_SHARE=64",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
