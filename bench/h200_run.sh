@@ -81,8 +81,9 @@
 #  PIPE_HEAD timed against the defaults, greedy, depths 2 and 3, 48 positions: slower, both removed with the
 #  step), then bench/phase_probe.py --contexts 48 --sets none --samplings greedy --heads fr,full by hand)
 # (next, on an H200: `setup-min retime` (the defaults' cut, both samplings, 64 and 512 experts), then
-#  `SETS="FOLD_BATCH ROW_PREFETCH" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`
-#  and `ROWS=1,3 PROBE_FLAGS=--fold-batch PROBE_TAG=-foldbatch LIMIT=200 agree`)
+#  `SETS="ATT_SHARE=64 FOLD_BATCH ROW_PREFETCH" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`
+#  and `ROWS=1,3 PROBE_FLAGS="--att-share 64 --context 40" PROBE_TAG=-share40 LIMIT=200 agree` (one split
+#  per head), the same with --context 200 (four splits, the combine over a runtime count), then --fold-batch)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
