@@ -86,9 +86,10 @@ def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
 
 
 # A MoE step's stretches per block, between its stamps (FusedStep.stamp_table:
-# 0 start, 1 + 2k / 2 + 2k arrival at / departure from barrier k, 17 the
-# draw's end, 24 + m the inner points: 24-31 where the products start, 32 / 33
-# attention's query normed / its angles computed)
+# 0 start, 1 + 2k / 2 + 2k arrival at / departure from barrier k, then the
+# draw's end (17 with eight barriers), 24 + m the inner points: 24-31 where the products start, 32 / 33
+# attention's query normed / its angles computed), for a step whose router
+# has its own phase (eight barriers: past FOLD_ROUTER's 127 experts)
 _SEGMENTS = [
     ("fc_stage", 0, 24), ("fc_product", 24, 1),
     ("qkv_stage", 2, 25), ("qkv_product", 25, 3),
@@ -101,17 +102,37 @@ _SEGMENTS = [
     ("head_stage", 14, 31), ("head_product", 31, 15),
     ("draw", 16, 17),
 ]
+# a folded router's step (seven barriers: the router's sums in o_proj's phase)
+_FOLDED = [
+    *_SEGMENTS[:12],
+    ("experts_topk", 8, 29), ("experts_product", 29, 9),
+    ("down_stage", 10, 30), ("down_product", 30, 11),
+    ("head_stage", 12, 31), ("head_product", 31, 13),
+    ("draw", 14, 15),
+]
 
 
-def segments(tables: list[list[list[float]]]) -> dict[str, list[float]]:
-    """Per stretch of a MoE step, over the blocks, its [min, median, max]
-    microseconds, each the median over the profiled launches, and (last)
-    the block most often slowest."""
+def segments(tables: list[list[list[float]]], barriers: int = 8) -> dict[str, list[float]]:
+    """Per stretch of a MoE step of `barriers` grid barriers (7: its router
+    folded), over the blocks, its [min, median, max] microseconds, each the
+    median over the profiled launches, and (last) the block most often
+    slowest. A block counts for a stretch only where both its stamps lie in
+    the step (a block without an item of a phase, e.g. attention's splits
+    past a short context's, leaves that phase's inner stamps unwritten);
+    a stretch no block stamped is left out."""
     out: dict[str, list[float]] = {}
-    for name, a, b in _SEGMENTS:
-        runs = [[row[b] - row[a] for row in table] for table in tables]
-        stats = [[min(r), statistics.median(r), max(r)] for r in runs]
-        slowest = statistics.mode(max(range(len(r)), key=r.__getitem__) for r in runs)
+    end = 1 + 2 * barriers  # the draw's end
+    for name, a, b in _FOLDED if barriers == 7 else _SEGMENTS:
+        runs = [
+            {blk: row[b] - row[a] for blk, row in enumerate(table)
+             if 0.0 <= row[a] <= row[end] and 0.0 <= row[b] <= row[end]}
+            for table in tables
+        ]
+        runs = [r for r in runs if r]
+        if not runs:
+            continue
+        stats = [[min(r.values()), statistics.median(r.values()), max(r.values())] for r in runs]
+        slowest = statistics.mode(max(r, key=r.__getitem__) for r in runs)
         out[name] = [round(statistics.median(x[i] for x in stats), 2) for i in range(3)]
         out[name].append(float(slowest))
     return out
@@ -133,7 +154,6 @@ _SWITCHES = [
     ("att-pipe", "ATT_PIPE", "attention's next cached positions loaded during the current ones"),
     ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
     ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
-    ("fold-batch", "FOLD_BATCH", "the folded router's sums with all of a warp's loads in flight"),
 ]
 
 
@@ -368,14 +388,14 @@ def main() -> None:
                 ]
                 stamps = [phases_of(t, fused.barriers) for t in tables]
                 if not fused.weights.shape.dense:
-                    entry[f"segments_{key}"] = segments(tables)
+                    entry[f"segments_{key}"] = segments(tables, fused.barriers)
                     # the second step of a two-step launch (its code run once
                     # already on every multiprocessor, as a round's chained steps)
                     entry[f"segments_second_{key}"] = segments([
                         fused.stamp_table(False, params.greedy, top_k, dist, token, normed, zeros,
                                           starts, keys, values, seeds, steps, count=2)
                         for _ in range(7)
-                    ])
+                    ], fused.barriers)
                 entry[f"phases_{key}"] = [
                     [statistics.median(run[i][j] for run in stamps) for j in range(3)]
                     for i in range(len(stamps[0]))

@@ -80,10 +80,13 @@
 # (twenty-eighth session, one lease on an H100 (asked for an H200): `setup-min piped` (PIPE_PRODUCTS and
 #  PIPE_HEAD timed against the defaults, greedy, depths 2 and 3, 48 positions: slower, both removed with the
 #  step), then bench/phase_probe.py --contexts 48 --sets none --samplings greedy --heads fr,full by hand)
+# (twenty-ninth session, one lease on an H100 (asked for an H200): `setup-min`, then `SETS="none ATT_SHARE=64
+#  FOLD_BATCH" SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=200 switches`, `agree` with
+#  PROBE_FLAGS="--att-share 64 --context 40|200" and "--context 40", the same SETS (none, ATT_SHARE=64) with
+#  SAMPLINGS=qwen, then CONTEXT=4096 and 48 with DEPTHS=2, `CONTEXTS=48 PSETS="none;ATT_SHARE=64" phases`:
+#  ATT_SHARE=64 on by default since, FOLD_BATCH removed)
 # (next, on an H200: `setup-min retime` (the defaults' cut, both samplings, 64 and 512 experts), then
-#  `SETS="ATT_SHARE=64 FOLD_BATCH ROW_PREFETCH" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`
-#  and `ROWS=1,3 PROBE_FLAGS="--att-share 64 --context 40" PROBE_TAG=-share40 LIMIT=200 agree` (one split
-#  per head), the same with --context 200 (four splits, the combine over a runtime count), then --fold-batch)
+#  `SETS="none ATT_SHARE=0 ROW_PREFETCH" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

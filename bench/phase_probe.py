@@ -99,7 +99,7 @@ def main() -> None:
                         "sampling": label,
                         # the draw's end, us from the first block's start
                         "step": round(statistics.median(p[-1][2] for p in phased), 2),
-                        "segments": segments(tables),
+                        "segments": segments(tables, step.barriers),
                         # per grid barrier then the draw's end: (first arrival,
                         # last arrival, last departure) us, medians over launches
                         "phases": [

@@ -303,9 +303,20 @@ ATT_MIN_SHARE = 16
 # path); N > 0, at most that many, each at least N positions, so that a
 # short context's (row, head) is one block, whose warps' partials combine in
 # shared memory and whose output is stored at once. Long contexts keep their
-# splits (4,096 positions / 64 > 8). Compile-checked, off (twenty-ninth
-# session): `SETS="none ATT_SHARE=64"` times it.
-ATT_SHARE = 0
+# splits (4,096 positions / 64 > 8), and their combine loops keep the
+# compile-time split count (a runtime bound there cost 5-7 us per depth-2
+# launch at 4,096 positions: the splits' loads no longer all in flight).
+# Measured on an H100 (twenty-ninth session; no H200 was to be had), one
+# row, 48 positions, full / FR-Spec us per launch against the defaults:
+# greedy depth 2 571.6 / 258.7 against 574.4 / 261.1, depth 3 847.5 / 377.0
+# against 849.3 / 378.7; Qwen's sampling 595.4 / 273.5 against 598.8 /
+# 275.9, 888.8 / 404.8 against 891.3 / 406.3; a chained FR step's attention
+# phase 7.2 us against 9.2 (bench/phase_probe.py); at 4,096 positions
+# 614.7 / 297.5 against 613.1 / 297.5. Drafts at 40 and 200 positions (one
+# and three rows, greedy and Qwen's sampling, both heads) equal to the
+# float32 MLX step's in every launch form, and to the bf16 step's where the
+# defaults' are. On since.
+ATT_SHARE = 64
 # A whole-round launch (`kv_out`) copies the head's KV buffers into its new
 # ones: O(capacity) per round, ~34 us of a depth-2 launch at 32,768 positions
 # on the H200 (twenty-first session's first-step figures). COPY_UNROLL
@@ -358,15 +369,6 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
-# Whether the folded router's logits are summed from the blocks' shares with
-# all of a warp's loads in flight at once (one row at Qwen3-Next's sizes: 9
-# logits x 4 loads per lane, one L2 round trip) instead of four logits' at a
-# time (three round trips at the start of the experts' phase, which waits
-# on them: ~3.5 us of router sums and top-k before its loads, H100 phase
-# stamps, twenty-eighth session). The same sums in the same order. Where a
-# warp's loads would pass 40, the four-at-a-time form. Off: compile-checked,
-# not yet measured on a device.
-FOLD_BATCH = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -1640,26 +1642,27 @@ _SOURCE = r"""
       if (s_combines) {
         __threadfence();
         const float* parts = S + O_ATT + (size_t)bh * SPLITS * PART;
-        if (tid < 2 * nsp) s_split[tid] = __ldcg(parts + (tid >> 1) * PART + (tid & 1));
+        if (tid < 2 * SPLITS) s_split[tid] = __ldcg(parts + (tid >> 1) * PART + (tid & 1));
         __syncthreads();
         if (tid == 0) {  // each split's weight exp(max_s - max) / sum
           float top = -SP_INF;
-          for (int sp = 0; sp < nsp; ++sp)
-            if (s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
+          for (int sp = 0; sp < SPLITS; ++sp)
+            if (sp < nsp && s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
           float den = 0.0f;
-          for (int sp = 0; sp < nsp; ++sp) {
-            const float l = s_split[2 * sp + 1];
+          for (int sp = 0; sp < SPLITS; ++sp) {
+            const float l = sp < nsp ? s_split[2 * sp + 1] : 0.0f;  // (past nsp: none this step)
             s_split[2 * sp] = l > 0.0f ? expf(s_split[2 * sp] - top) : 0.0f;  // 0: an empty split
             den += l * s_split[2 * sp];
           }
-          for (int sp = 0; sp < nsp; ++sp) s_split[2 * sp] /= den;
+          for (int sp = 0; sp < SPLITS; ++sp) s_split[2 * sp] /= den;
         }
         __syncthreads();
         const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
         for (int d = tid; d < D; d += blockDim.x) {
           float n = 0.0f;
   #pragma unroll
-          for (int sp = 0; sp < nsp; ++sp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
+          for (int sp = 0; sp < SPLITS; ++sp)
+            if (sp < nsp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
           S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();
@@ -1788,36 +1791,12 @@ _SOURCE = r"""
       // the router's (and the shared gate's) logits: each warp sums its
       // logits' NBLK block shares (lane l: blocks l, l + 32, ...), times the
       // norm's scale; every block the same sums in the same order
-      constexpr int TPW = (B * EP + NWARP - 1) / NWARP, CPL = (NBLK + 31) / 32;
-      if constexpr (FOLD_BATCH && TPW * CPL <= 40) {
-        // FOLD_BATCH: all of the warp's loads in flight at once (one L2
-        // round trip instead of one per four logits), the same sums in the
-        // same order
-        float part[TPW];
-#pragma unroll
-        for (int i = 0; i < TPW; ++i) {
-          const int t = warp + i * NWARP;
-          part[i] = 0.0f;
-#pragma unroll
-          for (int c0 = 0; c0 < CPL; ++c0) {
-            const int c = lane + 32 * c0;
-            if (t < B * EP && c < NBLK) part[i] += __ldcg(S + O_RP + (size_t)t * NBLK + c);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < TPW; ++i) {
-          const int t = warp + i * NWARP;
-          const float sum = warp_sum(part[i]);
-          if (lane == 0 && t < B * EP) s_rlog[t] = sum * s_inv[t / EP];
-        }
-      } else {
 #pragma unroll 4
-        for (int t = warp; t < B * EP; t += NWARP) {
-          float part = 0.0f;
-          for (int c = lane; c < NBLK; c += 32) part += __ldcg(S + O_RP + (size_t)t * NBLK + c);
-          part = warp_sum(part);
-          if (lane == 0) s_rlog[t] = part * s_inv[t / EP];
-        }
+      for (int t = warp; t < B * EP; t += NWARP) {
+        float part = 0.0f;
+        for (int c = lane; c < NBLK; c += 32) part += __ldcg(S + O_RP + (size_t)t * NBLK + c);
+        part = warp_sum(part);
+        if (lane == 0) s_rlog[t] = part * s_inv[t / EP];
       }
       __syncthreads();
     } else {
@@ -3034,7 +3013,6 @@ class FusedStep:
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
-            ("FOLD_BATCH", FOLD_BATCH),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -751,15 +751,11 @@ QWEN3_NEXT_CONSTANTS = {
         (3, 2, False, 64, ("COPY_UNROLL=1",)),
         (1, 3, False, 64, ("ROW_PREFETCH",)),
         (3, 2, True, 64, ("ROW_PREFETCH",)),
-        # the folded router's sums all in flight at once (FOLD_BATCH, off)
-        (1, 3, True, 64, ("FOLD_BATCH",)),
-        (1, 3, False, 64, ("FOLD_BATCH",)),
-        (3, 2, False, 64, ("FOLD_BATCH",)),
-        # a short context's (row, head) in one split, no cross-block combine
-        # (ATT_SHARE, off)
-        (1, 3, True, 64, ("ATT_SHARE=64",)),
-        (1, 3, False, 64, ("ATT_SHARE=64",)),
-        (3, 2, False, 64, ("ATT_SHARE=64",)),
+        # attention's splits always the most, a short context's too (ATT_SHARE's
+        # off arm; on: a short context's (row, head) in one split)
+        (1, 3, True, 64, ("ATT_SHARE=0",)),
+        (1, 3, False, 64, ("ATT_SHARE=0",)),
+        (3, 2, False, 64, ("ATT_SHARE=0",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
