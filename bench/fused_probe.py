@@ -143,7 +143,6 @@ _SWITCHES = [
     ("pair-rows", "PAIR_ROWS", "two rows per warp at once in one-input products"),
     ("prefetch", "PREFETCH_L2", "L2 bulk prefetch hints in the kernel"),
     ("evict-all", "EVICT_ALL", "L2 evict-first loads of every weight row (code stays in L2)"),
-    ("row-prefetch", "ROW_PREFETCH", "each warp's next rows asked of L2 before a barrier"),
     ("fast-sincos", "FAST_SINCOS", "diagnostic: RoPE angles by __sincosf"),
     ("fold-router", "FOLD_ROUTER", "the MoE router folded into o_proj's phase"),
     ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),

@@ -84,9 +84,10 @@
 #  FOLD_BATCH" SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=200 switches`, `agree` with
 #  PROBE_FLAGS="--att-share 64 --context 40|200" and "--context 40", the same SETS (none, ATT_SHARE=64) with
 #  SAMPLINGS=qwen, then CONTEXT=4096 and 48 with DEPTHS=2, `CONTEXTS=48 PSETS="none;ATT_SHARE=64" phases`:
-#  ATT_SHARE=64 on by default since, FOLD_BATCH removed)
+#  ATT_SHARE=64 on by default since, FOLD_BATCH removed; on a second lease `setup-min`, `SETS="none ROW_PREFETCH"
+#  SAMPLINGS=greedy ...` and `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen" ...`: ROW_PREFETCH removed)
 # (next, on an H200: `setup-min retime` (the defaults' cut, both samplings, 64 and 512 experts), then
-#  `SETS="none ATT_SHARE=0 ROW_PREFETCH" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`)
+#  `SETS="none ATT_SHARE=0" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

@@ -429,7 +429,7 @@ def main() -> None:
                              "--kernel-switches turns it off)")
     parser.add_argument("--kernel-switches", default="",
                         help="comma-separated models.mtp_cuda switches to turn on (NAME) or "
-                             "off (-NAME), e.g. PAIR_ROWS,ROW_PREFETCH")
+                             "off (-NAME), e.g. PAIR_ROWS,-ATT_PIPE")
     parser.add_argument("--interleave", action="store_true",
                         help="time only the draft chains, the full and the FR-Spec head in "
                              "alternation (`interleaved_cuts`), per --steps mode and --rows")

@@ -155,12 +155,6 @@ EVICT_ALL = True
 KEEP_FC = True
 KEEP_QKV = False
 KEEP_O = True
-# Whether each warp asks L2, before a grid barrier, for the first weight rows
-# of the product it runs after it (a DRAM round trip hidden behind the
-# barrier and the input staging per phase), the o_proj rows during
-# attention: 155 / 264 us, and with PAIR_ROWS 164 / 280 against 146 / 265
-# (`--row-prefetch`).
-ROW_PREFETCH = False
 # A diagnostic arm, off: RoPE angles by the hardware's approximate sin / cos
 # (`__sincosf`, no range reduction: less accurate for large positions)
 # instead of `sincosf`, to tell whether attention's query stretch (~12 us on
@@ -550,14 +544,6 @@ __device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, size
   const size_t lo = (size_t)blockIdx.x * share;
   if (lo >= bytes) return;
   prefetch_range(static_cast<const char*>(p) + lo, min(share, bytes - lo));
-}
-
-// A hint: this warp asks L2 for the `bytes` bytes at p (each lane one
-// 128-byte line in every 4 KB): the rows its next product starts with,
-// asked for before the grid barrier that product waits behind.
-__device__ __forceinline__ void warm_row(const void* p, size_t bytes) {
-  for (size_t o = (size_t)(threadIdx.x & 31) * 128; o < bytes; o += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
 }
 
 // Sum over the block (all threads get it); `red` holds one float per warp.
@@ -1013,22 +999,6 @@ _SOURCE = r"""
       prefetch_range(w_head + (size_t)first * H,
                      min((size_t)min(CHUNK, V - first) * H * WB, PF_HEAD));
   };
-  // ROW_PREFETCH: rows r and r + NW (this warp's first two) of a product
-  // over `rows` weight rows of `k` elements each, asked of L2 ahead
-  auto warm = [&](const W* base, int rows, int k) {
-    if (!ROW_PREFETCH) return;
-    for (int r = gwarp; r < rows && r < gwarp + 2 * NW; r += NW)
-      warm_row(base + (size_t)r * k, (size_t)k * WB);
-  };
-  // ROW_PREFETCH: this warp's first two pairs of projection rows (phase 7)
-  auto warm_head = [&]() {
-    if (!ROW_PREFETCH) return;
-    for (int q = warp; q < warp + 2 * NWARP; q += NWARP)
-      for (int j = 0; j < 2; ++j) {
-        const int r = blk * CHUNK + 2 * q + j;
-        if (2 * q + j < CHUNK && r < V) warm_row(w_head + (size_t)r * H, (size_t)H * WB);
-      }
-  };
   // the products' weight rows (row r, weight row j of it)
   auto fc_row = [&](int r, int) { return w_fc + (size_t)r * 2 * H; };
   auto qkv_row = [&](int r, int) { return w_qkv + (size_t)r * H; };
@@ -1148,7 +1118,6 @@ _SOURCE = r"""
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       },
       KEEP_FC && s + 1 < STEPS);
-  warm(w_qkv, QKVN, H);
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
@@ -1162,7 +1131,6 @@ _SOURCE = r"""
           for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
       },
       KEEP_QKV && s + 1 < STEPS);
-  warm(w_o, H, HQ * D);  // (attention between: its phase leaves DRAM idle)
   barrier();
 
   // ---- 3. attention of each row's last position ---------------------------
@@ -1679,9 +1647,6 @@ _SOURCE = r"""
     if (r == E) return mlp1;
     return mlp5 + ((size_t)(r - E - 1) + (size_t)j * IS) * H;
   };
-  if (ROW_PREFETCH)  // this warp's first rows of it
-    for (int r = gwarp; r < MLP0_ROWS && r < gwarp + 2 * NW; r += NW)
-      for (int j = 0; j < ((DENSE || r > E) ? 2 : 1); ++j) warm_row(mlp0_row(r, j), (size_t)H * WB);
   barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
@@ -1771,7 +1736,6 @@ _SOURCE = r"""
             for (int b = 0; b < B; ++b)
               S[O_ACT + (size_t)b * IM + r] = silu(acc[b][0]) * acc[b][1];
         });
-    warm(mlp1, H, IM);
     barrier();
     if (PREFETCH && tid == 0) prefetch_head();
     stage_l2(xs, S + O_ACT, B * IM);
@@ -1784,7 +1748,6 @@ _SOURCE = r"""
             for (int b = 0; b < B; ++b)
               S[O_R2 + (size_t)b * H + r] = acc[b][0] + __ldcg(S + O_R1 + (size_t)b * H + r);
         });
-    warm_head();
     barrier();
   } else {
     if constexpr (FOLD) {
@@ -1895,12 +1858,6 @@ _SOURCE = r"""
     }
     __syncthreads();
     mark(5);
-    if (ROW_PREFETCH)  // this warp's down rows (its first output): the chosen experts' and the shared one's
-      for (int r = gwarp; r < B * H && r < gwarp + 2 * NW; r += NW) {
-        const int b = r / H, hr = r % H;
-        for (int c = 0; c < KE; ++c) warm_row(mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE, (size_t)IE * WB);
-        warm_row(mlp6 + (size_t)hr * IS, (size_t)IS * WB);
-      }
     if (PREFETCH && tid < B * KE)  // the chosen experts' down rows
       prefetch_share(mlp4 + (size_t)s_eid[tid / KE][tid % KE] * H * IE, (size_t)H * IE * WB, PF_CAP);
     // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
@@ -1992,7 +1949,6 @@ _SOURCE = r"""
       part = warp_sum(part);
       if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
     }
-    warm_head();
     barrier();
   }
 
@@ -2084,7 +2040,6 @@ _SOURCE = r"""
   // between); sampled, block b draws row b ----------------------------------
   if (PREFETCH && tid == 0 && s + 1 < STEPS)  // the next step's fc
     prefetch_share(w_fc, (size_t)H * 2 * H * WB, PF_CAP);
-  if (s + 1 < STEPS) warm(w_fc, H, 2 * H);
   if (GREEDY && warp < B) {
     const int b = warp;
     float v = -SP_INF;
@@ -2994,7 +2949,6 @@ class FusedStep:
             ("KEEP_FC", KEEP_FC),
             ("KEEP_QKV", KEEP_QKV),
             ("KEEP_O", KEEP_O),
-            ("ROW_PREFETCH", ROW_PREFETCH),
             ("FAST_SINCOS", FAST_SINCOS),
             ("DRAW_HEADS", DRAW_HEADS and not greedy and max(top_k, 1) > DRAW_HEADS_K),
             ("HK", DRAW_HEADS_K),

@@ -528,7 +528,7 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
             1,
             2,
             3,
-            ("PREFETCH_L2", "PAIR_ROWS", "ROW_PREFETCH", "FAST_SINCOS"),
+            ("PREFETCH_L2", "PAIR_ROWS", "ATT_SHARE=0", "FAST_SINCOS"),
         ),
         (
             "dense",
@@ -538,7 +538,7 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
             2,
             1,
             2,
-            ("PREFETCH_L2", "-EVICT_ALL", "ROW_PREFETCH", "-WIDE_LOADS"),
+            ("PREFETCH_L2", "-EVICT_ALL", "ATT_SHARE=0", "-WIDE_LOADS"),
         ),
         # "NAME=N": the template constant as compiled (the router's top-k
         # past 128 experts takes its KE rounds of a warp argmax)
@@ -749,8 +749,6 @@ QWEN3_NEXT_CONSTANTS = {
         # the round's KV copy one vector per thread at a time (the default: four)
         (1, 3, True, 64, ("COPY_UNROLL=1",)),
         (3, 2, False, 64, ("COPY_UNROLL=1",)),
-        (1, 3, False, 64, ("ROW_PREFETCH",)),
-        (3, 2, True, 64, ("ROW_PREFETCH",)),
         # attention's splits always the most, a short context's too (ATT_SHARE's
         # off arm; on: a short context's (row, head) in one split)
         (1, 3, True, 64, ("ATT_SHARE=0",)),
