@@ -363,6 +363,17 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
+# Whether the MoE's shared expert gate/up product runs at the experts'
+# phase start, by the warps the router's top-k leaves idle (all but the
+# first B of each block, while those choose the rows' experts), instead of
+# in the routed experts' product (folded router: 5,632 rows over 1,024 warps
+# at one row, six rounds of loads, five without it) or in the router's own
+# phase (512 experts: 1,025 rows there, two rounds for one warp, one
+# without it). The same products in the same order: the drafts are the
+# defaults' exactly. Not where a step has as many rows as a block has
+# warps. Compile-checked, off (twenty-ninth session): `SETS="none
+# SHARED_EARLY"` times it.
+SHARED_EARLY = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -841,6 +852,7 @@ _SOURCE = r"""
   using namespace specpipe_mtp;
   using W = T;
   constexpr int NWARP = 8;
+  constexpr bool EARLY = SHARED_EARLY && !DENSE && B < NWARP;  // (SHARED_EARLY)
   constexpr int QKVN = 2 * HQ * D + 2 * HKV * D;
   constexpr int DPL = D / 32;
   constexpr int HALF = ROT / 2;
@@ -1763,9 +1775,10 @@ _SOURCE = r"""
       }
       __syncthreads();
     } else {
-      // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
+      // router logits (E rows), the shared expert's gate (1), its act (IS
+      // pairs; EARLY: in the next phase)
       product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
-          MLP0_ROWS, H, gwarp, NW, mlp0_row,
+          EARLY ? E + 1 : MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
             if (lane == 0)
@@ -1855,6 +1868,16 @@ _SOURCE = r"""
         S[O_EW + (size_t)b * KE + lane] = s_ew[b][lane];
         S[O_EI + (size_t)b * KE + lane] = (float)s_eid[b][lane];
       }
+    } else if constexpr (EARLY) {
+      // SHARED_EARLY: the shared expert's gate/up rows (b, row) by the
+      // block's other warps meanwhile, NWARP - B per block
+      product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
+          B * IS, H, blk * (NWARP - B) + warp - B, NBLK * (NWARP - B),
+          [&](int r, int j) { return mlp5 + ((size_t)(r % IS) + (size_t)j * IS) * H; },
+          [&](int, int r, int k, float* x) { smem8(xs + (size_t)(r / IS) * H + k, x); },
+          [&](int r, float (&acc)[1][2]) {
+            if (lane == 0) S[O_SACT + r] = silu(acc[0][0]) * acc[0][1];
+          });
     }
     __syncthreads();
     mark(5);
@@ -1864,7 +1887,7 @@ _SOURCE = r"""
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
     product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
-        ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
+        ROUTED + (FOLD && !EARLY ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
@@ -2967,6 +2990,7 @@ class FusedStep:
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
+            ("SHARED_EARLY", SHARED_EARLY),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -546,6 +546,10 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # the router in a phase of its own (FOLD_ROUTER's off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("-FOLD_ROUTER",)),
         ("moe", False, False, False, 3, 1, 2, ("-FOLD_ROUTER",)),
+        # the shared expert's gate/up beside the top-k (SHARED_EARLY, off),
+        # folded router and not
+        ("moe", False, True, True, 2, 2, 3, ("SHARED_EARLY",)),
+        ("moe", True, False, False, 3, 1, 2, ("SHARED_EARLY", "-FOLD_ROUTER")),
         # the draw's whole-list merge without the blocks' heads first, and
         # unrolled sorts (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
@@ -754,6 +758,12 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, True, 64, ("ATT_SHARE=0",)),
         (1, 3, False, 64, ("ATT_SHARE=0",)),
         (3, 2, False, 64, ("ATT_SHARE=0",)),
+        # the shared expert's gate/up beside the router's top-k (SHARED_EARLY,
+        # off): the folded router's and the router's own phase (512 experts)
+        (1, 3, True, 64, ("SHARED_EARLY",)),
+        (1, 3, False, 64, ("SHARED_EARLY",)),
+        (3, 2, False, 64, ("SHARED_EARLY",)),
+        (1, 3, False, 512, ("SHARED_EARLY",)),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
