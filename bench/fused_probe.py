@@ -154,6 +154,7 @@ _SWITCHES = [
     ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
     ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
     ("shared-early", "SHARED_EARLY", "the shared expert's gate/up beside the router's top-k"),
+    ("gate-late", "GATE_LATE", "the heads' output gates computed in attention's phase by its idle blocks"),
 ]
 
 

@@ -87,9 +87,11 @@
 #  ATT_SHARE=64 on by default since, FOLD_BATCH removed; on a second lease `setup-min`, `SETS="none ROW_PREFETCH"
 #  SAMPLINGS=greedy ...` and `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen" ...`: ROW_PREFETCH removed)
 # (next, on an H200: `setup-min retime` (the defaults' cut, both samplings, 64 and 512 experts), then
-#  `SETS="SHARED_EARLY ATT_SHARE=0" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`,
-#  `EXPERTS=512 SETS=SHARED_EARLY` the same, then `ROWS=1,3 PROBE_FLAGS=--shared-early PROBE_TAG=-early LIMIT=280
-#  agree` (its drafts must equal the defaults' exactly: the same products in the same order))
+#  `SETS="GATE_LATE SHARED_EARLY GATE_LATE,SHARED_EARLY ATT_SHARE=0" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3
+#  CONTEXT=48 REPEATS=8 switches`, `EXPERTS=512 SETS="GATE_LATE,SHARED_EARLY"` the same, then
+#  `ROWS=1,2 PROBE_FLAGS="--gate-late --shared-early --context 40" PROBE_TAG=-late LIMIT=280 agree` (their drafts
+#  must equal the defaults' exactly: the same products in the same order; two rows: GATE_LATE's gates wait
+#  for attention's phase at one and two rows, not at three), the same with --context 2048 (q/k/v keeps them))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

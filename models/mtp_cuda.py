@@ -311,6 +311,22 @@ ATT_MIN_SHARE = 16
 # float32 MLX step's in every launch form, and to the bf16 step's where the
 # defaults' are. On since.
 ATT_SHARE = 64
+# Whether the query heads' output gates (half of q/k/v's rows: the
+# Qwen3-Next attention's sigmoid gate on each head's output) are computed in
+# attention's phase, by the blocks that phase leaves idle, instead of in
+# q/k/v's: at one row and 48 positions attention keeps 16 of 128 blocks
+# busy (ATT_SHARE), and q/k/v's product drops from 9,216 rows to 5,120 (nine
+# rows per warp, five rounds of loads, to five rows, three). The gates then
+# multiply the heads' outputs where o_proj stages them, not in attention's
+# combine. Decided each step, alike in every block, from the rows'
+# positions: only where the idle blocks' warps take at most GATE_ROWS rows
+# each (one row at short contexts; not at long ones, where every block
+# attends); otherwise q/k/v computes them as before. Per-query-head
+# attention only (not ATT_GROUPED). The same products in the same order:
+# the drafts are the defaults' exactly. Compile-checked, off (twenty-ninth
+# session): `SETS="none GATE_LATE"` times it.
+GATE_LATE = False
+GATE_ROWS = 6
 # A whole-round launch (`kv_out`) copies the head's KV buffers into its new
 # ones: O(capacity) per round, ~34 us of a depth-2 launch at 32,768 positions
 # on the H200 (twenty-first session's first-step figures). COPY_UNROLL
@@ -923,6 +939,7 @@ _SOURCE = r"""
   // ATT_GROUPED (where a kv head's query heads fit a block's warps): per
   // (row, kv head) splits instead, GROUP heads' partials each
   constexpr bool GROUPED = ATT_GROUPED && GROUP <= NWARP;
+  constexpr bool LATE = GATE_LATE && !GROUPED;  // (GATE_LATE)
   constexpr int GSPLITS = NBLK / (B * HKV) > 0 ? NBLK / (B * HKV) : 1;
   // each (row, head)'s splits combined, times sigmoid(gate): o_proj's input
   constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * (GROUPED ? GSPLITS : SPLITS) * PART);
@@ -1133,14 +1150,39 @@ _SOURCE = r"""
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
+  // LATE (`GATE_LATE`): whether this step's gates wait for attention's phase
+  // (`late`), there taken by the blocks without an attention item, this
+  // block's rank among them `idle_rank` (-1: it attends), `idle_blocks` of them
+  bool late = false;
+  int idle_rank = -1, idle_blocks = 0;
+  if constexpr (LATE) {
+    // a block's item is (row, head, split) = blk (B * HQ * SPLITS <= NBLK);
+    // row b's splits past its nsp (as attention computes it) have none
+    auto splits_of = [&](int b) {
+      const int positions = s_in_start[b] + s_in_last[b] + s + 1;
+      return ATT_SHARE > 0 ? min(SPLITS, max(1, (positions + ATT_SHARE - 1) / ATT_SHARE)) : SPLITS;
+    };
+    int busy = 0, below = 0;
+    for (int b = 0; b < B; ++b) {
+      const int n = splits_of(b), rel = min(max(blk - b * HQ * SPLITS, 0), HQ * SPLITS);
+      busy += HQ * n;
+      below += (rel / SPLITS) * n + min(rel % SPLITS, n);
+    }
+    const bool attends = blk < B * HQ * SPLITS && blk % SPLITS < splits_of(blk / (HQ * SPLITS));
+    idle_blocks = NBLK - busy;
+    idle_rank = attends ? -1 : blk - below;
+    late = B * HQ * SPLITS <= NBLK && idle_blocks * NWARP * GATE_ROWS >= HQ * D;
+  }
+  // (late: q's rows of head h, then k's and v's, skipping the gates')
+  auto qkv_out = [&](int r) { return late ? (r < HQ * D ? (r / D) * 2 * D + r % D : HQ * D + r) : r; };
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV>(
-      QKVN, H, gwarp, NW, qkv_row,
+      late ? QKVN - HQ * D : QKVN, H, gwarp, NW, [&](int r, int j) { return qkv_row(qkv_out(r), j); },
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
         if (lane == 0)
-          for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
+          for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + qkv_out(r)] = acc[v][0];
       },
       KEEP_QKV && s + 1 < STEPS);
   barrier();
@@ -1590,7 +1632,7 @@ _SOURCE = r"""
           float num = 0.0f;
           for (int w = 0; w < NWARP; ++w)
             if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
-          S[O_COMB + (size_t)bh * D + d] = (0.0f + num * wt) * sigmoid(__ldcg(gate + d));
+          S[O_COMB + (size_t)bh * D + d] = LATE ? 0.0f + num * wt : (0.0f + num * wt) * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();  // (s_m, s_l, s_acc: the block's next item)
         continue;
@@ -1643,7 +1685,7 @@ _SOURCE = r"""
   #pragma unroll
           for (int sp = 0; sp < SPLITS; ++sp)
             if (sp < nsp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
-          S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
+          S[O_COMB + (size_t)bh * D + d] = LATE ? n : n * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();
       }
@@ -1659,6 +1701,21 @@ _SOURCE = r"""
     if (r == E) return mlp1;
     return mlp5 + ((size_t)(r - E - 1) + (size_t)j * IS) * H;
   };
+  if constexpr (LATE) {
+    // LATE: the gates of each row's query vector (head h's rows D .. 2D - 1
+    // of its q/k/v rows), by the blocks without an attention item
+    auto gate_out = [&](int r) { return (r / D) * 2 * D + D + r % D; };
+    if (late && idle_rank >= 0)
+      product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
+          HQ * D, H, idle_rank * NWARP + warp, idle_blocks * NWARP,
+          [&](int r, int j) { return qkv_row(gate_out(r), j); },
+          [&](int v, int, int k, float* x) { smem8(xs + (size_t)(v * TT + s_in_last[v]) * H + k, x); },
+          [&](int r, float (&acc)[B][1]) {
+            if (lane == 0)
+              for (int b = 0; b < B; ++b)
+                S[O_QKV + (size_t)(b * TT + s_in_last[b]) * QKVN + gate_out(r)] = acc[b][0];
+          });
+  }
   barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
@@ -1670,8 +1727,24 @@ _SOURCE = r"""
       prefetch_share(mlp5, (size_t)2 * IS * H * WB, PF_CAP);
     }
   }
-  // the attention's output (its splits combined by each head's last split)
-  stage_l2(xs, S + O_COMB, B * HQ * D);
+  // the attention's output (its splits combined by each head's last split);
+  // LATE: times sigmoid(its gate) here
+  if constexpr (LATE) {
+#pragma unroll 2
+    for (int i = tid; i < B * HQ * D / 4; i += SP_THREADS) {
+      const int e = 4 * i, b = e / (HQ * D), c = e % (HQ * D);
+      const float4 g = __ldcg(reinterpret_cast<const float4*>(
+          S + O_QKV + (size_t)(b * TT + s_in_last[b]) * QKVN + (c / D) * 2 * D + D + c % D));
+      float4 x = __ldcg(reinterpret_cast<const float4*>(S + O_COMB) + i);
+      x.x *= sigmoid(g.x);
+      x.y *= sigmoid(g.y);
+      x.z *= sigmoid(g.z);
+      x.w *= sigmoid(g.w);
+      reinterpret_cast<float4*>(xs)[i] = x;
+    }
+  } else {
+    stage_l2(xs, S + O_COMB, B * HQ * D);
+  }
   __syncthreads();
   mark(4);
   // FOLD: the router's logits (and the shared expert's gate) are linear in
@@ -2985,6 +3058,8 @@ class FusedStep:
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("ATT_SHARE", ATT_SHARE),
+            ("GATE_LATE", GATE_LATE),
+            ("GATE_ROWS", GATE_ROWS),
             ("COPY_UNROLL", COPY_UNROLL),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),

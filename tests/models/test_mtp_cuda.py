@@ -550,6 +550,9 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # folded router and not
         ("moe", False, True, True, 2, 2, 3, ("SHARED_EARLY",)),
         ("moe", True, False, False, 3, 1, 2, ("SHARED_EARLY", "-FOLD_ROUTER")),
+        # the heads' output gates in attention's phase (GATE_LATE, off)
+        ("moe", False, True, True, 2, 2, 3, ("GATE_LATE",)),
+        ("dense", True, False, False, 1, 1, 2, ("GATE_LATE",)),
         # the draw's whole-list merge without the blocks' heads first, and
         # unrolled sorts (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
@@ -764,6 +767,11 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, False, 64, ("SHARED_EARLY",)),
         (3, 2, False, 64, ("SHARED_EARLY",)),
         (1, 3, False, 512, ("SHARED_EARLY",)),
+        # the heads' output gates in attention's phase (GATE_LATE, off)
+        (1, 3, True, 64, ("GATE_LATE",)),
+        (1, 3, False, 64, ("GATE_LATE",)),
+        (3, 2, False, 64, ("GATE_LATE",)),
+        (1, 3, False, 512, ("GATE_LATE", "SHARED_EARLY")),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
