@@ -12,8 +12,9 @@ checked without device time: run it before and after and compare.
 `--switches=SET` compiles another arm (`NAME` on, `-NAME` off; the `=` form, since an off arm starts with a dash).
 Some forms compile to other bytes from one run to the next on the same
 source, with the same size and registers (seen 2026-12-04: the dense
-sampled eight-row step often, the dense greedy first step once): rerun a
-differing dense form before reading a change into it. The cubin holds the
+sampled eight-row step often, the dense greedy first step once; 2026-12-05
+the MoE sampled two-row three-step chain once): rerun a differing form
+before reading a change into it. The cubin holds the
 kernel's name, which MLX builds from its template values (as
 tests/models/nvrtc_support.py mirrors since 2026-12-05): a change that adds a
 template constant changes every digest and size by its name alone, so compare

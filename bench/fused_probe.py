@@ -87,9 +87,10 @@ def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
 
 # A MoE step's stretches per block, between its stamps (FusedStep.stamp_table:
 # 0 start, 1 + 2k / 2 + 2k arrival at / departure from barrier k, then the
-# draw's end (17 with eight barriers), 24 + m the inner points: 24-31 where the products start, 32 / 33
-# attention's query normed / its angles computed), for a step whose router
-# has its own phase (eight barriers: past FOLD_ROUTER's 127 experts)
+# draw's end (17 with eight barriers), 24 + m the inner points: 24-31 where
+# the products start, 32 / 33 attention's query normed / its angles
+# computed), for a step whose router has its own phase (eight barriers: past
+# FOLD_ROUTER's 127 experts)
 _SEGMENTS = [
     ("fc_stage", 0, 24), ("fc_product", 24, 1),
     ("qkv_stage", 2, 25), ("qkv_product", 25, 3),
@@ -102,14 +103,16 @@ _SEGMENTS = [
     ("head_stage", 14, 31), ("head_product", 31, 15),
     ("draw", 16, 17),
 ]
+
+
+def _folded(stamp: int) -> int:
+    """A stamp's index in a folded router's step: no router phase, so the
+    barriers after it (stamps 9-17) come one barrier (two stamps) earlier."""
+    return stamp - 2 if 9 <= stamp <= 17 else stamp
+
+
 # a folded router's step (seven barriers: the router's sums in o_proj's phase)
-_FOLDED = [
-    *_SEGMENTS[:12],
-    ("experts_topk", 8, 29), ("experts_product", 29, 9),
-    ("down_stage", 10, 30), ("down_product", 30, 11),
-    ("head_stage", 12, 31), ("head_product", 31, 13),
-    ("draw", 14, 15),
-]
+_FOLDED = [(name, _folded(a), _folded(b)) for name, a, b in _SEGMENTS if name != "router"]
 
 
 def segments(tables: list[list[list[float]]], barriers: int = 8) -> dict[str, list[float]]:

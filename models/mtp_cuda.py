@@ -1153,15 +1153,23 @@ _SOURCE = r"""
   // LATE (`GATE_LATE`): whether this step's gates wait for attention's phase
   // (`late`), there taken by the blocks without an attention item, this
   // block's rank among them `idle_rank` (-1: it attends), `idle_blocks` of them
+  // Row b's attention splits this step (per query head), of `positions`
+  // positions: ATT_SHARE > 0, at most SPLITS of at least ATT_SHARE each (a
+  // short context's one split combines its own warps' partials and stores
+  // the head's output: no cross-block combine)
+  auto splits_for = [&](int positions) {
+    return ATT_SHARE > 0 ? min(SPLITS, max(1, (positions + ATT_SHARE - 1) / ATT_SHARE)) : SPLITS;
+  };
+  auto splits_of = [&](int b) { return splits_for(s_in_start[b] + s_in_last[b] + s + 1); };
+  // each row's query vector of this step, and q/k/v's row of head h's gate
+  // element d (c = h * D + d)
+  auto query_vec = [&](int b) { return b * TT + s_in_last[b]; };
+  auto gate_row = [&](int c) { return (c / D) * 2 * D + D + c % D; };
   bool late = false;
   int idle_rank = -1, idle_blocks = 0;
   if constexpr (LATE) {
     // a block's item is (row, head, split) = blk (B * HQ * SPLITS <= NBLK);
-    // row b's splits past its nsp (as attention computes it) have none
-    auto splits_of = [&](int b) {
-      const int positions = s_in_start[b] + s_in_last[b] + s + 1;
-      return ATT_SHARE > 0 ? min(SPLITS, max(1, (positions + ATT_SHARE - 1) / ATT_SHARE)) : SPLITS;
-    };
+    // row b's splits past splits_of(b) have none
     int busy = 0, below = 0;
     for (int b = 0; b < B; ++b) {
       const int n = splits_of(b), rel = min(max(blk - b * HQ * SPLITS, 0), HQ * SPLITS);
@@ -1545,13 +1553,9 @@ _SOURCE = r"""
       const int split = item % SPLITS, bh = item / SPLITS;
       const int b = bh / HQ, hq = bh % HQ, g = hq / GROUP;
       const int lb = s_in_last[b], st0 = s_in_start[b], qslot = lb + s;
-      const int positions = st0 + qslot + 1;
-      // ATT_SHARE > 0: the row's positions in at most SPLITS splits of at
-      // least ATT_SHARE each (a short context's one split combines its own
-      // warps' partials and stores the head's output: no cross-block combine)
-      const int nsp = ATT_SHARE > 0 ? min(SPLITS, max(1, (positions + ATT_SHARE - 1) / ATT_SHARE)) : SPLITS;
+      const int positions = st0 + qslot + 1, nsp = splits_for(positions);
       if (split >= nsp) continue;  // (the whole block)
-      const int mq = b * TT + lb;  // every step's query row (later steps: all rows alike)
+      const int mq = query_vec(b);  // every step's query row (later steps: all rows alike)
       // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
       const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
       float q[DPL];
@@ -1632,7 +1636,8 @@ _SOURCE = r"""
           float num = 0.0f;
           for (int w = 0; w < NWARP; ++w)
             if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
-          S[O_COMB + (size_t)bh * D + d] = LATE ? 0.0f + num * wt : (0.0f + num * wt) * sigmoid(__ldcg(gate + d));
+          const float out = 0.0f + num * wt;
+          S[O_COMB + (size_t)bh * D + d] = LATE ? out : out * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();  // (s_m, s_l, s_acc: the block's next item)
         continue;
@@ -1691,6 +1696,8 @@ _SOURCE = r"""
       }
     }
   }
+  // the shared expert's gate (j 0) / up (1) row r % IS
+  auto shared_row = [&](int r, int j) { return mlp5 + ((size_t)(r % IS) + (size_t)j * IS) * H; };
   // the MLP's first product, weight row j of its output r: dense, gate
   // (j 0) / up (1) row r; MoE, router row r < E (j == 1 reads the same row),
   // the shared expert's gate (r == E), then its gate / up row r - E - 1
@@ -1704,16 +1711,14 @@ _SOURCE = r"""
   if constexpr (LATE) {
     // LATE: the gates of each row's query vector (head h's rows D .. 2D - 1
     // of its q/k/v rows), by the blocks without an attention item
-    auto gate_out = [&](int r) { return (r / D) * 2 * D + D + r % D; };
     if (late && idle_rank >= 0)
       product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
           HQ * D, H, idle_rank * NWARP + warp, idle_blocks * NWARP,
-          [&](int r, int j) { return qkv_row(gate_out(r), j); },
-          [&](int v, int, int k, float* x) { smem8(xs + (size_t)(v * TT + s_in_last[v]) * H + k, x); },
+          [&](int r, int j) { return qkv_row(gate_row(r), j); },
+          [&](int v, int, int k, float* x) { smem8(xs + (size_t)query_vec(v) * H + k, x); },
           [&](int r, float (&acc)[B][1]) {
             if (lane == 0)
-              for (int b = 0; b < B; ++b)
-                S[O_QKV + (size_t)(b * TT + s_in_last[b]) * QKVN + gate_out(r)] = acc[b][0];
+              for (int b = 0; b < B; ++b) S[O_QKV + (size_t)query_vec(b) * QKVN + gate_row(r)] = acc[b][0];
           });
   }
   barrier();
@@ -1733,8 +1738,8 @@ _SOURCE = r"""
 #pragma unroll 2
     for (int i = tid; i < B * HQ * D / 4; i += SP_THREADS) {
       const int e = 4 * i, b = e / (HQ * D), c = e % (HQ * D);
-      const float4 g = __ldcg(reinterpret_cast<const float4*>(
-          S + O_QKV + (size_t)(b * TT + s_in_last[b]) * QKVN + (c / D) * 2 * D + D + c % D));
+      const float4 g =
+          __ldcg(reinterpret_cast<const float4*>(S + O_QKV + (size_t)query_vec(b) * QKVN + gate_row(c)));
       float4 x = __ldcg(reinterpret_cast<const float4*>(S + O_COMB) + i);
       x.x *= sigmoid(g.x);
       x.y *= sigmoid(g.y);
@@ -1946,8 +1951,7 @@ _SOURCE = r"""
       // block's other warps meanwhile, NWARP - B per block
       product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
           B * IS, H, blk * (NWARP - B) + warp - B, NBLK * (NWARP - B),
-          [&](int r, int j) { return mlp5 + ((size_t)(r % IS) + (size_t)j * IS) * H; },
-          [&](int, int r, int k, float* x) { smem8(xs + (size_t)(r / IS) * H + k, x); },
+          shared_row, [&](int, int r, int k, float* x) { smem8(xs + (size_t)(r / IS) * H + k, x); },
           [&](int r, float (&acc)[1][2]) {
             if (lane == 0) S[O_SACT + r] = silu(acc[0][0]) * acc[0][1];
           });
@@ -1962,7 +1966,7 @@ _SOURCE = r"""
     product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
         ROUTED + (FOLD && !EARLY ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
-          if (FOLD && r >= ROUTED) return mlp5 + ((size_t)((r - ROUTED) % IS) + (size_t)j * IS) * H;
+          if (FOLD && r >= ROUTED) return shared_row(r - ROUTED, j);
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
           const W* base = j == 0 ? mlp2 : mlp3;
           return base + ((size_t)s_eid[b][c] * IE + row) * H;
