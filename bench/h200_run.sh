@@ -92,6 +92,14 @@
 #  `ROWS=1,2 PROBE_FLAGS="--gate-late --shared-early --context 40" PROBE_TAG=-late LIMIT=280 agree` (their drafts
 #  must equal the defaults' exactly: the same products in the same order; two rows: GATE_LATE's gates wait
 #  for attention's phase at one and two rows, not at three), the same with --context 2048 (q/k/v keeps them))
+# (thirtieth session: no device lent; prepared FOLD_FIXED (the folded router's block shares summed as
+#  fixed-point integers: Qwen3-Next's 512 experts fold too) and TOPK_SPLIT (that router's top-k in two
+#  ranking passes). Next, after the GATE_LATE / SHARED_EARLY steps above: `EXPERTS=512 SETS="none FOLD_FIXED
+#  FOLD_FIXED,TOPK_SPLIT FOLD_FIXED,TOPK_SPLIT,SHARED_EARLY,GATE_LATE" SAMPLINGS="greedy qwen" NO_AGREE=1
+#  DEPTHS=2,3 CONTEXT=48 REPEATS=8 switches`, `SETS="none FOLD_FIXED" SAMPLINGS=greedy` the same at 64 experts,
+#  then `ROWS=1,3 PROBE_FLAGS="--experts 512 --fold-fixed --topk-split --context 40" PROBE_TAG=-fixed
+#  LIMIT=280 agree` and with `--experts 512 --context 40` alone (TOPK_SPLIT's drafts must equal FOLD_FIXED's
+#  alone exactly; FOLD_FIXED's agree with the float32 MLX step as the defaults' do, near ties aside))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

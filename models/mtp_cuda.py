@@ -25,7 +25,8 @@ wrong output):
    head's cache;
 4. the splits combined, times sigmoid(gate), then o_proj plus the residual
    (with `FOLD_ROUTER`, the default for up to 127 experts, each block's share
-   of the router's logits too: the router's phase and barrier are saved);
+   of the router's logits too: the router's phase and barrier are saved;
+   `FOLD_FIXED`, off: the shares added as fixed-point integers, any count);
 5-6. the MLP (dense SwiGLU), or the sparse MoE block (router softmax top-k,
    the chosen experts' SwiGLU, the sigmoid-gated shared expert), plus the
    residual;
@@ -379,6 +380,35 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
+# Whether the folded router's block shares are added up as 64-bit
+# fixed-point integers (2^-32 units) by one atomic add per (row, logit) and
+# block into a sum that every block then reads once (B x (E + 1) loads),
+# instead of each block's warps summing all NBLK blocks' float shares of
+# every logit after the barrier (B x (E + 1) x NBLK loads per block: ~8,300
+# at 64 experts, ~66,000 at Qwen3-Next's 512, which is why the router keeps
+# its own phase there). Integer sums do not depend on the atomics' order:
+# every launch gives the same logits, each block's share rounded once to
+# 2^-32 and their sum to float32 once. A block's share is summed, after
+# o_proj's product, by its threads over the block's rows (not in its warps'
+# registers during the product), so it folds any router `MAX_EXPERTS` admits:
+# with it on, Qwen3-Next's 512 experts fold too. A share of 2^31 or more
+# (no trained router's) would saturate: wrong drafts, which verification
+# rejects. Compile-checked, off (thirtieth session): `SETS="none FOLD_FIXED"`
+# times it, with `EXPERTS=512` the router's phase against none.
+FOLD_FIXED = False
+# Whether a folded router's top-k past 128 experts (Qwen3-Next's 512 with
+# `FOLD_FIXED`) takes two ranking passes, the block's warps each ranking an
+# eighth of a row's experts (their logits in shared memory, read as
+# broadcasts) and keeping its best KE, then the row's warp ranking those
+# NWARP x KE candidates by shuffles, instead of KE rounds of a warp argmax
+# over all of them (each a chain of shuffles: ~3.5 us a step at 64 experts
+# on the H200 before the rank form replaced them there). The same experts
+# in the same order with the same weights: the drafts are the argmax
+# rounds' exactly. (The router's own phase keeps the rounds: there the
+# pass spilled in the three-row sampled round.) Compile-checked, off
+# (thirtieth session): `EXPERTS=512 SETS="FOLD_FIXED FOLD_FIXED,TOPK_SPLIT"`
+# times it.
+TOPK_SPLIT = False
 # Whether the MoE's shared expert gate/up product runs at the experts'
 # phase start, by the warps the router's top-k leaves idle (all but the
 # first B of each block, while those choose the rows' experts), instead of
@@ -958,10 +988,14 @@ _SOURCE = r"""
   constexpr size_t O_CI = O_CV + align8((size_t)B * NBLK * KC);
   constexpr int CHUNK = (V + NBLK - 1) / NBLK;
   // FOLD: the router's (and the shared gate's) logits before the norm's
-  // scale, each block's share of them: [B, E + 1, NBLK]
+  // scale, each block's share of them: [B, E + 1, NBLK]; FIXED
+  // (`FOLD_FIXED`): instead their sums as 64-bit fixed-point integers, two
+  // buffers [2, B, E + 1] (a step's, the next step's zeroed meanwhile)
   constexpr int EP = E + 1;
+  constexpr bool FIXED = FOLD && FOLD_FIXED;
   constexpr size_t O_RP = O_CI + align8((size_t)B * NBLK * KC);
-  constexpr size_t O_TS = O_RP + (FOLD ? align8((size_t)B * EP * NBLK) : 0);
+  constexpr size_t O_TS =
+      O_RP + (FOLD ? align8(FIXED ? (size_t)4 * B * EP : (size_t)B * EP * NBLK) : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int blk = blockIdx.x;
@@ -988,7 +1022,16 @@ _SOURCE = r"""
   __shared__ bool s_combines;
   __shared__ int s_ticket;  // GROUPED: a split's arrival order
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
+  // TOPK_SPLIT (a folded router past 128 experts): each warp's best KE experts of a row
+  constexpr bool SPLIT = TOPK_SPLIT && FOLD && E > 128;
+  __shared__ float s_cv[SPLIT ? B : 1][SPLIT ? NWARP * KE : 1];
+  __shared__ int s_ci[SPLIT ? B : 1][SPLIT ? NWARP * KE : 1];
   __shared__ float s_inv[B], s_rlog[FOLD ? B * EP : 1];  // FOLD: the norm's scale, the router's logits
+  constexpr int RPW = (H + NW - 1) / NW;  // o_proj's rows per warp
+  __shared__ float s_fout[FIXED ? NWARP * RPW * B : 1];  // FIXED: the block's o_proj rows' outputs
+  // FIXED: the logits' sums of step s (its buffer), made where used (a
+  // pointer kept from here would hold two registers through every phase)
+  auto logit_sums = [&](int step) { return reinterpret_cast<long long*>(S + O_RP) + (size_t)(step & 1) * B * EP; };
 
   if (tid == 0) {  // launches run one after another: the counter is a
     // multiple of NBLK at each start, and no block passes the first barrier
@@ -1048,6 +1091,11 @@ _SOURCE = r"""
     stamps = 0;
     stamp();
   }
+  // FIXED: the first step's logit sums zeroed (behind fc's and later
+  // barriers, before any block adds to them in o_proj's phase; each step
+  // zeroes the next one's after reading its own)
+  if (FIXED && s == 0 && blk == NBLK - 1)
+    for (int t = tid; t < B * EP; t += SP_THREADS) logit_sums(0)[t] = 0;
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
@@ -1750,6 +1798,20 @@ _SOURCE = r"""
   } else {
     stage_l2(xs, S + O_COMB, B * HQ * D);
   }
+  // FIXED: the block's rows of w_rt (warp w's q-th o_proj row at row
+  // q * NWARP + w: NWARP adjacent rows per q), copied behind the input while
+  // the product runs
+  float* const wstage = xs + align8((size_t)B * HQ * D);
+  if constexpr (FIXED) {
+    constexpr int GROUP16 = EP * NWARP / 4;  // 16-byte copies of one q's rows
+#pragma unroll 1
+    for (int t = tid; t < RPW * GROUP16; t += SP_THREADS) {
+      const int q = t / GROUP16, c = t % GROUP16, first = blk * NWARP + q * NW;
+      if (first < H)  // (H a multiple of 256: a q's rows all below it or none)
+        cp_async16(wstage + (size_t)q * EP * NWARP + (size_t)c * 4, w_rt + (size_t)first * EP + (size_t)c * 4);
+    }
+    cp_async_commit();
+  }
   __syncthreads();
   mark(4);
   // FOLD: the router's logits (and the shared expert's gate) are linear in
@@ -1757,8 +1819,10 @@ _SOURCE = r"""
   // w_rt the router rows times the norm's weights, transposed (float32,
   // [H, E + 1]). Each lane keeps its logits' sums over the warp's rows of
   // this product (lane l: logits l, l + 32, ...; their w_rt read ahead for
-  // the warp's first two rows)
-  constexpr int EPL = FOLD ? (EP + 31) / 32 : 1;
+  // the warp's first two rows); FIXED: the block's rows' outputs kept in
+  // shared memory instead, the block's share summed after the product
+  constexpr bool FOLDR = FOLD && !FIXED;
+  constexpr int EPL = FOLDR ? (EP + 31) / 32 : 1;
   float rsum[B][EPL], rt_ahead[2][EPL];
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
@@ -1767,14 +1831,14 @@ _SOURCE = r"""
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int r = gwarp + q * NW, e = lane + 32 * j;
-      rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
+      rt_ahead[q][j] = (FOLDR && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
   product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_O>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
-        if constexpr (FOLD) {
+        if constexpr (FOLDR) {
           const int q = (r - gwarp) / NW;
 #pragma unroll
           for (int b = 0; b < B; ++b) {
@@ -1795,7 +1859,37 @@ _SOURCE = r"""
         }
       },
       KEEP_O && s + 1 < STEPS);
-  if constexpr (FOLD) {  // the block's share: its warps' sums in warp order
+  if constexpr (FIXED) {
+    // the block's share of each (row, logit): its rows (warp w's q-th row at
+    // slot q * NWARP + w) in that order, rounded to 2^-32 units and added to
+    // the step's sums (integers: the same total in any order)
+    __syncthreads();  // (the block's outputs in S, read back from L2)
+    for (int t = tid; t < NWARP * RPW * B; t += SP_THREADS) {  // row i = q * NWARP + w: warp w's q-th
+      const int i = t / B, r = blk * NWARP + i % NWARP + (i / NWARP) * NW;
+      s_fout[t] = r < H ? __ldcg(S + O_R1 + (size_t)(t % B) * H + r) : 0.0f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // (s_fout, wstage)
+    long long* sums = logit_sums(s);
+#pragma unroll 1
+    for (int e = tid; e < EP; e += SP_THREADS) {
+      float sum[B];
+#pragma unroll
+      for (int b = 0; b < B; ++b) sum[b] = 0.0f;
+#pragma unroll 1
+      for (int i = 0; i < NWARP * RPW; ++i) {
+        if (blk * NWARP + i % NWARP + (i / NWARP) * NW >= H) break;  // (the rest past H too)
+        const float wt = wstage[(size_t)i * EP + e];
+#pragma unroll
+        for (int b = 0; b < B; ++b) sum[b] += wt * s_fout[i * B + b];
+      }
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+        atomicAdd(reinterpret_cast<unsigned long long*>(sums + (size_t)b * EP + e),
+                  (unsigned long long)__float2ll_rn(sum[b] * 4294967296.0f));
+    }
+  }
+  if constexpr (FOLDR) {  // the block's share: its warps' sums in warp order
     __syncthreads();  // (xs: the product's input)
 #pragma unroll
     for (int b = 0; b < B; ++b)
@@ -1840,7 +1934,18 @@ _SOURCE = r"""
         });
     barrier();
   } else {
-    if constexpr (FOLD) {
+    if constexpr (FIXED) {
+      // the router's (and the shared gate's) logits: the step's sums (2^-32
+      // units) times the norm's scale; the last block zeroes the next step's
+      const long long* sums = logit_sums(s);
+      for (int t = tid; t < B * EP; t += SP_THREADS)
+        s_rlog[t] = __ll2float_rn(__ldcg(sums + t)) * 2.3283064365386963e-10f * s_inv[t / EP];
+      if (blk == NBLK - 1) {
+        long long* next = logit_sums(s + 1);
+        for (int t = tid; t < B * EP; t += SP_THREADS) next[t] = 0;
+      }
+      __syncthreads();
+    } else if constexpr (FOLD) {
       // the router's (and the shared gate's) logits: each warp sums its
       // logits' NBLK block shares (lane l: blocks l, l + 32, ...), times the
       // norm's scale; every block the same sums in the same order
@@ -1868,15 +1973,61 @@ _SOURCE = r"""
       barrier();
     }
     // every block: softmax top-KE of each row's router (warp b for row b)
+    // SPLIT (`TOPK_SPLIT`, a folded router of more than 128 experts): each
+    // warp first ranks its EW of a row's experts (their logits in shared
+    // memory) and keeps its best KE (the row's best KE are among the warps'
+    // best KE, in the same order)
+    constexpr int EW = (E + NWARP - 1) / NWARP, NC = NWARP * KE;  // (SPLIT) experts per warp, candidates
+    if constexpr (SPLIT) {
+      constexpr int EWL = (EW + 31) / 32;
+      for (int b = 0; b < B; ++b) {
+        const float* lg = s_rlog + b * EP + warp * EW;  // the warp's experts
+        const int mine = min(EW, max(0, E - warp * EW));
+        float v[EWL];
+        int rank[EWL];
+#pragma unroll
+        for (int j = 0; j < EWL; ++j) {
+          v[j] = lane + 32 * j < mine ? lg[lane + 32 * j] : -SP_INF;
+          rank[j] = 0;
+        }
+#pragma unroll 4
+        for (int k = 0; k < mine; ++k) {  // (every lane the same logit: a broadcast)
+          const float o = lg[k];
+#pragma unroll
+          for (int j = 0; j < EWL; ++j) rank[j] += ahead(o, k, v[j], lane + 32 * j);
+        }
+#pragma unroll
+        for (int j = 0; j < EWL; ++j) {
+          if (lane + 32 * j < mine && rank[j] < KE) {
+            s_cv[b][warp * KE + rank[j]] = v[j];
+            s_ci[b][warp * KE + rank[j]] = warp * EW + lane + 32 * j;
+          }
+        }
+        // (a warp of fewer than KE experts: the rest of its candidates empty)
+        if (lane >= mine && lane < KE) {
+          s_cv[b][warp * KE + lane] = -SP_INF;
+          s_ci[b][warp * KE + lane] = 0x7fffffff;
+        }
+      }
+      __syncthreads();
+    }
     if (warp < B) {
       const int b = warp;
       const float* lg = S + O_ROUT + (size_t)b * (E + 1);
       // the row's logits read once, lane j holding experts j, j + 32, ...
       // (more than 128 experts: KE rounds of a warp argmax, a chosen
-      // expert's bit set in its lane's mask)
+      // expert's bit set in its lane's mask; SPLIT: the warps' candidates
+      // ranked by shuffles instead)
       constexpr int EPL = (E + 31) / 32;
-      float lv[EPL];
-      float top = -SP_INF;
+      float lv[SPLIT ? 1 : EPL];
+      float top = -SP_INF, z = 0.0f;
+      if constexpr (SPLIT) {  // the same max and sums, the logits read twice
+#pragma unroll 4
+        for (int e = lane; e < E; e += 32) top = fmaxf(top, s_rlog[b * EP + e]);
+        top = warp_max(top);
+#pragma unroll 4
+        for (int e = lane; e < E; e += 32) z += expf(s_rlog[b * EP + e] - top);
+      } else {
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const int e = lane + 32 * j;
@@ -1884,10 +2035,10 @@ _SOURCE = r"""
         if (e < E) top = fmaxf(top, lv[j]);
       }
       top = warp_max(top);
-      float z = 0.0f;
 #pragma unroll
       for (int j = 0; j < EPL; ++j)
         if (lane + 32 * j < E) z += expf(lv[j] - top);
+      }
       z = warp_sum(z);
       if constexpr (EPL <= 4) {
         // each expert's rank among the row's (larger first, ties to the
@@ -1915,6 +2066,36 @@ _SOURCE = r"""
           if (e < E && rank[j] < KE) {
             s_eid[b][rank[j]] = e;
             s_ew[b][rank[j]] = expf(lv[j] - top) / z;
+          }
+        }
+        __syncwarp();
+      } else if constexpr (SPLIT) {
+        // each candidate's rank among the NC (larger first, ties to the lower
+        // id; the empty ones last): the chosen are the ranks below KE
+        constexpr int CL = (NC + 31) / 32;
+        float cv[CL];
+        int ci[CL], rank[CL];
+#pragma unroll
+        for (int j = 0; j < CL; ++j) {
+          const bool in = lane + 32 * j < NC;
+          cv[j] = in ? s_cv[b][lane + 32 * j] : -SP_INF;
+          ci[j] = in ? s_ci[b][lane + 32 * j] : 0x7fffffff;
+          rank[j] = 0;
+        }
+        for (int src = 0; src < 32; ++src) {
+#pragma unroll
+          for (int i = 0; i < CL; ++i) {
+            const float o = __shfl_sync(0xffffffffu, cv[i], src);
+            const int oi = __shfl_sync(0xffffffffu, ci[i], src);
+#pragma unroll
+            for (int j = 0; j < CL; ++j) rank[j] += src + 32 * i < NC && ahead(o, oi, cv[j], ci[j]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < CL; ++j) {
+          if (lane + 32 * j < NC && ci[j] < E && rank[j] < KE) {
+            s_eid[b][rank[j]] = ci[j];
+            s_ew[b][rank[j]] = expf(cv[j] - top) / z;
           }
         }
         __syncwarp();
@@ -2444,8 +2625,10 @@ class LayerShape:
     @property
     def foldable(self) -> bool:
         """Whether the kernel can fold the router into o_proj's phase
-        (`FOLD_ROUTER`): a MoE layer of at most 127 experts."""
-        return not self.dense and 0 < self.experts + 1 <= 128
+        (`FOLD_ROUTER`): a MoE layer of at most 127 experts, or of any count
+        the kernel takes with `FOLD_FIXED`."""
+        most = MAX_EXPERTS if FOLD_FIXED else 127
+        return not self.dense and 0 < self.experts <= most
 
     def scratch(
         self,
@@ -2455,8 +2638,10 @@ class LayerShape:
         blocks: int,
         fold: bool = False,
         grouped: bool = False,
+        fixed: bool = False,
     ) -> int:
-        """Floats of the kernel's scratch output (mirrors the source's offsets)."""
+        """Floats of the kernel's scratch output (mirrors the source's offsets;
+        `fixed`: the folded router's sums as `FOLD_FIXED` keeps them)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
         # attention's splits per (row, head): per (row, kv head) when grouped
@@ -2480,8 +2665,8 @@ class LayerShape:
                 rows * self.top_experts,
             ]
         parts += [rows * h, rows * blocks * candidates, rows * blocks * candidates]
-        if fold:
-            parts.append(rows * (self.experts + 1) * blocks)
+        if fold:  # two buffers of 64-bit sums, or every block's float shares
+            parts.append(rows * (self.experts + 1) * (4 if fixed else blocks))
         return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
     def shared_bytes(
@@ -2492,10 +2677,12 @@ class LayerShape:
         greedy: bool,
         blocks: int,
         grouped: bool = False,
+        fixed: bool = False,
     ) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
-        sampling), grouped attention's tiles."""
+        sampling), grouped attention's tiles; `fixed` (`FOLD_FIXED`): o_proj's
+        input then the block's rows of the folded router's weights."""
         h = self.hidden
         mlp = (
             rows * self.intermediate
@@ -2504,6 +2691,10 @@ class LayerShape:
                          + self.shared_intermediate)
         )  # fmt: skip
         chunk = -(-vocab // blocks)
+        # FOLD_FIXED: the block's warps' o_proj rows of the folded weights
+        warps = BLOCK // 32
+        per_warp = -(-h // (blocks * warps))
+        staged_router = warps * per_warp * (self.experts + 1) if fixed else 0
         floats = max(
             vectors * 2 * h,
             rows * self.heads * self.head_dim,
@@ -2513,6 +2704,7 @@ class LayerShape:
             // 32
             * rows
             * (self.experts + 1),  # FOLD: o_proj's warps' router sums
+            _align8(rows * self.heads * self.head_dim) + staged_router,
         )
         # grouped attention's two stages of a tile's keys and values (2-byte
         # elements), then its combining weights (at most `blocks` floats)
@@ -2523,6 +2715,7 @@ class LayerShape:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
         the source's `__shared__` declarations, plus 1 KiB for the small ones)."""
         warps = BLOCK // 32
+        per_warp = -(-self.hidden // (blocks * warps))  # s_fout's o_proj rows
         top = warps * max(rows, 32)
         splits = max(1, blocks // (rows * self.heads))  # s_split's (row, head) splits
         experts = max(self.top_experts, 1)
@@ -2533,6 +2726,8 @@ class LayerShape:
                 + 2 * top  # s_topv, s_topi
                 + 2 * rows * experts  # s_eid, s_ew
                 + rows * (self.experts + 2)  # s_inv, s_rlog
+                + warps * per_warp * rows  # s_fout (FOLD_FIXED)
+                + 2 * rows * warps * experts  # s_cv, s_ci (TOPK_SPLIT)
                 + 2 * splits
                 + 4 * MAX_VECTORS
                 + 6 * rows
@@ -3012,7 +3207,10 @@ class FusedStep:
         # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
         # (one block per multiprocessor anyway), in steps of 16 KiB.
         grouped = s.grouped(length + count - 1)
-        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks, grouped)
+        fixed = fold and FOLD_FIXED
+        needed = s.shared_bytes(
+            vectors, rows, self.vocab, greedy, self.blocks, grouped, fixed
+        )
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         lean = -(-needed // 1024) * 1024
         if LEAN_SHARED and lean + s.static_shared(rows, self.blocks) <= 48000:
@@ -3069,7 +3267,9 @@ class FusedStep:
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
+            ("FOLD_FIXED", fixed),
             ("SHARED_EARLY", SHARED_EARLY),
+            ("TOPK_SPLIT", TOPK_SPLIT),
             ("DERIVE", derive is not None),
         ]
         window = (
@@ -3104,7 +3304,7 @@ class FusedStep:
                 (rows, 1, s.hidden),
                 window,
                 window,
-                (s.scratch(vectors, rows, candidates, self.blocks, fold, grouped),),
+                (s.scratch(vectors, rows, candidates, self.blocks, fold, grouped, fixed),),
                 (rows, 4),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
@@ -3155,8 +3355,10 @@ class FusedStep:
 
     @property
     def folds(self) -> bool:
-        """Whether launches fold the router into o_proj's phase (`FOLD_ROUTER`)."""
-        return FOLD_ROUTER and self.weights.router_t is not None
+        """Whether launches fold the router into o_proj's phase (`FOLD_ROUTER`;
+        past 127 experts only with `FOLD_FIXED`, as the weights were made)."""
+        w = self.weights
+        return FOLD_ROUTER and w.router_t is not None and w.shape.foldable
 
 
 def phases_of(
