@@ -183,9 +183,13 @@ class Pipeline:
             return Failure(loaded.failure())
         return Success(pipeline)
 
-    def save_prompt_cache(self, path: str | Path) -> Result[Path, SpecpipeError]:
+    def save_prompt_cache(
+        self, path: str | Path, *, merge: bool = True
+    ) -> Result[Path, SpecpipeError]:
         """Write the prompt cache's checkpoints to `path` (one safetensors
-        file, written whole or not at all; `specpipe.prompt_cache_file`)."""
+        file, written whole or not at all; `specpipe.prompt_cache_file`),
+        after those the file already holds (`merge`: several processes
+        saving to one file each add theirs), within the cache's budget."""
         if self.prompt_cache is None:
             return Failure(
                 RequestError(
@@ -193,7 +197,7 @@ class Pipeline:
                     "with_prompt_cache() or load(..., prompt_cache=True)"
                 )
             )
-        saved = save_prompt_cache(self.prompt_cache, Path(path))
+        saved = save_prompt_cache(self.prompt_cache, Path(path), merge=merge)
         if not isinstance(saved, Success):
             return Failure(saved.failure())
         return Success(saved.unwrap())

@@ -6,10 +6,16 @@ The file holds every checkpoint's arrays (the target's cache row, the draft's
 state) and, in its metadata, a JSON record of the checkpoints (tokens, cache
 layouts, draft state kinds and scalars) and of the model they belong to: its
 shape and a digest of its embedding. A file made for another model, or with
-another layout, is refused with a message saying so; a file is written to a
+another layout, is refused with a message saying so. A save merges: under
+an exclusive lock (`<file>.lock` beside it, left in place), it reads the
+checkpoints the file already holds, adds its own as the most recently used
+(its own replacing one of the same tokens and drafter), keeps what the
+cache's byte budget and entry count admit, least recently used out first,
+and writes the result; so processes sharing one file (two chats on one
+document) each add their checkpoints instead of the last to save replacing
+the others' (`merge=False`: replace the file). The file is written to a
 temporary name of its own first and moved into place, so an interrupted
-save leaves the old file (or none), never half of one, and two processes
-saving to one path leave one's file whole (the last to finish).
+save leaves the old file (or none), never half of one.
 
 Draft states round-trip through their attrs fields: ints and strings in the
 record, arrays and caches as arrays. Only `DraftState` classes of specpipe's
@@ -19,11 +25,13 @@ own modules are rebuilt.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib
 import json
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,8 +67,61 @@ def model_fingerprint(model: Any) -> str:
     )
 
 
-def save_prompt_cache(cache: PromptCache, path: Path) -> Result[Path, LoadError]:
-    """Write every checkpoint of `cache` (least recently used first) to `path`."""
+def save_prompt_cache(
+    cache: PromptCache, path: Path, *, merge: bool = True
+) -> Result[Path, LoadError]:
+    """Write every checkpoint of `cache` (least recently used first) to
+    `path`, after the checkpoints the file there holds (`merge`, under the
+    file's lock; a file of another model or a damaged one is refused, and
+    left as it is), within `cache`'s budget. `cache` itself is unchanged."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path) if merge else contextlib.nullcontext():
+            kept = cache
+            if merge and path.exists():
+                merged = _with_file(cache, path)
+                if not isinstance(merged, Success):
+                    return Failure(merged.failure())
+                kept = merged.unwrap()
+            return _write(kept, path)
+    except OSError as exc:
+        return Failure(LoadError(f"{path}: cannot write the prompt cache ({exc})"))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock of `path`'s saves (its `.lock` file, made if missing:
+    removing it would let a save that opened it a moment earlier lock a file
+    no later save sees)."""
+    lock = path.with_name(path.name + ".lock")
+    with open(lock, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _with_file(cache: PromptCache, path: Path) -> Result[PromptCache, LoadError]:
+    """A new cache of `cache`'s model and budget holding the file's
+    checkpoints, then `cache`'s (used last, so kept first)."""
+    merged = PromptCache(
+        cache.model,
+        max_bytes=cache.max_bytes,
+        max_entries=cache.max_entries,
+        capture_prompts=cache.capture_prompts,
+    )
+    loaded = load_prompt_cache(path, merged)
+    if not isinstance(loaded, Success):
+        return loaded
+    for checkpoint in cache.checkpoints():
+        merged.prepare_insert(checkpoint).commit()
+    return Success(merged)
+
+
+def _write(cache: PromptCache, path: Path) -> Result[Path, LoadError]:
+    """`cache`'s checkpoints to `path`, staged under a name of this save's own."""
     arrays: dict[str, mx.array] = {}
     entries = []
     for number, checkpoint in enumerate(cache.checkpoints()):
@@ -80,15 +141,13 @@ def save_prompt_cache(cache: PromptCache, path: Path) -> Result[Path, LoadError]
         "model": model_fingerprint(cache.model),
         "entries": entries,
     }
-    path = Path(path)
-    # a staging name of this save's own (two processes saving to one path
-    # each write their own file, and the last move wins, whole); MLX names a
+    # a staging name of this save's own (saves that do not merge may race:
+    # each writes its own file, and the last move wins, whole); MLX names a
     # file without the suffix `<name>.safetensors`
     staging = path.with_name(
         f"{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.partial.safetensors"
     )
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(staging), arrays, metadata={FORMAT: json.dumps(record)})
         os.replace(staging, path)
     except OSError as exc:

@@ -458,12 +458,14 @@ def test_a_cache_file_of_another_model_or_damaged_is_refused(
     assert "cannot write the prompt cache" in failed.message
 
 
-def test_saves_to_one_path_stage_apart_and_leave_one_whole_file(
-    dense: CausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "replace"])
+def test_saves_to_one_path_merge_under_its_lock_or_leave_one_whole_file(
+    dense: CausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, merge: bool
 ) -> None:
-    """Each save stages under a name of its own: saves racing to one path
-    (two processes, or threads) never write into one another's staging
-    file, and the path ends holding one of them whole."""
+    """Saves racing to one path (two processes, or threads) each stage under
+    a name of their own, never in one another's staging file. Merging, they
+    take the path's lock in turn and the file ends holding both caches'
+    checkpoints; replacing, it ends holding one of them whole."""
     import os
     import threading
 
@@ -484,7 +486,9 @@ def test_saves_to_one_path_stage_apart_and_leave_one_whole_file(
     monkeypatch.setattr(cache_file.os, "replace", replace)
     path = tmp_path / "shared.safetensors"
     threads = [
-        threading.Thread(target=save_prompt_cache, args=(store, path))
+        threading.Thread(
+            target=save_prompt_cache, args=(store, path), kwargs={"merge": merge}
+        )
         for store in stores
     ]
     for thread in threads:
@@ -495,4 +499,43 @@ def test_saves_to_one_path_stage_apart_and_leave_one_whole_file(
     assert not list(tmp_path.glob("*partial*"))
     reread = load_prompt_cache(path, PromptCache(dense)).unwrap()
     saved = [[c.tokens for c in s.checkpoints()] for s in stores]
-    assert [c.tokens for c in reread.checkpoints()] in saved
+    held = [c.tokens for c in reread.checkpoints()]
+    if merge:  # the later save's after the earlier's
+        assert held in (saved[0] + saved[1], saved[1] + saved[0])
+    else:
+        assert held in saved
+
+
+def test_a_merging_save_keeps_the_newest_within_the_budget_and_refuses_a_foreign_file(
+    dense: CausalLM, hybrid: CausalLM, tmp_path: Path
+) -> None:
+    """The file's checkpoints count as used before the saving cache's: a
+    cache of one entry leaves the file holding its own only, and a
+    checkpoint of the same tokens replaces the file's. A file of another
+    model at the path is refused and left as it was."""
+    first, second = PromptCache(dense), PromptCache(dense, max_entries=1)
+    generate(dense, [list(PROMPTS[0])], SAMPLINGS["greedy"], None, 0, first)
+    generate(dense, [list(PROMPTS[1])], SAMPLINGS["greedy"], None, 0, second)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(first, path).unwrap()
+    ours = [c.tokens for c in first.checkpoints()]
+    assert len(ours) >= 1 and len(second) == 1
+    save_prompt_cache(second, path).unwrap()
+    assert [
+        c.tokens
+        for c in load_prompt_cache(path, PromptCache(dense)).unwrap().checkpoints()
+    ] == [c.tokens for c in second.checkpoints()]
+    save_prompt_cache(first, path).unwrap()  # a budget of 64: both, ours last
+    again = load_prompt_cache(path, PromptCache(dense)).unwrap()
+    assert [c.tokens for c in again.checkpoints()] == [
+        c.tokens for c in second.checkpoints()
+    ] + ours
+    save_prompt_cache(first, path).unwrap()  # the same tokens replace the file's
+    assert len(load_prompt_cache(path, PromptCache(dense)).unwrap()) == len(again)
+    foreign = PromptCache(hybrid)
+    generate(hybrid, [list(PROMPTS[0])], SAMPLINGS["greedy"], None, 0, foreign)
+    before = path.read_bytes()
+    refused = save_prompt_cache(foreign, path).failure()
+    assert "made for another model" in refused.message
+    assert path.read_bytes() == before and not list(tmp_path.glob("*partial*"))
+    assert save_prompt_cache(foreign, path, merge=False).unwrap() == path
