@@ -1,6 +1,7 @@
 """Shared pieces of the hybrid models' tests (tests/models/test_qwen3_next.py,
-test_qwen3_5.py, test_qwen3_5_moe.py; the HF weights, forward and array
-helpers also the GLM and Gemma-4 parity tests'): the tiny layouts, HF parameter
+test_qwen3_5.py, test_qwen3_5_moe.py; the HF weights, parameter re-drawing,
+loading, forward, logits and array helpers and the cached-decode check also
+the GLM and Gemma-4 parity tests'): the tiny layouts, HF parameter
 re-drawing, forward-and-commit helpers, the parity and rollback checks every
 hybrid model must pass against transformers, and the MTP head's reference
 wiring from HF building blocks.
@@ -13,13 +14,13 @@ Everything runs in float32 on the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
 import torch
-from returns.result import Success
+from returns.result import Result, Success
 
 from models.build import build_model, load_weights
 from models.hybrid_cache import HybridCache
@@ -113,26 +114,65 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.15 * noise)
 
 
+def redraw(
+    module: torch.nn.Module,
+    seed: int,
+    is_norm: Callable[[str], bool] = lambda name: "norm" in name,
+    buffers: Mapping[str, tuple[float, float]] | None = None,
+) -> None:
+    """Every parameter re-drawn as a trained checkpoint's might look (one
+    generator, N(0, 1) noise in parameter order): biases 0.1 x noise, norm
+    weights (`is_norm` of the name) 1 + 0.1 x noise, the rest 0.15 x noise;
+    then each buffer whose name ends with a key of `buffers` (offset, scale),
+    offset + scale x noise (HF's init leaves them all trivial)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith(".bias"):
+                param.copy_(0.1 * noise)
+            elif is_norm(name):
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(0.15 * noise)
+        for name, buffer in module.named_buffers():
+            for suffix, (offset, scale) in (buffers or {}).items():
+                if name.endswith(suffix):
+                    noise = torch.randn(buffer.shape, generator=gen)
+                    buffer.copy_(offset + scale * noise)
+
+
 def hf_weights(module: torch.nn.Module, prefix: str = "") -> dict[str, mx.array]:
     return {
         prefix + k: mx.array(v.detach().numpy()) for k, v in module.state_dict().items()
     }
 
 
-def ours(hf: Any, kind: type[Model]) -> Any:
-    """The HF model's config parsed and its state dict loaded into our model
-    (which must be a `kind`), as an HF checkpoint would be."""
-    args = hybrid_args(hf.config.to_dict(), "test config").unwrap()
+M = TypeVar("M")
+
+
+def ours(
+    hf: Any,
+    kind: type[M],
+    parse: Callable[[dict[str, Any], str], Result[Any, Any]] = hybrid_args,
+    weights: dict[str, mx.array] | None = None,
+) -> M:
+    """The HF model's config parsed (`parse`: its family's) and its state
+    dict (or `weights`) loaded into our model (which must be a `kind`), as
+    an HF checkpoint would be."""
+    args = parse(hf.config.to_dict(), "test config").unwrap()
     model = build_model(args).unwrap()
     assert isinstance(model, kind), type(model)
-    loaded = load_weights(model, hf_weights(hf), args)
+    loaded = load_weights(model, hf_weights(hf) if weights is None else weights, args)
     assert loaded == Success(None), loaded
     return model
 
 
-def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
+def hf_logits(
+    hf: Any, ids: np.ndarray, **options: Any
+) -> np.ndarray:  # [B, L] -> [B, L, V]
     with torch.no_grad():
-        logits: np.ndarray = hf(input_ids=torch.tensor(ids)).logits.numpy()
+        logits: np.ndarray = hf(input_ids=torch.tensor(ids), **options).logits.numpy()
     return logits
 
 
@@ -153,6 +193,28 @@ def forward(
     """One forward's logits (the GLM and Gemma-4 parity tests')."""
     out = model(mx.array(np.asarray(ids), dtype=mx.int32), cache, offsets)
     return as_np(out.logits)
+
+
+def check_cached_decode(
+    hf: Any,
+    model: Any,  # an attention-only model
+    ids: np.ndarray,  # [2, L], L > 8
+    tol: float,
+    row_tol: float,
+    logits: Callable[[Any, np.ndarray], np.ndarray] = hf_logits,
+) -> None:
+    """Two rows' logits in one forward match transformers' (`logits`), and
+    decoding them with a cache (five positions, three, then one at a time)
+    gives the one forward's (the same math in other matmul shapes)."""
+    full = forward(model, ids, model.make_cache(2), [0, 0])
+    assert np.abs(full - logits(hf, ids)).max() < tol
+    cache = model.make_cache(2)
+    got = [forward(model, ids[:, :5], cache, [0, 0])]
+    got.append(forward(model, ids[:, 5:8], cache, [5, 5]))
+    got += [
+        forward(model, ids[:, p : p + 1], cache, [p, p]) for p in range(8, ids.shape[1])
+    ]
+    assert np.abs(np.concatenate(got, axis=1) - full).max() < row_tol
 
 
 def step(

@@ -59,7 +59,14 @@ from specpipe.loop import RoundOptions, RowRequest, generate_rows
 from specpipe.prompt_cache import PromptCache
 from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
 from tests.cli.conftest import write_tiny_model
-from tests.models.hybrid_support import as_np, forward, hf_weights
+from tests.models import hybrid_support as support
+from tests.models.hybrid_support import (
+    as_np,
+    check_cached_decode,
+    forward,
+    hf_weights,
+    redraw,
+)
 from tests.specpipe.spec_support import PROMPTS, CollectSink, run
 
 pytestmark = pytest.mark.reference
@@ -134,19 +141,13 @@ LONG_TOL = 5e-4
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith(".bias"):
-                param.copy_(0.1 * noise)
-            elif "norm" in name or name.endswith("scale"):
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(0.15 * noise)
-        for name, buffer in module.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.copy_(1.0 + 0.2 * torch.randn(buffer.shape, generator=gen))
+    """`redraw` with Gemma-4's scales as norms and its layer scalars near 1."""
+    redraw(
+        module,
+        seed,
+        lambda name: "norm" in name or name.endswith("scale"),
+        {"layer_scalar": (1.0, 0.2)},
+    )
 
 
 def text_config(case: str, **overrides: Any) -> Any:
@@ -168,25 +169,17 @@ def args_of(raw: dict[str, Any]) -> Gemma4Args:
 
 
 def ours(hf: Any, weights: dict[str, mx.array] | None = None) -> Model:
-    args = args_of(hf.config.to_dict())
-    model = build_model(args).unwrap()
-    assert isinstance(model, Model)
-    loaded = load_weights(model, hf_weights(hf) if weights is None else weights, args)
-    assert loaded == Success(None), loaded
-    return model
+    return support.ours(hf, Model, gemma4_args, weights)
 
 
 def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
-    with torch.no_grad():
-        # output_hidden_states: transformers 5.23 otherwise slices the
-        # per-layer inputs of a kv-shared stack without PLE (and fails)
-        out = hf(torch.tensor(ids), output_hidden_states=True)
-    logits: np.ndarray = out.logits.numpy()
-    return logits
+    # output_hidden_states: transformers 5.23 otherwise slices the per-layer
+    # inputs of a kv-shared stack without PLE (and fails)
+    return support.hf_logits(hf, ids, output_hidden_states=True)
 
 
 def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, size=shape)
+    return support.token_ids(shape, seed, vocab)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -391,13 +384,7 @@ def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
 def test_decode_with_cache_matches_full_sequence(pair: tuple[Any, Model]) -> None:
     hf, model = pair
     ids = token_ids((2, 14), seed=2)
-    full = forward(model, ids, model.make_cache(2), [0, 0])
-    assert np.abs(full - hf_logits(hf, ids)).max() < TOL
-    cache = model.make_cache(2)
-    got = [forward(model, ids[:, :5], cache, [0, 0])]
-    got.append(forward(model, ids[:, 5:8], cache, [5, 5]))
-    got += [forward(model, ids[:, p : p + 1], cache, [p, p]) for p in range(8, 14)]
-    assert np.abs(np.concatenate(got, axis=1) - full).max() < ROW_TOL
+    check_cached_decode(hf, model, ids, TOL, ROW_TOL, hf_logits)
 
 
 def test_rows_at_different_offsets_match_transformers_per_row(

@@ -53,12 +53,16 @@ from schemas.request import SamplingParams
 from specpipe.drafts.ngram import NgramDrafter
 from specpipe.load import args_from_config, load, save_folder
 from tests.cli.conftest import write_tiny_model
+from tests.models import hybrid_support as support
 from tests.models.hybrid_support import (
     as_np,
+    check_cached_decode,
     dequantized,
     forward,
+    hf_logits,
     hf_weights,
     per_expert,
+    redraw,
 )
 from tests.specpipe.spec_support import PROMPTS, run
 
@@ -117,27 +121,11 @@ TOL = 1e-4
 ROW_TOL = 1e-5
 
 
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(0.15 * noise)
-        for name, buffer in module.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
-
-
 def make_hf(case: str = "grouped-qk-norm", seed: int = 0, **overrides: Any) -> Any:
     config = transformers.Glm4MoeConfig(**{**TINY, **CASES[case], **overrides})
     torch.manual_seed(seed)
     model = transformers.Glm4MoeForCausalLM(config).eval()
-    randomize(model, seed)
+    redraw(model, seed, buffers={"e_score_correction_bias": (0.0, 0.3)})
     return model
 
 
@@ -149,21 +137,11 @@ def args_of(raw: dict[str, Any]) -> Glm4MoeArgs:
 
 
 def ours(hf: Any) -> Model:
-    args = args_of(hf.config.to_dict())
-    model = build_model(args).unwrap()
-    assert isinstance(model, Model)
-    assert load_weights(model, hf_weights(hf), args) == Success(None)
-    return model
-
-
-def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
-    with torch.no_grad():
-        logits: np.ndarray = hf(torch.tensor(ids)).logits.numpy()
-    return logits
+    return support.ours(hf, Model, glm4_moe_args)
 
 
 def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, size=shape)
+    return support.token_ids(shape, seed, vocab)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -353,14 +331,7 @@ def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
 
 def test_decode_with_cache_matches_full_sequence(pair: tuple[Any, Model]) -> None:
     hf, model = pair
-    ids = token_ids((2, 12), seed=2)
-    full = forward(model, ids, model.make_cache(2), [0, 0])
-    assert np.abs(full - hf_logits(hf, ids)).max() < TOL
-    cache = model.make_cache(2)
-    got = [forward(model, ids[:, :5], cache, [0, 0])]
-    got.append(forward(model, ids[:, 5:8], cache, [5, 5]))
-    got += [forward(model, ids[:, p : p + 1], cache, [p, p]) for p in range(8, 12)]
-    assert np.abs(np.concatenate(got, axis=1) - full).max() < ROW_TOL
+    check_cached_decode(hf, model, token_ids((2, 12), seed=2), TOL, ROW_TOL)
 
 
 def test_rows_at_different_offsets_match_rows_alone(pair: tuple[Any, Model]) -> None:
