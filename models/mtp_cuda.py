@@ -2073,6 +2073,10 @@ _SOURCE = r"""
         // each candidate's rank among the NC (larger first, ties to the lower
         // id; the empty ones last): the chosen are the ranks below KE
         constexpr int CL = (NC + 31) / 32;
+        // (NaN logits tie every rank: slots no candidate takes hold expert 0,
+        // never an id past E)
+        if (lane < KE) { s_eid[b][lane] = 0; s_ew[b][lane] = 0.0f; }
+        __syncwarp();
         float cv[CL];
         int ci[CL], rank[CL];
 #pragma unroll
@@ -2118,6 +2122,13 @@ _SOURCE = r"""
           __syncwarp();
         }
       }
+      // NaN logits (a broken hidden state) tie ranks or are never picked,
+      // so a slot may be left as it was (an earlier step's expert, or before
+      // any, whatever the memory held) or past E (the argmax's none): an id
+      // outside the experts becomes expert 0, so the experts' loads stay
+      // inside their weights (wrong drafts, which verification rejects,
+      // never a fault)
+      if (lane < KE && (unsigned int)s_eid[b][lane] >= (unsigned int)E) s_eid[b][lane] = 0;
       float total = 0.0f;  // the chosen's mass, summed in their order
       for (int c = 0; c < KE; ++c) total += s_ew[b][c];
       __syncwarp();
