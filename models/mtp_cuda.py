@@ -2343,6 +2343,7 @@ _SOURCE = r"""
     }
     warp_argmax(v, id);
     if (lane == 0) {
+      if ((unsigned int)id >= (unsigned int)V) id = 0;  // (NaN logits: none is the best)
       const int token = SUBSET ? sub_ids[id] : id;
       s_tok[b] = token;
       if (blk == 0) tokens[(size_t)b * STEPS + s] = token;
@@ -2481,6 +2482,7 @@ _SOURCE = r"""
           last_id = max(last_id, __shfl_xor_sync(0xffffffffu, last_id, o));
         }
         if (pick == 0x7fffffff) pick = last_id;
+        if ((unsigned int)pick >= (unsigned int)V) pick = 0;  // (NaN logits: no candidate)
         if (lane == 0) {
           const int token = SUBSET ? sub_ids[pick] : pick;
           s_tok[b] = token;
