@@ -2,6 +2,11 @@
 # The H200 figures of bench/RESULTS.md, run from the working tree on the lent
 # machine (MLX CUDA backend). Two device calls before this one put the wheels
 # in $HOME/stash (see ../shared/device/MLX_CUDA.md):
+#   (the folders are ignored, so a new checkout makes them again, in seconds: pip download --no-deps
+#    --only-binary=:all: --python-version 3.12 --implementation cp, platforms manylinux_2_35_x86_64 and
+#    manylinux2014_x86_64, of mlx==0.32.4 and mlx-cuda-13==0.32.4, the latter split at 46m into part_aa
+#    (.whlA) and part_ab (.whlB), with attrs cattrs returns gguf jinja2 markupsafe tqdm typing_extensions
+#    pyyaml in .whlA: setup-min installs every wheel in the stash)
 #   call 1 (carry .whlA): mkdir -p $HOME/stash && cp .whlA/* $HOME/stash/
 #   call 2 (carry .whlB, with part_ab and tokq/ = the Qwen tokenizer files):
 #       bash bench/h200_run.sh setup plain
