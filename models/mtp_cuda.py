@@ -1032,6 +1032,8 @@ _SOURCE = r"""
   // FIXED: the logits' sums of step s (its buffer), made where used (a
   // pointer kept from here would hold two registers through every phase)
   auto logit_sums = [&](int step) { return reinterpret_cast<long long*>(S + O_RP) + (size_t)(step & 1) * B * EP; };
+  // FIXED: the block's o_proj row at slot i = q * NWARP + w (warp w's q-th)
+  auto slot_row = [&](int i) { return blk * NWARP + i % NWARP + (i / NWARP) * NW; };
 
   if (tid == 0) {  // launches run one after another: the counter is a
     // multiple of NBLK at each start, and no block passes the first barrier
@@ -1806,7 +1808,7 @@ _SOURCE = r"""
     constexpr int GROUP16 = EP * NWARP / 4;  // 16-byte copies of one q's rows
 #pragma unroll 1
     for (int t = tid; t < RPW * GROUP16; t += SP_THREADS) {
-      const int q = t / GROUP16, c = t % GROUP16, first = blk * NWARP + q * NW;
+      const int q = t / GROUP16, c = t % GROUP16, first = slot_row(q * NWARP);
       if (first < H)  // (H a multiple of 256: a q's rows all below it or none)
         cp_async16(wstage + (size_t)q * EP * NWARP + (size_t)c * 4, w_rt + (size_t)first * EP + (size_t)c * 4);
     }
@@ -1865,7 +1867,7 @@ _SOURCE = r"""
     // the step's sums (integers: the same total in any order)
     __syncthreads();  // (the block's outputs in S, read back from L2)
     for (int t = tid; t < NWARP * RPW * B; t += SP_THREADS) {  // row i = q * NWARP + w: warp w's q-th
-      const int i = t / B, r = blk * NWARP + i % NWARP + (i / NWARP) * NW;
+      const int r = slot_row(t / B);
       s_fout[t] = r < H ? __ldcg(S + O_R1 + (size_t)(t % B) * H + r) : 0.0f;
     }
     cp_async_wait<0>();
@@ -1878,7 +1880,7 @@ _SOURCE = r"""
       for (int b = 0; b < B; ++b) sum[b] = 0.0f;
 #pragma unroll 1
       for (int i = 0; i < NWARP * RPW; ++i) {
-        if (blk * NWARP + i % NWARP + (i / NWARP) * NW >= H) break;  // (the rest past H too)
+        if (slot_row(i) >= H) break;  // (the rest past H too)
         const float wt = wstage[(size_t)i * EP + e];
 #pragma unroll
         for (int b = 0; b < B; ++b) sum[b] += wt * s_fout[i * B + b];
@@ -2073,10 +2075,6 @@ _SOURCE = r"""
         // each candidate's rank among the NC (larger first, ties to the lower
         // id; the empty ones last): the chosen are the ranks below KE
         constexpr int CL = (NC + 31) / 32;
-        // (NaN logits tie every rank: slots no candidate takes hold expert 0,
-        // never an id past E)
-        if (lane < KE) { s_eid[b][lane] = 0; s_ew[b][lane] = 0.0f; }
-        __syncwarp();
         float cv[CL];
         int ci[CL], rank[CL];
 #pragma unroll
@@ -2643,6 +2641,10 @@ class LayerShape:
         most = MAX_EXPERTS if FOLD_FIXED else 127
         return not self.dense and 0 < self.experts <= most
 
+    def o_rows_per_warp(self, blocks: int) -> int:
+        """o_proj's output rows a warp takes (the kernel's RPW)."""
+        return -(-self.hidden // (blocks * (BLOCK // 32)))
+
     def scratch(
         self,
         vectors: int,
@@ -2706,7 +2708,7 @@ class LayerShape:
         chunk = -(-vocab // blocks)
         # FOLD_FIXED: the block's warps' o_proj rows of the folded weights
         warps = BLOCK // 32
-        per_warp = -(-h // (blocks * warps))
+        per_warp = self.o_rows_per_warp(blocks)
         staged_router = warps * per_warp * (self.experts + 1) if fixed else 0
         floats = max(
             vectors * 2 * h,
@@ -2728,7 +2730,7 @@ class LayerShape:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
         the source's `__shared__` declarations, plus 1 KiB for the small ones)."""
         warps = BLOCK // 32
-        per_warp = -(-self.hidden // (blocks * warps))  # s_fout's o_proj rows
+        per_warp = self.o_rows_per_warp(blocks)  # s_fout's
         top = warps * max(rows, 32)
         splits = max(1, blocks // (rows * self.heads))  # s_split's (row, head) splits
         experts = max(self.top_experts, 1)
