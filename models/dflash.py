@@ -46,7 +46,14 @@ from returns.result import Failure, Result, Success
 from models.base import rope_offset
 from models.build import quantize_layers, quantized_layers
 from models.cache import KVCache
-from models.layers import MLP, Attention, BlockSpec, flat_parameters, model_dtype
+from models.layers import (
+    MLP,
+    Attention,
+    BlockSpec,
+    PreNormLayer,
+    flat_parameters,
+    model_dtype,
+)
 from models.parallel import Linear
 from models.vocab_head import HeadWeights
 from schemas.errors import LoadError
@@ -357,20 +364,16 @@ class DraftLayer(Protocol):
     ) -> mx.array: ...
 
 
-class DFlashLayer(nn.Module):
+class DFlashLayer(PreNormLayer):
     def __init__(
         self, args: DecoderArgs, layer: int, conv: tuple[int, int] | None = None
     ) -> None:
-        super().__init__()
+        super().__init__(args.hidden_size, args.rms_norm_eps)
         spec = BlockSpec(
             qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm=True
         )
         self.self_attn = DFlashAttention(args, layer, spec)
         self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
         self.convolved = conv is not None
         if conv is not None:
             self.attention_conv = DynamicConv(args.hidden_size, *conv)
@@ -384,11 +387,13 @@ class DFlashLayer(nn.Module):
         rope_at: int | mx.array,
         mask: mx.array,
     ) -> mx.array:
-        normed = self.input_layernorm(x)
         if not self.convolved:
-            h = x + self.self_attn.block(normed, keys, values, rope_at, mask)
-            return h + self.mlp(self.post_attention_layernorm(h))
-        normed, after = self.attention_conv.prepare(normed)
+            return self.residual(
+                x,
+                lambda n: self.self_attn.block(n, keys, values, rope_at, mask),
+                self.mlp,
+            )
+        normed, after = self.attention_conv.prepare(self.input_layernorm(x))
         attended = self.self_attn.block(normed, keys, values, rope_at, mask)
         h = x + self.attention_conv.finish(attended, after)
         normed, after = self.mlp_conv.prepare(self.post_attention_layernorm(h))

@@ -41,7 +41,7 @@ import mlx.nn as nn
 
 from models.base import Mask
 from models.cache import KVCache, KVWrite
-from models.layers import MLP, Attention, BlockSpec
+from models.layers import MLP, Attention, BlockSpec, PreNormLayer
 from models.llama import Backbone, DecoderLM
 from models.qwen3_next import SwitchGLU, stack_experts, take_expert
 from schemas.hf import DecoderArgs
@@ -126,7 +126,7 @@ def make_mlp(args: MoeArgs, layer: int) -> MoE | MLP:
     return MLP(args.hidden_size, args.intermediate_size, False)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     """One GLM-4.5 decoder layer (also the MTP head's layer): attention into
     KV slot `kv_index` (default: `layer`), then the layer's MLP (dense or MoE
     per `layer`, see `make_mlp`)."""
@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
     def __init__(
         self, args: Glm4MoeArgs, layer: int, kv_index: int | None = None
     ) -> None:
-        super().__init__()
+        super().__init__(args.hidden_size, args.rms_norm_eps)
         slot = layer if kv_index is None else kv_index
         # GQA with optional q/k biases and per-head q/k norm, RoPE on the
         # first `rotary_dims` of each head (models/layers.py)
@@ -145,10 +145,6 @@ class DecoderLayer(nn.Module):
         )
         self.self_attn = Attention(args, slot, spec)
         self.mlp = make_mlp(args, layer)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
 
     def __call__(
         self,
@@ -167,8 +163,9 @@ class DecoderLayer(nn.Module):
     ) -> mx.array:  # [B, L, H] -> [B, L, H]
         """The layer with its keys/values stored by `write` (the cache's write
         in `__call__`; a scatter at device-valued positions in a compiled step)."""
-        h = x + self.self_attn.attend(self.input_layernorm(x), write, mask, rope_at)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.residual(
+            x, lambda n: self.self_attn.attend(n, write, mask, rope_at), self.mlp
+        )
 
 
 class Glm4MoeModel(Backbone):

@@ -64,7 +64,7 @@ from models import glm4_moe
 from models.base import Mask, RoPE, run_stack
 from models.cache import KVCache, KVWrite, position_mask
 from models.fuse import FusedProjection, fuse, fused_or_none
-from models.layers import model_dtype
+from models.layers import PreNormLayer, model_dtype
 from models.llama import Backbone
 from models.parallel import Linear
 from schemas.hf_glm_moe_dsa import GlmMoeDsaArgs, layout_problem
@@ -273,20 +273,16 @@ class LatentAttention(nn.Module):
         return chosen
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     """One GLM-5 decoder layer: latent attention, then the MLP (dense or MoE
     per `args.is_sparse(layer)`, models/glm4_moe.py's)."""
 
     def __init__(
         self, args: GlmMoeDsaArgs, layer: int, kv_index: int | None = None
     ) -> None:
-        super().__init__()
+        super().__init__(args.hidden_size, args.rms_norm_eps)
         self.self_attn = LatentAttention(args, layer, kv_index)
         self.mlp = glm4_moe.make_mlp(args, layer)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
 
     def __call__(
         self,
@@ -313,10 +309,11 @@ class DecoderLayer(nn.Module):
         selection: Selection | None = None,
     ) -> mx.array:  # [B, L, H]
         """The layer with its latents stored by `write` (`LatentAttention.attend`)."""
-        h = x + self.self_attn.attend(
-            self.input_layernorm(x), write, mask, rope_at, selection
+        return self.residual(
+            x,
+            lambda n: self.self_attn.attend(n, write, mask, rope_at, selection),
+            self.mlp,
         )
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class GlmMoeDsaModel(Backbone):

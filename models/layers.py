@@ -8,7 +8,7 @@ instead of repeating the layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +34,28 @@ class BlockSpec:
     # RoPE on the first head_dim * rotary_fraction dims of each head, the
     # rest passed through (glm4_moe's partial_rotary_factor)
     rotary_fraction: float = 1.0
+
+
+class PreNormLayer(nn.Module):
+    """A pre-norm decoder layer's two RMS norms and its residual form: the
+    mixer (attention or a recurrent one) reads `input_layernorm(x)`, the MLP
+    `post_attention_layernorm(h)`, and each adds its output back. A family's
+    layer calls this `__init__` and adds its mixer and MLP; the names are the
+    checkpoints' (`input_layernorm.weight`, `post_attention_layernorm.weight`)."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(hidden, eps=eps)
+
+    def residual(
+        self,
+        x: mx.array,  # [B, L, H]
+        mix: Callable[[mx.array], mx.array],  # the normed input -> the mixer's output
+        mlp: Callable[[mx.array], mx.array],
+    ) -> mx.array:  # [B, L, H]
+        h = x + mix(self.input_layernorm(x))
+        return h + mlp(self.post_attention_layernorm(h))
 
 
 class MLP(nn.Module):

@@ -15,21 +15,17 @@ import mlx.nn as nn
 
 from models.base import Mask, ModelOutput, StackLayer, Tapping, run_stack
 from models.cache import KVCache
-from models.layers import MLP, Attention, BlockSpec, model_dtype
+from models.layers import MLP, Attention, BlockSpec, PreNormLayer, model_dtype
 from models.parallel import Embedding, Linear
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormLayer):
     def __init__(self, args: DecoderArgs, layer: int, spec: BlockSpec) -> None:
-        super().__init__()
+        super().__init__(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer, spec)
         self.mlp = MLP(args.hidden_size, args.intermediate_size, spec.mlp_bias)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
 
     def __call__(
         self,
@@ -39,8 +35,9 @@ class TransformerBlock(nn.Module):
         mask: Mask,  # None, "causal" or [B, 1, L, S]
         rope_at: int | mx.array,  # scalar or [B]
     ) -> mx.array:  # [B, L, H]
-        h = x + self.self_attn(self.input_layernorm(x), cache, offsets, mask, rope_at)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.residual(
+            x, lambda n: self.self_attn(n, cache, offsets, mask, rope_at), self.mlp
+        )
 
 
 class Backbone(nn.Module):

@@ -34,7 +34,7 @@ from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
-from models.layers import MLP, model_dtype
+from models.layers import MLP, PreNormLayer, model_dtype
 from models.parallel import Embedding, Linear
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
@@ -311,17 +311,13 @@ def make_mlp(args: HybridArgs, layer: int) -> SparseMoeBlock | MLP:
     return MLP(args.hidden_size, args.intermediate_size, False)
 
 
-class AttentionLayer(nn.Module):
+class AttentionLayer(PreNormLayer):
     """A full-attention decoder layer (also the MTP head's layer)."""
 
     def __init__(self, args: HybridArgs, layer: int, kv_index: int) -> None:
-        super().__init__()
+        super().__init__(args.hidden_size, args.rms_norm_eps)
         self.self_attn = GatedAttention(args, kv_index)
         self.mlp = make_mlp(args, layer)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
 
     def __call__(
         self,
@@ -339,11 +335,12 @@ class AttentionLayer(nn.Module):
         self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array
     ) -> mx.array:  # [B, L, H] -> [B, L, H]
         """The layer with its keys/values stored by `write` (GatedAttention.attend)."""
-        h = x + self.self_attn.attend(self.input_layernorm(x), write, mask, rope_at)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.residual(
+            x, lambda n: self.self_attn.attend(n, write, mask, rope_at), self.mlp
+        )
 
 
-class LinearLayer(nn.Module):
+class LinearLayer(PreNormLayer):
     """A GatedDeltaNet decoder layer; state slot `linear_index` of the cache.
     `mixer` picks the projection layout (Qwen3-Next's fused one by default)."""
 
@@ -354,14 +351,10 @@ class LinearLayer(nn.Module):
         linear_index: int,
         mixer: type[GatedDeltaMixer] = GatedDeltaNet,
     ) -> None:
-        super().__init__()
+        super().__init__(args.hidden_size, args.rms_norm_eps)
         self.linear_index = linear_index
         self.linear_attn = mixer(args)
         self.mlp = make_mlp(args, layer)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
 
     def __call__(
         self, x: mx.array, cache: HybridCache, per_position: bool
