@@ -1,11 +1,16 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus the chat template and stop tokens.
 
 Notable:
-- A GGUF carries no tokenizer.json; `gguf_tokenizer` rebuilds the byte-level BPE
-  from its metadata (tokens, merges, token types) with the pre-tokenizer that
-  llama.cpp selects by `tokenizer.ggml.pre`. Control tokens (type 3) become
-  special added tokens, user-defined ones (type 4) plain added tokens, as
-  llama.cpp matches both whole.
+- A GGUF carries no tokenizer.json; `gguf_tokenizer` rebuilds its tokenizer
+  from the metadata (tokens, merges or scores, token types): a byte-level BPE
+  with the pre-tokenizer that llama.cpp selects by `tokenizer.ggml.pre`, or a
+  SentencePiece BPE (`llama`) whose merges, where the file lists none, are
+  derived from the pieces' scores (`sentencepiece_merges`). Control tokens
+  (type 3; SentencePiece's unknown one too) become special added tokens,
+  user-defined ones (type 4) plain added tokens, as llama.cpp matches both
+  whole; SentencePiece text between them is encoded stretch by stretch, a
+  space prefixed to each (llama.cpp's rule; SentencePiece itself prefixes the
+  whole text only).
 - BOS/EOS insertion follows HF's fast tokenizers: when the config states
   `add_bos_token`/`add_eos_token`, the post-processor is a template that adds
   them, so `encode` and a saved folder loaded by transformers agree.
@@ -32,7 +37,15 @@ import jinja2.parser
 from attrs import field, frozen
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from returns.result import Failure, Result, Success
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as Backend
 
 from schemas.errors import LoadError
@@ -40,8 +53,12 @@ from schemas.errors import LoadError
 if TYPE_CHECKING:
     from models.gguf import GgufModel
 
-# llama.cpp's token types (llama_token_type): 3 control, 4 user-defined
-_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp's token types (llama_token_type): 1 normal, 2 unknown, 3 control,
+# 4 user-defined (5 unused and 6 byte take no part here)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+# tokenizer.ggml.model of a SentencePiece BPE vocabulary, and its space
+_SENTENCEPIECE = "llama"
+_SPACE = "\u2581"
 
 # https://github.com/ggml-org/llama.cpp/blob/master/src/llama-vocab.cpp: the
 # splits of LLAMA_VOCAB_PRE_TYPE_QWEN2 and _LLAMA3 (written in HF's regex form)
@@ -106,49 +123,36 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 def gguf_tokenizer(
     metadata: dict[str, Any], where: str
 ) -> tuple[Backend, dict[str, Any]] | LoadError:
-    """The byte-level BPE and tokenizer_config.json a GGUF's metadata describe."""
+    """The tokenizer and tokenizer_config.json a GGUF's metadata describe: a
+    byte-level BPE (`tokenizer.ggml.model` 'gpt2') or a SentencePiece BPE
+    ('llama': Llama-2, Mistral, TinyLlama)."""
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if kind is None or not isinstance(tokens, list):
         return LoadError(f"{where}: no tokenizer in the GGUF metadata")
-    if kind != "gpt2":
-        return LoadError(
-            f"{where}: tokenizer model {kind!r} is not supported (only byte-level "
-            "BPE, 'gpt2', as tokenizer.ggml.model); load the model's HF folder "
-            "(tokenizer.json) instead"
-        )
-    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-    if pre not in _PRE_TOKENIZERS:
-        return LoadError(
-            f"{where}: pre-tokenizer {pre!r} is not supported "
-            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
-        )
-    merges_raw = metadata.get("tokenizer.ggml.merges") or []
-    merges: list[tuple[str, str]] = []
-    for merge in merges_raw:
-        left, sep, right = str(merge).partition(" ")
-        if not sep:
-            return LoadError(f"{where}: malformed merge {merge!r}")
-        merges.append((left, right))
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [])
     if types and len(types) != len(tokens):
         return LoadError(
             f"{where}: {len(types)} token types for {len(tokens)} tokens (corrupt)"
         )
-    vocab = {token: index for index, token in enumerate(tokens)}
-    backend = Backend(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
+    merges = _gguf_merges(metadata, where)
+    if isinstance(merges, LoadError):
+        return merges
+    if kind == "gpt2":
+        backend = _byte_level_bpe(metadata, tokens, merges, where)
+    elif kind == _SENTENCEPIECE:
+        backend = _sentencepiece_bpe(metadata, tokens, types, merges, where)
+    else:
+        return LoadError(
+            f"{where}: tokenizer model {kind!r} is not supported (supported as "
+            "tokenizer.ggml.model: 'gpt2', byte-level BPE, and 'llama', "
+            "SentencePiece BPE); load the model's HF folder (tokenizer.json) instead"
         )
-    )
-    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-    backend.decoder = decoders.ByteLevel()
-    control = [t for t, k in zip(tokens, types, strict=False) if k == _CONTROL]
+    if isinstance(backend, LoadError):
+        return backend
+    # SentencePiece's <unk> is a special token of its own type
+    specials = {_CONTROL, _UNKNOWN} if kind == _SENTENCEPIECE else {_CONTROL}
+    control = [t for t, k in zip(tokens, types, strict=False) if k in specials]
     user = [t for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED]
     backend.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in control]
@@ -161,13 +165,15 @@ def gguf_tokenizer(
             return str(tokens[index])
         return None
 
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == _SENTENCEPIECE)
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"),
         "eos_token": token("eos"),
         "unk_token": token("unknown"),
         "pad_token": token("padding"),
-        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(add_bos),
         "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
     }
@@ -184,6 +190,126 @@ def gguf_tokenizer(
     config["extra_eos_tokens"] = sorted(ends)
     _set_post_processor(backend, config)
     return backend, config
+
+
+def _gguf_merges(
+    metadata: dict[str, Any], where: str
+) -> list[tuple[str, str]] | LoadError | None:
+    """`tokenizer.ggml.merges` as pairs; None where the file has none."""
+    raw = metadata.get("tokenizer.ggml.merges")
+    if not raw:
+        return None
+    merges: list[tuple[str, str]] = []
+    for merge in raw:
+        left, sep, right = str(merge).partition(" ")
+        if not sep:
+            return LoadError(f"{where}: malformed merge {merge!r}")
+        merges.append((left, right))
+    return merges
+
+
+def _byte_level_bpe(
+    metadata: dict[str, Any],
+    tokens: list[str],
+    merges: list[tuple[str, str]] | None,
+    where: str,
+) -> Backend | LoadError:
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    if pre not in _PRE_TOKENIZERS:
+        return LoadError(
+            f"{where}: pre-tokenizer {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
+    backend = Backend(
+        models.BPE(
+            vocab={token: index for index, token in enumerate(tokens)},
+            merges=merges or [],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(
+    metadata: dict[str, Any],
+    tokens: list[str],
+    types: list[int],
+    merges: list[tuple[str, str]] | None,
+    where: str,
+) -> Backend | LoadError:
+    """SentencePiece's BPE as llama.cpp runs a 'llama' vocabulary: spaces
+    spelled U+2581, one prefixed to each stretch of text (the start and after
+    every special token, `tokenizer.ggml.add_space_prefix`, default on), the
+    adjacent pair whose joined piece scores best merged first, and characters
+    outside the vocabulary spelled as byte pieces (`<0xNN>`)."""
+    if merges is None:
+        scores = metadata.get("tokenizer.ggml.scores")
+        if not isinstance(scores, list) or len(scores) != len(tokens):
+            return LoadError(
+                f"{where}: a SentencePiece vocabulary needs tokenizer.ggml.scores "
+                "(one per token) or tokenizer.ggml.merges; the file has neither "
+                "(corrupt or cut short)"
+            )
+        merges = sentencepiece_merges(tokens, [float(s) for s in scores], types)
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    backend = Backend(
+        models.BPE(
+            vocab={token: index for index, token in enumerate(tokens)},
+            merges=merges,
+            dropout=None,
+            unk_token=(
+                str(tokens[unknown])
+                if isinstance(unknown, int) and 0 <= unknown < len(tokens)
+                else None
+            ),
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    spaces: list[normalizers.Normalizer] = [normalizers.Replace(" ", _SPACE)]
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(_SPACE), *spaces] if prefix else spaces
+    )
+    steps: list[decoders.Decoder] = [
+        decoders.Replace(_SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    backend.decoder = decoders.Sequence(
+        [*steps, decoders.Strip(" ", 1, 0)] if prefix else steps
+    )
+    return backend
+
+
+def sentencepiece_merges(
+    tokens: Sequence[str], scores: Sequence[float], types: Sequence[int] = ()
+) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece BPE vocabulary implies: every way of
+    cutting a piece into two pieces, the best-scoring joined piece first (its
+    rank is the order SentencePiece merges in), a piece's cuts in the order of
+    their left halves' ids. Only normal and user-defined pieces (or all, when
+    `types` is empty) are joined or cut into; control, unknown, byte and
+    unused pieces take no part."""
+    allowed = {
+        token
+        for index, token in enumerate(tokens)
+        if not types or types[index] in (_NORMAL, _USER_DEFINED)
+    }
+    ids = {token: index for index, token in enumerate(tokens) if token in allowed}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, index in ids.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[index], index, ids[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _set_post_processor(backend: Backend, config: dict[str, Any]) -> None:
@@ -441,8 +567,16 @@ class StreamingDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        context = self._decode(self.ids[self._prefix : self._read])
-        full = self._decode(self.ids[self._prefix :])
+        start = self._prefix
+        context = self._decode(self.ids[start : self._read])
+        # A context that decodes to nothing (skipped special tokens, a lone
+        # space) leaves a rule on the window's first character (SentencePiece's
+        # leading-space strip) acting on the new text: widen it back to a token
+        # that decodes to text.
+        while not context and start > 0:
+            start -= 1
+            context = self._decode(self.ids[start : self._read])
+        full = self._decode(self.ids[start:])
         if not final and full.endswith("\ufffd"):
             return ""
         piece = full[len(context) :]

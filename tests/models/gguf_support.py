@@ -5,9 +5,12 @@ converter writes it), and `read_gguf` must give them back."""
 
 from __future__ import annotations
 
+import io
+import random
 from pathlib import Path
 from typing import Any
 
+import attrs
 import gguf
 import numpy as np
 from gguf import (
@@ -73,6 +76,117 @@ def tiny_tokens() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+@attrs.frozen
+class Vocab:
+    """A GGUF tokenizer's metadata (llama.cpp's keys), for `write_tiny_gguf`."""
+
+    model: str  # tokenizer.ggml.model
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    bos: int = 1
+    eos: int = 2
+    unknown: int | None = None
+    add_space_prefix: bool | None = None  # None: the key left out
+
+
+def tiny_vocab(tokenizer_model: str = "gpt2") -> Vocab:
+    tokens, types = tiny_tokens()
+    return Vocab(tokenizer_model, tokens, types, merges=MERGES)
+
+
+# SentencePiece's token kinds as llama.cpp numbers them (llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPM_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "speculative",
+    "decoding",
+    "drafts",
+    "tokens",
+    "that",
+    "the",
+    "target",
+    "model",
+    "verifies",
+    "accepts",
+    "or",
+    "rejects",
+]
+
+
+def train_sentencepiece(
+    vocab_size: int = 500, add_dummy_prefix: bool = True
+) -> tuple[Any, Vocab]:
+    """A SentencePiece BPE model trained here on a made-up corpus (as Llama-2's:
+    identity normalisation, spaces kept, byte fallback, digits split, a
+    user-defined `<think>`), and its vocabulary as llama.cpp's converter
+    writes it."""
+    import sentencepiece
+
+    rng = random.Random(0)
+    lines = []
+    for i in range(3000):
+        line = " ".join(rng.choice(SPM_WORDS) for _ in range(rng.randint(3, 14)))
+        if i % 7 == 0:
+            line += f" {rng.randint(0, 99999)}"
+        if i % 11 == 0:
+            line = f"  {line}  naïve café"
+        lines.append(line)
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=proto,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=add_dummy_prefix,
+        split_digits=True,
+        user_defined_symbols=["<think>"],
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    processor = sentencepiece.SentencePieceProcessor(model_proto=proto.getvalue())
+    tokens, scores, types = [], [], []
+    for index in range(processor.get_piece_size()):
+        tokens.append(processor.id_to_piece(index))
+        scores.append(processor.get_score(index))
+        if processor.is_unknown(index):
+            types.append(UNKNOWN)
+        elif processor.is_control(index):
+            types.append(CONTROL)
+        elif processor.is_byte(index):
+            types.append(BYTE)
+        elif processor.is_unused(index):
+            types.append(UNUSED)
+        elif tokens[-1] == "<think>":
+            types.append(USER_DEFINED)
+        else:
+            types.append(NORMAL)
+    vocab = Vocab(
+        "llama",
+        tokens,
+        types,
+        scores=scores,
+        bos=processor.bos_id(),
+        eos=processor.eos_id(),
+        unknown=processor.unk_id(),
+        add_space_prefix=None if add_dummy_prefix else False,
+    )
+    return processor, vocab
+
+
 def tiny_weights(
     seed: int, vocab: int, model_type: str = "llama", tied: bool = True
 ) -> dict[str, np.ndarray]:  # HF name -> [O, I] / [V, H] / [O] float32
@@ -110,6 +224,27 @@ def tiny_weights(
     return weights
 
 
+def write_vocab(
+    writer: GGUFWriter, vocab: Vocab, pre: str, add_bos: bool | None
+) -> None:
+    writer.add_tokenizer_model(vocab.model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    if vocab.merges is not None:
+        writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos)
+    writer.add_eos_token_id(vocab.eos)
+    if vocab.unknown is not None:
+        writer.add_unk_token_id(vocab.unknown)
+    if vocab.add_space_prefix is not None:
+        writer.add_add_space_prefix(vocab.add_space_prefix)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+
+
 def llamacpp_permute(
     weight: np.ndarray,  # [N*D, ...] HF row order
     n_heads: int,
@@ -143,7 +278,8 @@ def write_tiny_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     tokenizer_model: str = "gpt2",
     pre: str = "default",
-    add_bos: bool = False,
+    add_bos: bool | None = False,  # None: the key left out
+    vocab: Vocab | None = None,  # None: `tiny_vocab(tokenizer_model)`
     extra: dict[str, np.ndarray] | None = None,  # GGUF name -> any shape, as is
 ) -> dict[str, np.ndarray]:
     """Write `weights` (HF names) as a GGUF; return what a reader must give back
@@ -160,15 +296,7 @@ def write_tiny_gguf(
     if arch == "qwen3":
         writer.add_key_length(HEAD_DIM)
         writer.add_value_length(HEAD_DIM)
-    tokens, types = tiny_tokens()
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(add_bos)
+    write_vocab(writer, vocab or tiny_vocab(tokenizer_model), pre, add_bos)
     writer.add_chat_template(CHATML)
     expected: dict[str, np.ndarray] = {}
     heads = {

@@ -227,9 +227,11 @@ def test_tensors_we_cannot_place(tmp_path: Path, extra: str, expected: str) -> N
 
 def test_unsupported_tokenizer(tmp_path: Path) -> None:
     tokens, _ = tiny_tokens()
-    path = tmp_path / "spm.gguf"
-    write_tiny_gguf(path, tiny_weights(0, len(tokens)), tokenizer_model="llama")
-    assert "tokenizer model 'llama' is not supported" in _error(path)
+    path = tmp_path / "t5.gguf"
+    write_tiny_gguf(path, tiny_weights(0, len(tokens)), tokenizer_model="t5")
+    message = _error(path)
+    assert "tokenizer model 't5' is not supported" in message
+    assert "'gpt2'" in message and "'llama'" in message and "tokenizer.json" in message
 
 
 # -- the real checkpoints -----------------------------------------------------
