@@ -4,7 +4,8 @@ Notable:
 - A GGUF carries no tokenizer.json; `gguf_tokenizer` rebuilds its tokenizer
   from the metadata (tokens, merges or scores, token types): a byte-level BPE
   with the pre-tokenizer that llama.cpp selects by `tokenizer.ggml.pre`, or a
-  SentencePiece BPE (`llama`) whose merges, where the file lists none, are
+  SentencePiece BPE (`llama`; Gemma-4's `gemma4`, without the space prefix,
+  as transformers reads it) whose merges, where the file lists none, are
   derived from the pieces' scores (`sentencepiece_merges`). Control tokens
   (type 3; SentencePiece's unknown one too) become special added tokens,
   user-defined ones (type 4) plain added tokens, as llama.cpp matches both
@@ -56,8 +57,9 @@ if TYPE_CHECKING:
 # llama.cpp's token types (llama_token_type): 1 normal, 2 unknown, 3 control,
 # 4 user-defined (5 unused and 6 byte take no part here)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
-# tokenizer.ggml.model of a SentencePiece BPE vocabulary, and its space
-_SENTENCEPIECE = "llama"
+# tokenizer.ggml.model of a SentencePiece BPE vocabulary, of Gemma-4's (the
+# same pieces, no space prefix, the merges listed), and their space
+_SENTENCEPIECE, _GEMMA4 = "llama", "gemma4"
 _SPACE = "\u2581"
 
 # https://github.com/ggml-org/llama.cpp/blob/master/src/llama-vocab.cpp: the
@@ -140,18 +142,19 @@ def gguf_tokenizer(
         return merges
     if kind == "gpt2":
         backend = _byte_level_bpe(metadata, tokens, merges, where)
-    elif kind == _SENTENCEPIECE:
-        backend = _sentencepiece_bpe(metadata, tokens, types, merges, where)
+    elif kind in (_SENTENCEPIECE, _GEMMA4):
+        backend = _sentencepiece_bpe(metadata, kind, tokens, types, merges, where)
     else:
         return LoadError(
             f"{where}: tokenizer model {kind!r} is not supported (supported as "
-            "tokenizer.ggml.model: 'gpt2', byte-level BPE, and 'llama', "
-            "SentencePiece BPE); load the model's HF folder (tokenizer.json) instead"
+            "tokenizer.ggml.model: 'gpt2', byte-level BPE, and 'llama' and "
+            "'gemma4', SentencePiece BPE); load the model's HF folder "
+            "(tokenizer.json) instead"
         )
     if isinstance(backend, LoadError):
         return backend
     # SentencePiece's <unk> is a special token of its own type
-    specials = {_CONTROL, _UNKNOWN} if kind == _SENTENCEPIECE else {_CONTROL}
+    specials = {_CONTROL} if kind == "gpt2" else {_CONTROL, _UNKNOWN}
     control = [t for t, k in zip(tokens, types, strict=False) if k in specials]
     user = [t for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED]
     backend.add_special_tokens(
@@ -165,8 +168,12 @@ def gguf_tokenizer(
             return str(tokens[index])
         return None
 
-    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say;
+    # Gemma-4's files say so too, but its chat template writes <bos> itself and
+    # its own tokenizer adds none (as transformers reads these files)
     add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == _SENTENCEPIECE)
+    if kind == _GEMMA4:
+        add_bos = False
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"),
@@ -237,6 +244,7 @@ def _byte_level_bpe(
 
 def _sentencepiece_bpe(
     metadata: dict[str, Any],
+    kind: str,
     tokens: list[str],
     types: list[int],
     merges: list[tuple[str, str]] | None,
@@ -246,7 +254,14 @@ def _sentencepiece_bpe(
     spelled U+2581, one prefixed to each stretch of text (the start and after
     every special token, `tokenizer.ggml.add_space_prefix`, default on), the
     adjacent pair whose joined piece scores best merged first, and characters
-    outside the vocabulary spelled as byte pieces (`<0xNN>`)."""
+    outside the vocabulary spelled as byte pieces (`<0xNN>`). A 'gemma4'
+    vocabulary (llama.cpp's converter writes Gemma-4's tokenizer.json pieces and
+    merges) has no prefix unless its file asks for one."""
+    if merges is None and kind == _GEMMA4:
+        return LoadError(
+            f"{where}: a gemma4 vocabulary needs tokenizer.ggml.merges (llama.cpp's "
+            "converter writes them; the file is corrupt or cut short)"
+        )
     if merges is None:
         scores = metadata.get("tokenizer.ggml.scores")
         if not isinstance(scores, list) or len(scores) != len(tokens):
@@ -271,7 +286,9 @@ def _sentencepiece_bpe(
             byte_fallback=True,
         )
     )
-    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = bool(
+        metadata.get("tokenizer.ggml.add_space_prefix", kind == _SENTENCEPIECE)
+    )
     spaces: list[normalizers.Normalizer] = [normalizers.Replace(" ", _SPACE)]
     backend.normalizer = normalizers.Sequence(
         [normalizers.Prepend(_SPACE), *spaces] if prefix else spaces

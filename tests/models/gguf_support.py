@@ -385,8 +385,8 @@ def write_gemma4_gguf(
     reader must give back: the weights (HF names) after a round trip through
     their stored types. Norms are stored as they are (Gemma-4's norm_shift is
     0), nothing is permuted, the full layers' proportional RoPE becomes
-    `rope_freqs`. The tokenizer is the tiny byte-level BPE above (specpipe
-    reads no `gemma4` SentencePiece-style tokenizer). `split_experts` stores
+    `rope_freqs`. The tokenizer is the tiny byte-level BPE above (the `gemma4`
+    vocabulary is tests/models/test_tokenizer_spm.py's). `split_experts` stores
     the experts' gate and up apart, a layout llama.cpp also loads."""
     h = hparams
     layers = int(h["num_hidden_layers"])

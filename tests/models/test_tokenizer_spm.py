@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from gguf_support import (
     BYTE,
@@ -227,3 +228,54 @@ def test_bad_vocabularies(
     assert isinstance(error, LoadError)
     assert "bad.gguf" in error.message
     assert expected in error.message
+
+
+# -- Gemma-4's vocabulary ('gemma4': the pieces and merges of its tokenizer.json) --
+
+
+def _gemma4_file(path: Path, **changes: Any) -> tuple[Any, Vocab]:
+    processor, vocab = train_sentencepiece(add_dummy_prefix=False)
+    merges = sentencepiece_merges(vocab.tokens, vocab.scores or [], vocab.types)
+    settings: dict[str, Any] = {
+        "model": "gemma4",
+        "merges": [f"{left} {right}" for left, right in merges],
+        "add_space_prefix": False,  # as llama.cpp's converter writes them
+    }
+    vocab = attrs.evolve(vocab, **(settings | changes))
+    write_tiny_gguf(path, tiny_weights(0, len(vocab.tokens)), vocab=vocab, add_bos=True)
+    return processor, vocab
+
+
+def test_gemma4_vocabulary_encodes_as_transformers_reads_it(tmp_path: Path) -> None:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+
+    path = tmp_path / "gemma4.gguf"
+    _gemma4_file(path)
+    result = read_gguf(path, load_weights=False)
+    assert isinstance(result, Success), result
+    ours = Tokenizer.from_gguf(result.unwrap())
+    architecture, metadata, config = get_gguf_tokenizer(str(path))
+    theirs, _ = convert_gguf_tokenizer(architecture, metadata)
+    # the file asks for BOS; Gemma-4's chat template writes it instead
+    assert ours.config["add_bos_token"] is config["add_bos_token"] is False
+    texts = [*TEXTS, "</s>the fox<think>over<unk>  x", *_random_texts(300, seed=6)]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False) == text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(
+            ids, skip_special_tokens=True
+        )
+
+
+def test_gemma4_vocabulary_without_merges_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gemma4.gguf"
+    _gemma4_file(path, merges=None)
+    result = read_gguf(path, load_weights=False)
+    assert not isinstance(result, Success)
+    message = result.failure().message
+    assert "gemma4 vocabulary needs tokenizer.ggml.merges" in message
+    assert str(path) in message
