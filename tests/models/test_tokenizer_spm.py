@@ -208,6 +208,25 @@ def test_a_whole_gguf_file(trained: tuple[Any, Vocab], tmp_path: Path) -> None:
     assert vocab.eos in tok.eos_token_ids
 
 
+def test_saved_folder_loads_in_transformers_and_back(
+    trained: tuple[Any, Vocab], ours: Tokenizer, tmp_path: Path
+) -> None:
+    """`specpipe convert` of a GGUF writes this tokenizer as tokenizer.json."""
+    from transformers import AutoTokenizer
+
+    processor, vocab = trained
+    ours.save(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    loaded = Tokenizer.from_folder(tmp_path)
+    assert isinstance(loaded, Success), loaded
+    back = loaded.unwrap()
+    for text in [*TEXTS, "</s>the fox<think>over<unk>", *_random_texts(100, seed=7)]:
+        ids = ours.encode(text)
+        assert theirs.encode(text) == back.encode(text) == ids, text
+        assert theirs.decode(ids) == back.decode(ids) == ours.decode(ids), text
+    assert ours.encode("the fox") == [vocab.bos, *processor.encode("the fox")]
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
