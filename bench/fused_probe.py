@@ -156,10 +156,6 @@ _SWITCHES = [
     ("att-pipe", "ATT_PIPE", "attention's next cached positions loaded during the current ones"),
     ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
     ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
-    ("shared-early", "SHARED_EARLY", "the shared expert's gate/up beside the router's top-k"),
-    ("gate-late", "GATE_LATE", "the heads' output gates computed in attention's phase by its idle blocks"),
-    ("fold-fixed", "FOLD_FIXED", "the folded router's block shares summed as fixed-point integers (any expert count)"),
-    ("topk-split", "TOPK_SPLIT", "a folded router's top-k past 128 experts in two ranking passes"),
 ]
 
 

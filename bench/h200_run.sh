@@ -105,6 +105,7 @@
 #  `PART=agree ... fixed` (TOPK_SPLIT's drafts must equal FOLD_FIXED's alone exactly; FOLD_FIXED's agree with
 #  the float32 MLX step as the defaults' do, near ties aside); then the GATE_LATE / SHARED_EARLY plan above,
 #  with the 512-expert sets on top of the better of these)
+# (thirty-first session: FOLD_FIXED, TOPK_SPLIT, GATE_LATE and SHARED_EARLY timed on an H100 at 64 and 512 experts, no gain: removed with their code and the `fixed` step)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -387,20 +388,6 @@ for step in "$@"; do
       SETS=none SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=${CONTEXT:-48} \
           REPEATS=${REPEATS:-8} EXPERTS=$([ $e = 64 ] || echo $e) bash $0 switches
     done
-    ;;
-  fixed)  # FOLD_FIXED and TOPK_SPLIT (thirtieth session): Qwen3-Next's 512 experts with the router folded
-    # into o_proj's phase and its top-k in two passes, against the defaults (the router in its own phase),
-    # then FOLD_FIXED at 64 experts; PART=agree: their drafts instead (TOPK_SPLIT's must be FOLD_FIXED's)
-    if [ "${PART:-time}" = agree ]; then
-      ROWS=${ROWS:-1,3} PROBE_FLAGS="--experts 512 --fold-fixed --context 40" PROBE_TAG=-fixed LIMIT=${LIMIT:-250} bash $0 agree
-      ROWS=${ROWS:-1,3} PROBE_FLAGS="--experts 512 --fold-fixed --topk-split --context 40" PROBE_TAG=-fixed-split \
-          LIMIT=${LIMIT:-250} bash $0 agree
-    else
-      EXPERTS=512 SETS="${SETS:-none FOLD_FIXED FOLD_FIXED,TOPK_SPLIT}" SAMPLINGS="${SAMPLINGS:-greedy}" NO_AGREE=1 \
-          DEPTHS=${DEPTHS:-2,3} CONTEXT=48 REPEATS=${REPEATS:-8} LIMIT=${LIMIT:-110} bash $0 switches
-      [ -n "${NO_64:-}" ] || SETS="none FOLD_FIXED" SAMPLINGS="${SAMPLINGS:-greedy}" NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} \
-          CONTEXT=48 REPEATS=${REPEATS:-8} LIMIT=${LIMIT:-110} bash $0 switches
-    fi
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \

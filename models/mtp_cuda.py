@@ -26,7 +26,7 @@ wrong output):
 4. the splits combined, times sigmoid(gate), then o_proj plus the residual
    (with `FOLD_ROUTER`, the default for up to 127 experts, each block's share
    of the router's logits too: the router's phase and barrier are saved;
-   `FOLD_FIXED`, off: the shares added as fixed-point integers, any count);
+   past 127 experts the router keeps its own phase);
 5-6. the MLP (dense SwiGLU), or the sparse MoE block (router softmax top-k,
    the chosen experts' SwiGLU, the sigmoid-gated shared expert), plus the
    residual;
@@ -312,22 +312,6 @@ ATT_MIN_SHARE = 16
 # float32 MLX step's in every launch form, and to the bf16 step's where the
 # defaults' are. On since.
 ATT_SHARE = 64
-# Whether the query heads' output gates (half of q/k/v's rows: the
-# Qwen3-Next attention's sigmoid gate on each head's output) are computed in
-# attention's phase, by the blocks that phase leaves idle, instead of in
-# q/k/v's: at one row and 48 positions attention keeps 16 of 128 blocks
-# busy (ATT_SHARE), and q/k/v's product drops from 9,216 rows to 5,120 (nine
-# rows per warp, five rounds of loads, to five rows, three). The gates then
-# multiply the heads' outputs where o_proj stages them, not in attention's
-# combine. Decided each step, alike in every block, from the rows'
-# positions: only where the idle blocks' warps take at most GATE_ROWS rows
-# each (one row at short contexts; not at long ones, where every block
-# attends); otherwise q/k/v computes them as before. Per-query-head
-# attention only (not ATT_GROUPED). The same products in the same order:
-# the drafts are the defaults' exactly. Compile-checked, off (twenty-ninth
-# session): `SETS="none GATE_LATE"` times it.
-GATE_LATE = False
-GATE_ROWS = 6
 # A whole-round launch (`kv_out`) copies the head's KV buffers into its new
 # ones: O(capacity) per round, ~34 us of a depth-2 launch at 32,768 positions
 # on the H200 (twenty-first session's first-step figures). COPY_UNROLL
@@ -380,46 +364,6 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
-# Whether the folded router's block shares are added up as 64-bit
-# fixed-point integers (2^-32 units) by one atomic add per (row, logit) and
-# block into a sum that every block then reads once (B x (E + 1) loads),
-# instead of each block's warps summing all NBLK blocks' float shares of
-# every logit after the barrier (B x (E + 1) x NBLK loads per block: ~8,300
-# at 64 experts, ~66,000 at Qwen3-Next's 512, which is why the router keeps
-# its own phase there). Integer sums do not depend on the atomics' order:
-# every launch gives the same logits, each block's share rounded once to
-# 2^-32 and their sum to float32 once. A block's share is summed, after
-# o_proj's product, by its threads over the block's rows (not in its warps'
-# registers during the product), so it folds any router `MAX_EXPERTS` admits:
-# with it on, Qwen3-Next's 512 experts fold too. A share of 2^31 or more
-# (no trained router's) would saturate: wrong drafts, which verification
-# rejects. Compile-checked, off (thirtieth session): `SETS="none FOLD_FIXED"`
-# times it, with `EXPERTS=512` the router's phase against none.
-FOLD_FIXED = False
-# Whether a folded router's top-k past 128 experts (Qwen3-Next's 512 with
-# `FOLD_FIXED`) takes two ranking passes, the block's warps each ranking an
-# eighth of a row's experts (their logits in shared memory, read as
-# broadcasts) and keeping its best KE, then the row's warp ranking those
-# NWARP x KE candidates by shuffles, instead of KE rounds of a warp argmax
-# over all of them (each a chain of shuffles: ~3.5 us a step at 64 experts
-# on the H200 before the rank form replaced them there). The same experts
-# in the same order with the same weights: the drafts are the argmax
-# rounds' exactly. (The router's own phase keeps the rounds: there the
-# pass spilled in the three-row sampled round.) Compile-checked, off
-# (thirtieth session): `EXPERTS=512 SETS="FOLD_FIXED FOLD_FIXED,TOPK_SPLIT"`
-# times it.
-TOPK_SPLIT = False
-# Whether the MoE's shared expert gate/up product runs at the experts'
-# phase start, by the warps the router's top-k leaves idle (all but the
-# first B of each block, while those choose the rows' experts), instead of
-# in the routed experts' product (folded router: 5,632 rows over 1,024 warps
-# at one row, six rounds of loads, five without it) or in the router's own
-# phase (512 experts: 1,025 rows there, two rounds for one warp, one
-# without it). The same products in the same order: the drafts are the
-# defaults' exactly. Not where a step has as many rows as a block has
-# warps. Compile-checked, off (twenty-ninth session): `SETS="none
-# SHARED_EARLY"` times it.
-SHARED_EARLY = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -898,7 +842,6 @@ _SOURCE = r"""
   using namespace specpipe_mtp;
   using W = T;
   constexpr int NWARP = 8;
-  constexpr bool EARLY = SHARED_EARLY && !DENSE && B < NWARP;  // (SHARED_EARLY)
   constexpr int QKVN = 2 * HQ * D + 2 * HKV * D;
   constexpr int DPL = D / 32;
   constexpr int HALF = ROT / 2;
@@ -969,7 +912,6 @@ _SOURCE = r"""
   // ATT_GROUPED (where a kv head's query heads fit a block's warps): per
   // (row, kv head) splits instead, GROUP heads' partials each
   constexpr bool GROUPED = ATT_GROUPED && GROUP <= NWARP;
-  constexpr bool LATE = GATE_LATE && !GROUPED;  // (GATE_LATE)
   constexpr int GSPLITS = NBLK / (B * HKV) > 0 ? NBLK / (B * HKV) : 1;
   // each (row, head)'s splits combined, times sigmoid(gate): o_proj's input
   constexpr size_t O_COMB = O_ATT + align8((size_t)B * HQ * (GROUPED ? GSPLITS : SPLITS) * PART);
@@ -988,14 +930,10 @@ _SOURCE = r"""
   constexpr size_t O_CI = O_CV + align8((size_t)B * NBLK * KC);
   constexpr int CHUNK = (V + NBLK - 1) / NBLK;
   // FOLD: the router's (and the shared gate's) logits before the norm's
-  // scale, each block's share of them: [B, E + 1, NBLK]; FIXED
-  // (`FOLD_FIXED`): instead their sums as 64-bit fixed-point integers, two
-  // buffers [2, B, E + 1] (a step's, the next step's zeroed meanwhile)
+  // scale, each block's share of them: [B, E + 1, NBLK]
   constexpr int EP = E + 1;
-  constexpr bool FIXED = FOLD && FOLD_FIXED;
   constexpr size_t O_RP = O_CI + align8((size_t)B * NBLK * KC);
-  constexpr size_t O_TS =
-      O_RP + (FOLD ? align8(FIXED ? (size_t)4 * B * EP : (size_t)B * EP * NBLK) : 0);
+  constexpr size_t O_TS = O_RP + (FOLD ? align8((size_t)B * EP * NBLK) : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int blk = blockIdx.x;
@@ -1022,18 +960,7 @@ _SOURCE = r"""
   __shared__ bool s_combines;
   __shared__ int s_ticket;  // GROUPED: a split's arrival order
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
-  // TOPK_SPLIT (a folded router past 128 experts): each warp's best KE experts of a row
-  constexpr bool SPLIT = TOPK_SPLIT && FOLD && E > 128;
-  __shared__ float s_cv[SPLIT ? B : 1][SPLIT ? NWARP * KE : 1];
-  __shared__ int s_ci[SPLIT ? B : 1][SPLIT ? NWARP * KE : 1];
   __shared__ float s_inv[B], s_rlog[FOLD ? B * EP : 1];  // FOLD: the norm's scale, the router's logits
-  constexpr int RPW = (H + NW - 1) / NW;  // o_proj's rows per warp
-  __shared__ float s_fout[FIXED ? NWARP * RPW * B : 1];  // FIXED: the block's o_proj rows' outputs
-  // FIXED: the logits' sums of step s (its buffer), made where used (a
-  // pointer kept from here would hold two registers through every phase)
-  auto logit_sums = [&](int step) { return reinterpret_cast<long long*>(S + O_RP) + (size_t)(step & 1) * B * EP; };
-  // FIXED: the block's o_proj row at slot i = q * NWARP + w (warp w's q-th)
-  auto slot_row = [&](int i) { return blk * NWARP + i % NWARP + (i / NWARP) * NW; };
 
   if (tid == 0) {  // launches run one after another: the counter is a
     // multiple of NBLK at each start, and no block passes the first barrier
@@ -1093,11 +1020,6 @@ _SOURCE = r"""
     stamps = 0;
     stamp();
   }
-  // FIXED: the first step's logit sums zeroed (behind fc's and later
-  // barriers, before any block adds to them in o_proj's phase; each step
-  // zeroes the next one's after reading its own)
-  if (FIXED && s == 0 && blk == NBLK - 1)
-    for (int t = tid; t < B * EP; t += SP_THREADS) logit_sums(0)[t] = 0;
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
@@ -1200,9 +1122,6 @@ _SOURCE = r"""
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
-  // LATE (`GATE_LATE`): whether this step's gates wait for attention's phase
-  // (`late`), there taken by the blocks without an attention item, this
-  // block's rank among them `idle_rank` (-1: it attends), `idle_blocks` of them
   // Row b's attention splits this step (per query head), of `positions`
   // positions: ATT_SHARE > 0, at most SPLITS of at least ATT_SHARE each (a
   // short context's one split combines its own warps' partials and stores
@@ -1210,37 +1129,16 @@ _SOURCE = r"""
   auto splits_for = [&](int positions) {
     return ATT_SHARE > 0 ? min(SPLITS, max(1, (positions + ATT_SHARE - 1) / ATT_SHARE)) : SPLITS;
   };
-  auto splits_of = [&](int b) { return splits_for(s_in_start[b] + s_in_last[b] + s + 1); };
-  // each row's query vector of this step, and q/k/v's row of head h's gate
-  // element d (c = h * D + d)
+  // each row's query vector of this step
   auto query_vec = [&](int b) { return b * TT + s_in_last[b]; };
-  auto gate_row = [&](int c) { return (c / D) * 2 * D + D + c % D; };
-  bool late = false;
-  int idle_rank = -1, idle_blocks = 0;
-  if constexpr (LATE) {
-    // a block's item is (row, head, split) = blk (B * HQ * SPLITS <= NBLK);
-    // row b's splits past splits_of(b) have none
-    int busy = 0, below = 0;
-    for (int b = 0; b < B; ++b) {
-      const int n = splits_of(b), rel = min(max(blk - b * HQ * SPLITS, 0), HQ * SPLITS);
-      busy += HQ * n;
-      below += (rel / SPLITS) * n + min(rel % SPLITS, n);
-    }
-    const bool attends = blk < B * HQ * SPLITS && blk % SPLITS < splits_of(blk / (HQ * SPLITS));
-    idle_blocks = NBLK - busy;
-    idle_rank = attends ? -1 : blk - below;
-    late = B * HQ * SPLITS <= NBLK && idle_blocks * NWARP * GATE_ROWS >= HQ * D;
-  }
-  // (late: q's rows of head h, then k's and v's, skipping the gates')
-  auto qkv_out = [&](int r) { return late ? (r < HQ * D ? (r / D) * 2 * D + r % D : HQ * D + r) : r; };
   stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV>(
-      late ? QKVN - HQ * D : QKVN, H, gwarp, NW, [&](int r, int j) { return qkv_row(qkv_out(r), j); },
+      QKVN, H, gwarp, NW, qkv_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
         if (lane == 0)
-          for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + qkv_out(r)] = acc[v][0];
+          for (int v = 0; v < M; ++v) S[O_QKV + (size_t)v * QKVN + r] = acc[v][0];
       },
       KEEP_QKV && s + 1 < STEPS);
   barrier();
@@ -1687,7 +1585,7 @@ _SOURCE = r"""
           for (int w = 0; w < NWARP; ++w)
             if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
           const float out = 0.0f + num * wt;
-          S[O_COMB + (size_t)bh * D + d] = LATE ? out : out * sigmoid(__ldcg(gate + d));
+          S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();  // (s_m, s_l, s_acc: the block's next item)
         continue;
@@ -1740,7 +1638,7 @@ _SOURCE = r"""
   #pragma unroll
           for (int sp = 0; sp < SPLITS; ++sp)
             if (sp < nsp) n += __ldcg(parts + sp * PART + 2 + d) * s_split[2 * sp];
-          S[O_COMB + (size_t)bh * D + d] = LATE ? n : n * sigmoid(__ldcg(gate + d));
+          S[O_COMB + (size_t)bh * D + d] = n * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();
       }
@@ -1758,19 +1656,6 @@ _SOURCE = r"""
     if (r == E) return mlp1;
     return mlp5 + ((size_t)(r - E - 1) + (size_t)j * IS) * H;
   };
-  if constexpr (LATE) {
-    // LATE: the gates of each row's query vector (head h's rows D .. 2D - 1
-    // of its q/k/v rows), by the blocks without an attention item
-    if (late && idle_rank >= 0)
-      product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
-          HQ * D, H, idle_rank * NWARP + warp, idle_blocks * NWARP,
-          [&](int r, int j) { return qkv_row(gate_row(r), j); },
-          [&](int v, int, int k, float* x) { smem8(xs + (size_t)query_vec(v) * H + k, x); },
-          [&](int r, float (&acc)[B][1]) {
-            if (lane == 0)
-              for (int b = 0; b < B; ++b) S[O_QKV + (size_t)query_vec(b) * QKVN + gate_row(r)] = acc[b][0];
-          });
-  }
   barrier();
 
   // ---- 4. o_proj plus the residual ------------------------------------------
@@ -1782,38 +1667,8 @@ _SOURCE = r"""
       prefetch_share(mlp5, (size_t)2 * IS * H * WB, PF_CAP);
     }
   }
-  // the attention's output (its splits combined by each head's last split);
-  // LATE: times sigmoid(its gate) here
-  if constexpr (LATE) {
-#pragma unroll 2
-    for (int i = tid; i < B * HQ * D / 4; i += SP_THREADS) {
-      const int e = 4 * i, b = e / (HQ * D), c = e % (HQ * D);
-      const float4 g =
-          __ldcg(reinterpret_cast<const float4*>(S + O_QKV + (size_t)query_vec(b) * QKVN + gate_row(c)));
-      float4 x = __ldcg(reinterpret_cast<const float4*>(S + O_COMB) + i);
-      x.x *= sigmoid(g.x);
-      x.y *= sigmoid(g.y);
-      x.z *= sigmoid(g.z);
-      x.w *= sigmoid(g.w);
-      reinterpret_cast<float4*>(xs)[i] = x;
-    }
-  } else {
-    stage_l2(xs, S + O_COMB, B * HQ * D);
-  }
-  // FIXED: the block's rows of w_rt (warp w's q-th o_proj row at row
-  // q * NWARP + w: NWARP adjacent rows per q), copied behind the input while
-  // the product runs
-  float* const wstage = xs + align8((size_t)B * HQ * D);
-  if constexpr (FIXED) {
-    constexpr int GROUP16 = EP * NWARP / 4;  // 16-byte copies of one q's rows
-#pragma unroll 1
-    for (int t = tid; t < RPW * GROUP16; t += SP_THREADS) {
-      const int q = t / GROUP16, c = t % GROUP16, first = slot_row(q * NWARP);
-      if (first < H)  // (H a multiple of 256: a q's rows all below it or none)
-        cp_async16(wstage + (size_t)q * EP * NWARP + (size_t)c * 4, w_rt + (size_t)first * EP + (size_t)c * 4);
-    }
-    cp_async_commit();
-  }
+  // the attention's output (its splits combined by each head's last split)
+  stage_l2(xs, S + O_COMB, B * HQ * D);
   __syncthreads();
   mark(4);
   // FOLD: the router's logits (and the shared expert's gate) are linear in
@@ -1821,10 +1676,8 @@ _SOURCE = r"""
   // w_rt the router rows times the norm's weights, transposed (float32,
   // [H, E + 1]). Each lane keeps its logits' sums over the warp's rows of
   // this product (lane l: logits l, l + 32, ...; their w_rt read ahead for
-  // the warp's first two rows); FIXED: the block's rows' outputs kept in
-  // shared memory instead, the block's share summed after the product
-  constexpr bool FOLDR = FOLD && !FIXED;
-  constexpr int EPL = FOLDR ? (EP + 31) / 32 : 1;
+  // the warp's first two rows)
+  constexpr int EPL = FOLD ? (EP + 31) / 32 : 1;
   float rsum[B][EPL], rt_ahead[2][EPL];
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
@@ -1833,14 +1686,14 @@ _SOURCE = r"""
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int r = gwarp + q * NW, e = lane + 32 * j;
-      rt_ahead[q][j] = (FOLDR && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
+      rt_ahead[q][j] = (FOLD && r < H && e < EP) ? __ldg(w_rt + (size_t)r * EP + e) : 0.0f;
     }
   }
   product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_O>(
       H, HQ * D, gwarp, NW, o_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
       [&](int r, float (&acc)[B][1]) {
-        if constexpr (FOLDR) {
+        if constexpr (FOLD) {
           const int q = (r - gwarp) / NW;
 #pragma unroll
           for (int b = 0; b < B; ++b) {
@@ -1861,37 +1714,7 @@ _SOURCE = r"""
         }
       },
       KEEP_O && s + 1 < STEPS);
-  if constexpr (FIXED) {
-    // the block's share of each (row, logit): its rows (warp w's q-th row at
-    // slot q * NWARP + w) in that order, rounded to 2^-32 units and added to
-    // the step's sums (integers: the same total in any order)
-    __syncthreads();  // (the block's outputs in S, read back from L2)
-    for (int t = tid; t < NWARP * RPW * B; t += SP_THREADS) {  // row i = q * NWARP + w: warp w's q-th
-      const int r = slot_row(t / B);
-      s_fout[t] = r < H ? __ldcg(S + O_R1 + (size_t)(t % B) * H + r) : 0.0f;
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // (s_fout, wstage)
-    long long* sums = logit_sums(s);
-#pragma unroll 1
-    for (int e = tid; e < EP; e += SP_THREADS) {
-      float sum[B];
-#pragma unroll
-      for (int b = 0; b < B; ++b) sum[b] = 0.0f;
-#pragma unroll 1
-      for (int i = 0; i < NWARP * RPW; ++i) {
-        if (slot_row(i) >= H) break;  // (the rest past H too)
-        const float wt = wstage[(size_t)i * EP + e];
-#pragma unroll
-        for (int b = 0; b < B; ++b) sum[b] += wt * s_fout[i * B + b];
-      }
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-        atomicAdd(reinterpret_cast<unsigned long long*>(sums + (size_t)b * EP + e),
-                  (unsigned long long)__float2ll_rn(sum[b] * 4294967296.0f));
-    }
-  }
-  if constexpr (FOLDR) {  // the block's share: its warps' sums in warp order
+  if constexpr (FOLD) {  // the block's share: its warps' sums in warp order
     __syncthreads();  // (xs: the product's input)
 #pragma unroll
     for (int b = 0; b < B; ++b)
@@ -1936,18 +1759,7 @@ _SOURCE = r"""
         });
     barrier();
   } else {
-    if constexpr (FIXED) {
-      // the router's (and the shared gate's) logits: the step's sums (2^-32
-      // units) times the norm's scale; the last block zeroes the next step's
-      const long long* sums = logit_sums(s);
-      for (int t = tid; t < B * EP; t += SP_THREADS)
-        s_rlog[t] = __ll2float_rn(__ldcg(sums + t)) * 2.3283064365386963e-10f * s_inv[t / EP];
-      if (blk == NBLK - 1) {
-        long long* next = logit_sums(s + 1);
-        for (int t = tid; t < B * EP; t += SP_THREADS) next[t] = 0;
-      }
-      __syncthreads();
-    } else if constexpr (FOLD) {
+    if constexpr (FOLD) {
       // the router's (and the shared gate's) logits: each warp sums its
       // logits' NBLK block shares (lane l: blocks l, l + 32, ...), times the
       // norm's scale; every block the same sums in the same order
@@ -1960,10 +1772,9 @@ _SOURCE = r"""
       }
       __syncthreads();
     } else {
-      // router logits (E rows), the shared expert's gate (1), its act (IS
-      // pairs; EARLY: in the next phase)
+      // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
       product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
-          EARLY ? E + 1 : MLP0_ROWS, H, gwarp, NW, mlp0_row,
+          MLP0_ROWS, H, gwarp, NW, mlp0_row,
           [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * H + k, x); },
           [&](int r, float (&acc)[B][2]) {
             if (lane == 0)
@@ -1975,61 +1786,15 @@ _SOURCE = r"""
       barrier();
     }
     // every block: softmax top-KE of each row's router (warp b for row b)
-    // SPLIT (`TOPK_SPLIT`, a folded router of more than 128 experts): each
-    // warp first ranks its EW of a row's experts (their logits in shared
-    // memory) and keeps its best KE (the row's best KE are among the warps'
-    // best KE, in the same order)
-    constexpr int EW = (E + NWARP - 1) / NWARP, NC = NWARP * KE;  // (SPLIT) experts per warp, candidates
-    if constexpr (SPLIT) {
-      constexpr int EWL = (EW + 31) / 32;
-      for (int b = 0; b < B; ++b) {
-        const float* lg = s_rlog + b * EP + warp * EW;  // the warp's experts
-        const int mine = min(EW, max(0, E - warp * EW));
-        float v[EWL];
-        int rank[EWL];
-#pragma unroll
-        for (int j = 0; j < EWL; ++j) {
-          v[j] = lane + 32 * j < mine ? lg[lane + 32 * j] : -SP_INF;
-          rank[j] = 0;
-        }
-#pragma unroll 4
-        for (int k = 0; k < mine; ++k) {  // (every lane the same logit: a broadcast)
-          const float o = lg[k];
-#pragma unroll
-          for (int j = 0; j < EWL; ++j) rank[j] += ahead(o, k, v[j], lane + 32 * j);
-        }
-#pragma unroll
-        for (int j = 0; j < EWL; ++j) {
-          if (lane + 32 * j < mine && rank[j] < KE) {
-            s_cv[b][warp * KE + rank[j]] = v[j];
-            s_ci[b][warp * KE + rank[j]] = warp * EW + lane + 32 * j;
-          }
-        }
-        // (a warp of fewer than KE experts: the rest of its candidates empty)
-        if (lane >= mine && lane < KE) {
-          s_cv[b][warp * KE + lane] = -SP_INF;
-          s_ci[b][warp * KE + lane] = 0x7fffffff;
-        }
-      }
-      __syncthreads();
-    }
     if (warp < B) {
       const int b = warp;
       const float* lg = S + O_ROUT + (size_t)b * (E + 1);
       // the row's logits read once, lane j holding experts j, j + 32, ...
       // (more than 128 experts: KE rounds of a warp argmax, a chosen
-      // expert's bit set in its lane's mask; SPLIT: the warps' candidates
-      // ranked by shuffles instead)
+      // expert's bit set in its lane's mask)
       constexpr int EPL = (E + 31) / 32;
-      float lv[SPLIT ? 1 : EPL];
-      float top = -SP_INF, z = 0.0f;
-      if constexpr (SPLIT) {  // the same max and sums, the logits read twice
-#pragma unroll 4
-        for (int e = lane; e < E; e += 32) top = fmaxf(top, s_rlog[b * EP + e]);
-        top = warp_max(top);
-#pragma unroll 4
-        for (int e = lane; e < E; e += 32) z += expf(s_rlog[b * EP + e] - top);
-      } else {
+      float lv[EPL];
+      float top = -SP_INF;
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const int e = lane + 32 * j;
@@ -2037,10 +1802,10 @@ _SOURCE = r"""
         if (e < E) top = fmaxf(top, lv[j]);
       }
       top = warp_max(top);
+      float z = 0.0f;
 #pragma unroll
       for (int j = 0; j < EPL; ++j)
         if (lane + 32 * j < E) z += expf(lv[j] - top);
-      }
       z = warp_sum(z);
       if constexpr (EPL <= 4) {
         // each expert's rank among the row's (larger first, ties to the
@@ -2068,36 +1833,6 @@ _SOURCE = r"""
           if (e < E && rank[j] < KE) {
             s_eid[b][rank[j]] = e;
             s_ew[b][rank[j]] = expf(lv[j] - top) / z;
-          }
-        }
-        __syncwarp();
-      } else if constexpr (SPLIT) {
-        // each candidate's rank among the NC (larger first, ties to the lower
-        // id; the empty ones last): the chosen are the ranks below KE
-        constexpr int CL = (NC + 31) / 32;
-        float cv[CL];
-        int ci[CL], rank[CL];
-#pragma unroll
-        for (int j = 0; j < CL; ++j) {
-          const bool in = lane + 32 * j < NC;
-          cv[j] = in ? s_cv[b][lane + 32 * j] : -SP_INF;
-          ci[j] = in ? s_ci[b][lane + 32 * j] : 0x7fffffff;
-          rank[j] = 0;
-        }
-        for (int src = 0; src < 32; ++src) {
-#pragma unroll
-          for (int i = 0; i < CL; ++i) {
-            const float o = __shfl_sync(0xffffffffu, cv[i], src);
-            const int oi = __shfl_sync(0xffffffffu, ci[i], src);
-#pragma unroll
-            for (int j = 0; j < CL; ++j) rank[j] += src + 32 * i < NC && ahead(o, oi, cv[j], ci[j]);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < CL; ++j) {
-          if (lane + 32 * j < NC && ci[j] < E && rank[j] < KE) {
-            s_eid[b][rank[j]] = ci[j];
-            s_ew[b][rank[j]] = expf(cv[j] - top) / z;
           }
         }
         __syncwarp();
@@ -2136,15 +1871,6 @@ _SOURCE = r"""
         S[O_EW + (size_t)b * KE + lane] = s_ew[b][lane];
         S[O_EI + (size_t)b * KE + lane] = (float)s_eid[b][lane];
       }
-    } else if constexpr (EARLY) {
-      // SHARED_EARLY: the shared expert's gate/up rows (b, row) by the
-      // block's other warps meanwhile, NWARP - B per block
-      product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
-          B * IS, H, blk * (NWARP - B) + warp - B, NBLK * (NWARP - B),
-          shared_row, [&](int, int r, int k, float* x) { smem8(xs + (size_t)(r / IS) * H + k, x); },
-          [&](int r, float (&acc)[1][2]) {
-            if (lane == 0) S[O_SACT + r] = silu(acc[0][0]) * acc[0][1];
-          });
     }
     __syncthreads();
     mark(5);
@@ -2154,7 +1880,7 @@ _SOURCE = r"""
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
     product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
-        ROUTED + (FOLD && !EARLY ? B * IS : 0), H, gwarp, NW,
+        ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
           if (FOLD && r >= ROUTED) return shared_row(r - ROUTED, j);
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
@@ -2636,14 +2362,8 @@ class LayerShape:
     @property
     def foldable(self) -> bool:
         """Whether the kernel can fold the router into o_proj's phase
-        (`FOLD_ROUTER`): a MoE layer of at most 127 experts, or of any count
-        the kernel takes with `FOLD_FIXED`."""
-        most = MAX_EXPERTS if FOLD_FIXED else 127
-        return not self.dense and 0 < self.experts <= most
-
-    def o_rows_per_warp(self, blocks: int) -> int:
-        """o_proj's output rows a warp takes (the kernel's RPW)."""
-        return -(-self.hidden // (blocks * (BLOCK // 32)))
+        (`FOLD_ROUTER`): a MoE layer of at most 127 experts."""
+        return not self.dense and 0 < self.experts <= 127
 
     def scratch(
         self,
@@ -2653,10 +2373,8 @@ class LayerShape:
         blocks: int,
         fold: bool = False,
         grouped: bool = False,
-        fixed: bool = False,
     ) -> int:
-        """Floats of the kernel's scratch output (mirrors the source's offsets;
-        `fixed`: the folded router's sums as `FOLD_FIXED` keeps them)."""
+        """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
         qkv = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
         # attention's splits per (row, head): per (row, kv head) when grouped
@@ -2680,8 +2398,8 @@ class LayerShape:
                 rows * self.top_experts,
             ]
         parts += [rows * h, rows * blocks * candidates, rows * blocks * candidates]
-        if fold:  # two buffers of 64-bit sums, or every block's float shares
-            parts.append(rows * (self.experts + 1) * (4 if fixed else blocks))
+        if fold:
+            parts.append(rows * (self.experts + 1) * blocks)
         return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
     def shared_bytes(
@@ -2692,12 +2410,10 @@ class LayerShape:
         greedy: bool,
         blocks: int,
         grouped: bool = False,
-        fixed: bool = False,
     ) -> int:
         """Dynamic shared memory of a step: the largest of the phases' staged
         input vectors (float32), the head's (plus the block's logits when
-        sampling), grouped attention's tiles; `fixed` (`FOLD_FIXED`): o_proj's
-        input then the block's rows of the folded router's weights."""
+        sampling), grouped attention's tiles."""
         h = self.hidden
         mlp = (
             rows * self.intermediate
@@ -2706,10 +2422,6 @@ class LayerShape:
                          + self.shared_intermediate)
         )  # fmt: skip
         chunk = -(-vocab // blocks)
-        # FOLD_FIXED: the block's warps' o_proj rows of the folded weights
-        warps = BLOCK // 32
-        per_warp = self.o_rows_per_warp(blocks)
-        staged_router = warps * per_warp * (self.experts + 1) if fixed else 0
         floats = max(
             vectors * 2 * h,
             rows * self.heads * self.head_dim,
@@ -2719,7 +2431,6 @@ class LayerShape:
             // 32
             * rows
             * (self.experts + 1),  # FOLD: o_proj's warps' router sums
-            _align8(rows * self.heads * self.head_dim) + staged_router,
         )
         # grouped attention's two stages of a tile's keys and values (2-byte
         # elements), then its combining weights (at most `blocks` floats)
@@ -2730,7 +2441,6 @@ class LayerShape:
         """Bytes of the kernel's static shared arrays, over-counted (mirrors
         the source's `__shared__` declarations, plus 1 KiB for the small ones)."""
         warps = BLOCK // 32
-        per_warp = self.o_rows_per_warp(blocks)  # s_fout's
         top = warps * max(rows, 32)
         splits = max(1, blocks // (rows * self.heads))  # s_split's (row, head) splits
         experts = max(self.top_experts, 1)
@@ -2741,8 +2451,6 @@ class LayerShape:
                 + 2 * top  # s_topv, s_topi
                 + 2 * rows * experts  # s_eid, s_ew
                 + rows * (self.experts + 2)  # s_inv, s_rlog
-                + warps * per_warp * rows  # s_fout (FOLD_FIXED)
-                + 2 * rows * warps * experts  # s_cv, s_ci (TOPK_SPLIT)
                 + 2 * splits
                 + 4 * MAX_VECTORS
                 + 6 * rows
@@ -3222,10 +2930,7 @@ class FusedStep:
         # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
         # (one block per multiprocessor anyway), in steps of 16 KiB.
         grouped = s.grouped(length + count - 1)
-        fixed = fold and FOLD_FIXED
-        needed = s.shared_bytes(
-            vectors, rows, self.vocab, greedy, self.blocks, grouped, fixed
-        )
+        needed = s.shared_bytes(vectors, rows, self.vocab, greedy, self.blocks, grouped)
         shared = max(64 * 1024, -(-needed // (16 * 1024)) * (16 * 1024))
         lean = -(-needed // 1024) * 1024
         if LEAN_SHARED and lean + s.static_shared(rows, self.blocks) <= 48000:
@@ -3275,16 +2980,11 @@ class FusedStep:
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("ATT_SHARE", ATT_SHARE),
-            ("GATE_LATE", GATE_LATE),
-            ("GATE_ROWS", GATE_ROWS),
             ("COPY_UNROLL", COPY_UNROLL),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
-            ("FOLD_FIXED", fixed),
-            ("SHARED_EARLY", SHARED_EARLY),
-            ("TOPK_SPLIT", TOPK_SPLIT),
             ("DERIVE", derive is not None),
         ]
         window = (
@@ -3319,7 +3019,7 @@ class FusedStep:
                 (rows, 1, s.hidden),
                 window,
                 window,
-                (s.scratch(vectors, rows, candidates, self.blocks, fold, grouped, fixed),),
+                (s.scratch(vectors, rows, candidates, self.blocks, fold, grouped),),
                 (rows, 4),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
@@ -3370,10 +3070,8 @@ class FusedStep:
 
     @property
     def folds(self) -> bool:
-        """Whether launches fold the router into o_proj's phase (`FOLD_ROUTER`;
-        past 127 experts only with `FOLD_FIXED`, as the weights were made)."""
-        w = self.weights
-        return FOLD_ROUTER and w.router_t is not None and w.shape.foldable
+        """Whether launches fold the router into o_proj's phase (`FOLD_ROUTER`)."""
+        return FOLD_ROUTER and self.weights.router_t is not None
 
 
 def phases_of(

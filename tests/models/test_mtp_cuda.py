@@ -191,43 +191,6 @@ def test_the_folded_router_weights_give_the_router_s_logits(
     assert dense is not None and dense.router_t is None
 
 
-def test_fold_fixed_folds_any_expert_count_the_kernel_takes(
-    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past 127 experts the router keeps its own phase unless FOLD_FIXED sums
-    the blocks' shares as integers; its sums take two buffers of 64-bit
-    integers per (row, logit) in the scratch instead of every block's float
-    share, and o_proj's input is followed by the block's rows of the folded
-    weights in shared memory. Weights folded with it on are not folded by a
-    launch after it is turned off."""
-    weights = fused_weights(*moe, 0)
-    assert weights is not None
-    qwen = evolve(weights.shape, experts=512)
-    assert weights.shape.foldable and not qwen.foldable
-    plain = qwen.scratch(4, 2, 20, 128)
-    assert weights.shape.scratch(4, 2, 20, 128, fold=True) == (
-        weights.shape.scratch(4, 2, 20, 128) + 2 * 9 * 128
-    )
-    monkeypatch.setattr(mtp_cuda, "FOLD_FIXED", True)
-    assert qwen.foldable
-    assert not evolve(qwen, experts=mtp_cuda.MAX_EXPERTS + 1).foldable
-    assert qwen.scratch(4, 2, 20, 128, fold=True, fixed=True) == plain + 4 * 2 * 513
-    # two rows' o_proj inputs (16 heads of 256), then the folded weights'
-    # rows of the block's warps (256 hidden over 128 blocks of 8 warps: one
-    # row per warp), 513 floats each; without: the largest of the phases'
-    wide = evolve(qwen, heads=16, head_dim=256)
-    assert wide.shared_bytes(2, 2, VOCAB, True, 128, fixed=True) == 4 * (
-        2 * 16 * 256 + 8 * 1 * 513
-    )
-    assert wide.shared_bytes(2, 2, VOCAB, True, 128) == 4 * 8 * 2 * 513
-    step = FusedStep.make(weights, moe[0].head_weights().weight, None, blocks=128)
-    assert step is not None and step.folds
-    folded_wide = evolve(weights, shape=evolve(weights.shape, experts=512))
-    monkeypatch.setattr(mtp_cuda, "FOLD_FIXED", False)
-    wide = FusedStep.make(folded_wide, moe[0].head_weights().weight, None, blocks=128)
-    assert wide is not None and not wide.folds
-
-
 def test_the_step_count_is_made_once_per_count() -> None:
     """A launch's `nsteps` input is one device array per count, not a device
     operation (and its evaluation) per launch."""
@@ -583,21 +546,6 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # the router in a phase of its own (FOLD_ROUTER's off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("-FOLD_ROUTER",)),
         ("moe", False, False, False, 3, 1, 2, ("-FOLD_ROUTER",)),
-        # the shared expert's gate/up beside the top-k (SHARED_EARLY, off),
-        # folded router and not
-        ("moe", False, True, True, 2, 2, 3, ("SHARED_EARLY",)),
-        ("moe", True, False, False, 3, 1, 2, ("SHARED_EARLY", "-FOLD_ROUTER")),
-        # the folded router's sums as fixed-point integers (FOLD_FIXED, off;
-        # the scratch's mirror checked too)
-        ("moe", True, True, True, 1, 2, 3, ("FOLD_FIXED",)),
-        ("moe", False, False, False, 3, 1, 2, ("FOLD_FIXED",)),
-        ("moe", False, True, True, 2, 2, 3, ("FOLD_FIXED", "SHARED_EARLY")),
-        # and its top-k past 128 experts in two ranking passes (TOPK_SPLIT, off)
-        ("moe", True, False, False, 1, 1, 1, ("E=512", "FOLD_FIXED", "TOPK_SPLIT")),
-        ("moe", False, False, False, 3, 1, 2, ("E=512", "FOLD_FIXED", "TOPK_SPLIT")),
-        # the heads' output gates in attention's phase (GATE_LATE, off)
-        ("moe", False, True, True, 2, 2, 3, ("GATE_LATE",)),
-        ("dense", True, False, False, 1, 1, 2, ("GATE_LATE",)),
         # the draw's whole-list merge without the blocks' heads first, and
         # unrolled sorts (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
@@ -806,31 +754,6 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, True, 64, ("ATT_SHARE=0",)),
         (1, 3, False, 64, ("ATT_SHARE=0",)),
         (3, 2, False, 64, ("ATT_SHARE=0",)),
-        # the shared expert's gate/up beside the router's top-k (SHARED_EARLY,
-        # off): the folded router's and the router's own phase (512 experts)
-        (1, 3, True, 64, ("SHARED_EARLY",)),
-        (1, 3, False, 64, ("SHARED_EARLY",)),
-        (3, 2, False, 64, ("SHARED_EARLY",)),
-        (1, 3, False, 512, ("SHARED_EARLY",)),
-        # the heads' output gates in attention's phase (GATE_LATE, off)
-        (1, 3, True, 64, ("GATE_LATE",)),
-        (1, 3, False, 64, ("GATE_LATE",)),
-        (3, 2, False, 64, ("GATE_LATE",)),
-        (1, 3, False, 512, ("GATE_LATE", "SHARED_EARLY")),
-        # the folded router's sums as fixed-point integers (FOLD_FIXED, off):
-        # Qwen3-Next's 512 experts folded too
-        (1, 3, True, 512, ("FOLD_FIXED",)),
-        (1, 3, False, 512, ("FOLD_FIXED",)),
-        (3, 2, False, 512, ("FOLD_FIXED",)),
-        (1, 3, True, 64, ("FOLD_FIXED",)),
-        (1, 3, False, 512, ("FOLD_FIXED", "SHARED_EARLY", "GATE_LATE")),
-        # and the folded router's top-k in two ranking passes (TOPK_SPLIT, off)
-        (1, 3, True, 512, ("FOLD_FIXED", "TOPK_SPLIT")),
-        (1, 3, False, 512, ("FOLD_FIXED", "TOPK_SPLIT")),
-        (3, 2, False, 512, ("FOLD_FIXED", "TOPK_SPLIT")),
-        (3, 2, True, 512, ("FOLD_FIXED", "TOPK_SPLIT")),
-        (1, 3, False, 512, ("FOLD_FIXED", "TOPK_SPLIT", "SHARED_EARLY", "GATE_LATE")),
-        (3, 2, False, 512, ("TOPK_SPLIT",)),  # (the router's own phase: not taken)
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
