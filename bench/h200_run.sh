@@ -105,7 +105,10 @@
 #  `PART=agree ... fixed` (TOPK_SPLIT's drafts must equal FOLD_FIXED's alone exactly; FOLD_FIXED's agree with
 #  the float32 MLX step as the defaults' do, near ties aside); then the GATE_LATE / SHARED_EARLY plan above,
 #  with the 512-expert sets on top of the better of these)
-# (thirty-first session: FOLD_FIXED, TOPK_SPLIT, GATE_LATE and SHARED_EARLY timed on an H100 at 64 and 512 experts, no gain: removed with their code and the `fixed` step)
+# (thirty-first session: FOLD_FIXED, TOPK_SPLIT, GATE_LATE and SHARED_EARLY timed on an H100 at 64 and 512 experts,
+#  no gain: removed with their code and the `fixed` step. Next, first on an H200: call 2 `bash bench/h200_run.sh
+#  setup-min retime` (the defaults' cut at 64 and 512 experts, greedy and Qwen's sampling, depths 2 and 3: the
+#  realistic 512-expert layer has never been timed on an H200))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

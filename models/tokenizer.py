@@ -127,7 +127,7 @@ def gguf_tokenizer(
 ) -> tuple[Backend, dict[str, Any]] | LoadError:
     """The tokenizer and tokenizer_config.json a GGUF's metadata describe: a
     byte-level BPE (`tokenizer.ggml.model` 'gpt2') or a SentencePiece BPE
-    ('llama': Llama-2, Mistral, TinyLlama)."""
+    ('llama': Llama-2, Mistral, TinyLlama; 'gemma4': Gemma-4's)."""
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if kind is None or not isinstance(tokens, list):
