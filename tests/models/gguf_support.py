@@ -231,18 +231,18 @@ def write_vocab(
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
-    if vocab.scores is not None:
-        writer.add_token_scores(vocab.scores)
-    if vocab.merges is not None:
-        writer.add_token_merges(vocab.merges)
     writer.add_bos_token_id(vocab.bos)
     writer.add_eos_token_id(vocab.eos)
-    if vocab.unknown is not None:
-        writer.add_unk_token_id(vocab.unknown)
-    if vocab.add_space_prefix is not None:
-        writer.add_add_space_prefix(vocab.add_space_prefix)
-    if add_bos is not None:
-        writer.add_add_bos_token(add_bos)
+    optional: list[tuple[Any, Any]] = [  # (the writer's method, the value or None)
+        (writer.add_token_scores, vocab.scores),
+        (writer.add_token_merges, vocab.merges),
+        (writer.add_unk_token_id, vocab.unknown),
+        (writer.add_add_space_prefix, vocab.add_space_prefix),
+        (writer.add_add_bos_token, add_bos),
+    ]
+    for add, value in optional:
+        if value is not None:
+            add(value)
 
 
 def llamacpp_permute(
