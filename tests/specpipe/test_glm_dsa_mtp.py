@@ -37,11 +37,11 @@ from attrs import evolve
 from mlx.utils import tree_unflatten
 from returns.result import Success
 from spec_support import PROMPTS, run
-from test_glm_mtp import glm_args
+from test_glm_mtp import check_carried_and_normed, glm_args, layer_input
 from test_mtp import repeating, scaled
 from test_prompt_cache import generate
 
-from models.base import ModelOutput, attention_mask, rope_offset
+from models.base import ModelOutput, rope_offset
 from models.build import build_model
 from models.cache import KVCache
 from models.glm_moe_dsa import DecoderLayer, Model
@@ -137,26 +137,12 @@ def test_the_head_is_its_formula(target: Model) -> None:
     cache = head.make_cache(batch)
     out = head(target.embed(ids), hidden, cache, offsets)
 
-    embeds = target.embed(ids)
-    blanked = mx.concatenate([mx.zeros_like(embeds[:1, :1]), embeds[:1, 1:]], axis=1)
-    embeds = mx.concatenate([blanked, embeds[1:]])
-    x = head.fc(
-        mx.concatenate(
-            [head.pre_fc_norm_embedding(embeds), head.pre_fc_norm_hidden(hidden)],
-            axis=-1,
-        )
-    )
-    again = head.make_cache(batch)
-    again.reserve(max(offsets) + length)
-    mask = attention_mask(offsets, length, again.key_span(offsets, length))
+    x, again, mask = layer_input(head, target.embed(ids), hidden, offsets)
     layer = head.layers[0]
     assert isinstance(layer, DecoderLayer)  # GLM-5's, MTP layer N in slot 0
     expected = layer(x, again, offsets, mask, rope_offset(offsets))
     assert mx.allclose(out, expected, atol=1e-5).item()
-    # a chained step reads the output itself; the draw reads its norm
-    normed = head.normed(out)
-    assert head.carried(out, normed) is out
-    assert mx.allclose(normed, head.norm(out)).item()
+    check_carried_and_normed(head, out)
 
     # its own latent cache (one head of kv_lora_rank + qk_rope_head_dim), the
     # values buffer holding its own indexer's keys of its own inputs

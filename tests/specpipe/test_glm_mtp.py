@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from test_mtp import scaled
 
 from models.base import attention_mask, rope_offset
 from models.build import build_model
+from models.cache import KVCache
 from models.glm4_moe import Model
 from models.glm_mtp import GlmMtpHead, build_glm_mtp, head_weights
 from models.layers import flat_parameters
@@ -90,6 +92,33 @@ def random_head(seed: int) -> GlmMtpHead:
     return head
 
 
+def layer_input(
+    head: GlmMtpHead, embeds: mx.array, hidden: mx.array, offsets: Sequence[int]
+) -> tuple[mx.array, KVCache, mx.array]:
+    """What a GLM MTP head's layer reads, by the head's formula: fc over the
+    normed embeddings (a row's pair at position 0 blanked) and normed hidden
+    states; with a fresh cache of the head's and the window's mask."""
+    batch, length = embeds.shape[:2]
+    first = mx.array([offset == 0 for offset in offsets])[:, None, None]
+    blanked = mx.where(first & (mx.arange(length) == 0)[None, :, None], 0, embeds)
+    x = head.fc(
+        mx.concatenate(
+            [head.pre_fc_norm_embedding(blanked), head.pre_fc_norm_hidden(hidden)],
+            axis=-1,
+        )
+    )
+    cache = head.make_cache(batch)
+    cache.reserve(max(offsets) + length)
+    return x, cache, attention_mask(offsets, length, cache.key_span(offsets, length))
+
+
+def check_carried_and_normed(head: GlmMtpHead, out: mx.array) -> None:
+    """A chained step reads the layer's output itself; the draw reads its norm."""
+    normed = head.normed(out)
+    assert head.carried(out, normed) is out
+    assert mx.allclose(normed, head.norm(out)).item()
+
+
 def test_the_head_is_its_formula(target: Model) -> None:
     """Two rows, one from position 0 (its first pair's embedding zeroed)."""
     head = random_head(3)
@@ -98,24 +127,10 @@ def test_the_head_is_its_formula(target: Model) -> None:
     hidden = mx.random.normal((batch, length, 64), key=mx.random.key(2))
     out = head(target.embed(ids), hidden, head.make_cache(batch), offsets)
 
-    embeds = target.embed(ids)
-    embeds = mx.concatenate([mx.zeros_like(embeds[:1, :1]), embeds[:1, 1:]], axis=1)
-    embeds = mx.concatenate([embeds, target.embed(ids)[1:]])
-    x = head.fc(
-        mx.concatenate(
-            [head.pre_fc_norm_embedding(embeds), head.pre_fc_norm_hidden(hidden)],
-            axis=-1,
-        )
-    )
-    cache = head.make_cache(batch)
-    cache.reserve(max(offsets) + length)
-    mask = attention_mask(offsets, length, cache.key_span(offsets, length))
+    x, cache, mask = layer_input(head, target.embed(ids), hidden, offsets)
     expected = head.layers[0](x, cache, offsets, mask, rope_offset(offsets))
     assert mx.allclose(out, expected, atol=1e-5).item()
-    # what a chained step reads is the output itself; the draw reads its norm
-    normed = head.normed(out)
-    assert head.carried(out, normed) is out
-    assert mx.allclose(normed, head.norm(out)).item()
+    check_carried_and_normed(head, out)
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
