@@ -60,6 +60,7 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 # tokenizer.ggml.model of a SentencePiece BPE vocabulary, of Gemma-4's (the
 # same pieces, no space prefix, the merges listed), and their space
 _SENTENCEPIECE, _GEMMA4 = "llama", "gemma4"
+_BYTE_LEVEL = "gpt2"  # tokenizer.ggml.model of a byte-level BPE
 _SPACE = "\u2581"
 
 # https://github.com/ggml-org/llama.cpp/blob/master/src/llama-vocab.cpp: the
@@ -140,7 +141,7 @@ def gguf_tokenizer(
     merges = _gguf_merges(metadata, where)
     if isinstance(merges, LoadError):
         return merges
-    if kind == "gpt2":
+    if kind == _BYTE_LEVEL:
         backend = _byte_level_bpe(metadata, tokens, merges, where)
     elif kind in (_SENTENCEPIECE, _GEMMA4):
         backend = _sentencepiece_bpe(metadata, kind, tokens, types, merges, where)
@@ -154,7 +155,7 @@ def gguf_tokenizer(
     if isinstance(backend, LoadError):
         return backend
     # SentencePiece's <unk> is a special token of its own type
-    specials = {_CONTROL} if kind == "gpt2" else {_CONTROL, _UNKNOWN}
+    specials = {_CONTROL} if kind == _BYTE_LEVEL else {_CONTROL, _UNKNOWN}
     control = [t for t, k in zip(tokens, types, strict=False) if k in specials]
     user = [t for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED]
     backend.add_special_tokens(
@@ -163,10 +164,7 @@ def gguf_tokenizer(
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
     def token(name: str) -> str | None:
-        index = metadata.get(f"tokenizer.ggml.{name}_token_id")
-        if isinstance(index, int) and 0 <= index < len(tokens):
-            return str(tokens[index])
-        return None
+        return _named_token(metadata, tokens, name)
 
     # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say;
     # Gemma-4's files say so too, but its chat template writes <bos> itself and
@@ -197,6 +195,14 @@ def gguf_tokenizer(
     config["extra_eos_tokens"] = sorted(ends)
     _set_post_processor(backend, config)
     return backend, config
+
+
+def _named_token(metadata: dict[str, Any], tokens: list[str], name: str) -> str | None:
+    """The token `tokenizer.ggml.<name>_token_id` names, if it names one."""
+    index = metadata.get(f"tokenizer.ggml.{name}_token_id")
+    if isinstance(index, int) and 0 <= index < len(tokens):
+        return str(tokens[index])
+    return None
 
 
 def _gguf_merges(
@@ -271,17 +277,12 @@ def _sentencepiece_bpe(
                 "(corrupt or cut short)"
             )
         merges = sentencepiece_merges(tokens, [float(s) for s in scores], types)
-    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
     backend = Backend(
         models.BPE(
             vocab={token: index for index, token in enumerate(tokens)},
             merges=merges,
             dropout=None,
-            unk_token=(
-                str(tokens[unknown])
-                if isinstance(unknown, int) and 0 <= unknown < len(tokens)
-                else None
-            ),
+            unk_token=_named_token(metadata, tokens, "unknown"),
             fuse_unk=True,
             byte_fallback=True,
         )
@@ -313,12 +314,11 @@ def sentencepiece_merges(
     their left halves' ids. Only normal and user-defined pieces (or all, when
     `types` is empty) are joined or cut into; control, unknown, byte and
     unused pieces take no part."""
-    allowed = {
-        token
+    ids = {
+        token: index
         for index, token in enumerate(tokens)
         if not types or types[index] in (_NORMAL, _USER_DEFINED)
     }
-    ids = {token: index for index, token in enumerate(tokens) if token in allowed}
     ranked: list[tuple[float, int, int, str, str]] = []
     for piece, index in ids.items():
         for cut in range(1, len(piece)):
