@@ -109,6 +109,11 @@
 #  no gain: removed with their code and the `fixed` step. Next, first on an H200: call 2 `bash bench/h200_run.sh
 #  setup-min retime` (the defaults' cut at 64 and 512 experts, greedy and Qwen's sampling, depths 2 and 3: the
 #  realistic 512-expert layer has never been timed on an H200))
+# (thirty-second session, two H100 leases (asked for an H200): the DFlash / DSpark tests on the GPU by hand, then
+#  bench/quant_probe.py --quick: MLX's single-group quantized product found wrong, regrouped in models/parallel.py.
+#  Next, on any GPU: `setup-min quant` (the fix and gather_qmm); first on an H200: `setup-min retime`, or with
+#  little device time left `EXPERTS=512 SETS=none SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8
+#  bash bench/h200_run.sh setup-min switches` alone)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -308,6 +313,16 @@ for step in "$@"; do
       MLX_ENABLE_TF32=$tf32 timeout ${LIMIT:-120} python3 bench/window_precision.py \
           --out $OUT/window-precision-tf32$tf32-h200.json | grep PRECISION || echo "STEP FAILED: $?"
     done
+    ;;
+  quant)  # MLX's quantized products against the dequantized weights' (single-group weights: wrong for 2+
+    # rows on an H100, thirty-second session), specpipe's regrouped product and gather_qmm beside them;
+    # then the DFlash / DSpark tests on the GPU (TF32 off), which found it
+    for d in float32 bfloat16; do
+      MLX_ENABLE_TF32=0 timeout ${LIMIT:-120} python3 bench/quant_probe.py --quick --dtype $d \
+          --out $OUT/quant-probe-$d-h200.json | grep -E "wrong of|WRONG" || echo "STEP FAILED: $?"
+    done
+    MLX_ENABLE_TF32=0 timeout ${LIMIT:-120} python3 -m pytest -q -p no:cacheprovider \
+        tests/specpipe/test_dflash.py tests/specpipe/test_dspark.py 2>&1 | tail -5
     ;;
   parity)  # the models on the GPU against the same float32 weights on the CPU (FAMILIES, one at a
     # time: the eighteenth session's run of all three printed nothing in 160 s)

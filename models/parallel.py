@@ -141,6 +141,11 @@ def project(
     does: one rounding); a quantized one adds it after, as
     `nn.QuantizedLinear` does."""
 
+    if bits and mode == "affine" and scales is not None:
+        scales, biases, group_size = gpu_safe_groups(
+            scales, biases, group_size, mx.default_device()
+        )
+
     def product(rows: slice, stream: mx.Stream | None) -> mx.array:
         if not bits:
             if bias is not None:
@@ -178,6 +183,42 @@ def project(
         ]
         y = mx.concatenate(parts, axis=-1)
     return y + bias if bits and bias is not None else y
+
+
+# MLX's CUDA quantized product (mlx-cuda 0.32.4, transposed weights, as
+# nn.QuantizedLinear calls it) is wrong for more than one input row when a
+# weight row is a single group of 64 or 128 values: errors of the size of the
+# outputs, at 4 and 8 bits, float32 and bfloat16 inputs (H100,
+# bench/quant_probe.py). One row is right, and so are 32-value single groups
+# and every width of two or more groups.
+_SINGLE_GROUP_SIZES = (64, 128)
+
+
+def gpu_safe_groups(
+    scales: mx.array,  # [..., O, groups]
+    biases: mx.array | None,
+    group_size: int,
+    device: mx.Device,
+) -> tuple[mx.array, mx.array | None, int]:
+    """The same affine weight in groups MLX's GPU product computes right.
+
+    On a GPU, a weight whose rows are one group of 64 or 128 values is
+    described again as two groups of half the size, each with the whole
+    row's scale and bias: every weight dequantizes to the same value, and
+    the packed words are unchanged (they hold values, not groups). Elsewhere
+    (and for every other shape) the arguments come back as they are."""
+    if (
+        device.type == mx.DeviceType.cpu
+        or group_size not in _SINGLE_GROUP_SIZES
+        or scales.shape[-1] != 1
+    ):
+        return scales, biases, group_size
+    twice = mx.repeat(scales, 2, axis=-1)
+    return (
+        twice,
+        mx.repeat(biases, 2, axis=-1) if biases is not None else None,
+        group_size // 2,
+    )
 
 
 class Linear(nn.Linear):

@@ -184,3 +184,57 @@ def test_no_split_where_mlx_has_its_cuda_backend(
     monkeypatch.setattr(parallel, "_cuda_backend", lambda: False)
     assert parallel.cpu_threads() == 4
     assert parallel._blocks(mx.zeros((1, 64)), 1000) == 4
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [64, 128])
+def test_single_group_weights_are_regrouped_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, bits: int, group: int
+) -> None:
+    """MLX's CUDA product is wrong for several rows when a weight row is one
+    group of 64 or 128 (bench/quant_probe.py): on a GPU such a weight is
+    described as two half groups, which dequantize to the very same weights
+    and multiply to the same product; on the CPU nothing changes."""
+    mx.random.seed(group + bits)
+    packed, scales, biases = mx.quantize(
+        mx.random.normal((40, group)), group_size=group, bits=bits
+    )
+    kept = parallel.gpu_safe_groups(scales, biases, group, mx.Device(mx.cpu))
+    assert kept[0] is scales and kept[1] is biases and kept[2] == group
+    twice, twice_biases, half = parallel.gpu_safe_groups(
+        scales, biases, group, mx.Device(mx.gpu)
+    )
+    assert half == group // 2 and twice.shape == (40, 2)
+    assert twice_biases is not None
+    _same(
+        mx.dequantize(packed, twice, twice_biases, half, bits),
+        mx.dequantize(packed, scales, biases, group, bits),
+    )
+    x = mx.random.normal((5, group))
+    cpu = project(x, packed, scales, biases, group_size=group, bits=bits)
+    asked: list[int] = []
+    quantized_matmul = mx.quantized_matmul
+
+    def spy(*args: object, **kwargs: object) -> mx.array:
+        asked.append(int(kwargs["group_size"]))
+        return quantized_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(parallel.mx, "quantized_matmul", spy)
+    monkeypatch.setattr(parallel.mx, "default_device", lambda: mx.Device(mx.gpu))
+    gpu_form = project(x, packed, scales, biases, group_size=group, bits=bits)
+    monkeypatch.undo()
+    assert asked == [group // 2]
+    _same(gpu_form, cpu)
+
+
+@pytest.mark.parametrize(
+    ("group", "width"), [(32, 32), (64, 128), (64, 192), (128, 256)]
+)
+def test_other_weights_keep_their_groups_on_a_gpu(group: int, width: int) -> None:
+    """32-value single groups and rows of two or more groups are right on a
+    GPU as they are."""
+    _, scales, biases = mx.quantize(
+        mx.random.normal((8, width)), group_size=group, bits=4
+    )
+    got = parallel.gpu_safe_groups(scales, biases, group, mx.Device(mx.gpu))
+    assert got[0] is scales and got[1] is biases and got[2] == group
