@@ -9,6 +9,8 @@ Notable:
 - Tensors are dequantised one at a time (and big ones in row blocks) with
   `gguf.quants.dequantize`, which knows every llama.cpp quant type, so peak
   memory is the float32 model plus about two copies of its largest tensor.
+  With `keep_quantized`, Q4_0 / Q4_1 / Q4_K / Q8_0 matrices are read into
+  MLX affine triples instead, exactly (models/gguf_quant.py).
 - llama.cpp's converter permutes the rows of a llama model's Q and K
   projections so that its RoPE can rotate adjacent pairs (traditional RoPE);
   the permutation is undone here, so the weights equal the HF checkpoint's and
@@ -51,6 +53,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from returns.result import Failure, Result, Success
 
+from models.gguf_quant import affine_bits, read_affine
 from models.tokenizer import gguf_tokenizer
 from schemas.errors import LoadError
 from schemas.hf_gemma4 import FULL_ATTENTION, GEMMA4_TEXT, SLIDING_ATTENTION
@@ -276,17 +279,28 @@ def _parse_header(path: Path, cursor: _Cursor) -> Result[GgufHeader, LoadError]:
     return Success(GgufHeader(path, version, metadata, tuple(tensors)))
 
 
-def read_gguf(path: Path, load_weights: bool = True) -> Result[GgufModel, LoadError]:
+def read_gguf(
+    path: Path, load_weights: bool = True, keep_quantized: bool = False
+) -> Result[GgufModel, LoadError]:
     """Config, float32 HF-layout weights and tokenizer of a llama, qwen2, qwen3
     or gemma4 GGUF.
 
     With `load_weights=False` only the header is read (config and tokenizer),
     and a gemma4 file's `rope_freqs` (its RoPE, a few floats).
+    `keep_quantized` (llama, qwen2, qwen3): the weight matrices in a type MLX
+    affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q8_0:
+    `models/gguf_quant.py`) come as MLX triples (`.weight` packed,
+    `.scales`, `.biases`, float32, groups of 32), which the loader turns into
+    quantized layers; the rest are dequantized as without it.
     """
-    return read_gguf_header(path).bind(lambda h: _model(h, load_weights))
+    return read_gguf_header(path).bind(
+        lambda h: _model(h, load_weights, keep_quantized)
+    )
 
 
-def _model(header: GgufHeader, load_weights: bool) -> Result[GgufModel, LoadError]:
+def _model(
+    header: GgufHeader, load_weights: bool, keep_quantized: bool = False
+) -> Result[GgufModel, LoadError]:
     config = gguf_config(header)
     if isinstance(config, LoadError):
         return Failure(config)
@@ -296,7 +310,7 @@ def _model(header: GgufHeader, load_weights: bool) -> Result[GgufModel, LoadErro
     backend, tokenizer_config = tokenizer
     weights: dict[str, mx.array] = {}
     if load_weights:
-        loaded = _load_weights(header, config)
+        loaded = _load_weights(header, config, keep_quantized)
         if isinstance(loaded, LoadError):
             return Failure(loaded)
         weights = loaded
@@ -429,7 +443,7 @@ def unpermute_rope_rows(
 
 
 def _load_weights(
-    header: GgufHeader, config: dict[str, Any]
+    header: GgufHeader, config: dict[str, Any], keep_quantized: bool = False
 ) -> dict[str, mx.array] | LoadError:
     heads: dict[str, int] = {}
     if config["model_type"] == "llama":
@@ -447,10 +461,40 @@ def _load_weights(
                 if name is None:  # gemma4's rope_freqs: read into the config
                     continue
                 n_heads = heads.get(info.name.split(".")[-2])
+                if keep_quantized and not gemma and _kept(info):
+                    weights.update(_read_affine(handle.fileno(), info, name, n_heads))
+                    continue
                 weights[name] = mx.array(_read_tensor(handle.fileno(), info, n_heads))
     except (OSError, ValueError, NotImplementedError) as exc:
         return LoadError(f"{header.path}: cannot read tensor data: {exc}")
     return _join_split_experts(weights) if gemma else weights
+
+
+def _kept(info: TensorInfo) -> bool:
+    """Whether `keep_quantized` keeps this tensor quantized: a weight matrix
+    of a type MLX affine quantization holds exactly."""
+    return (
+        len(info.shape) == 2
+        and info.name.endswith(".weight")
+        and affine_bits(info.qtype) is not None
+    )
+
+
+def _read_affine(
+    fd: int, info: TensorInfo, name: str, n_heads: int | None
+) -> dict[str, mx.array]:
+    """The tensor as MLX affine `weight`, `scales` and `biases` (HF row order:
+    llama's Q/K rows unpermuted alike in all three)."""
+    arrays: tuple[np.ndarray, ...] = read_affine(
+        fd, info.qtype, info.shape, info.offset
+    )
+    if n_heads is not None:
+        arrays = tuple(unpermute_rope_rows(a, n_heads) for a in arrays)
+    base = name.removesuffix(".weight")
+    return {
+        f"{base}.{part}": mx.array(np.ascontiguousarray(a))
+        for part, a in zip(("weight", "scales", "biases"), arrays, strict=True)
+    }
 
 
 def _read_tensor(

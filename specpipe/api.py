@@ -510,6 +510,7 @@ def load(
     draft_ahead: bool | None = None,
     prompt_cache: bool | int = False,
     draft_bits: int | None = None,
+    gguf_quantized: bool = False,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -531,7 +532,8 @@ def load(
     projections are quantized to at load (4 or 8, MLX affine; 16: float;
     None: 4 for a DFlash2 draft on a GPU, float on the CPU and for DFlash
     v1: `models.dflash.default_bits`; a checkpoint already quantized loads
-    as it is)."""
+    as it is). `gguf_quantized`: a .gguf (or fixture) target keeps its
+    Q4_0 / Q4_1 / Q4_K / Q8_0 matrices quantized (`specpipe.load.load`)."""
     if draft_bits is not None and (problem := bits_problem(draft_bits)):
         return Failure(RequestError(problem))
     if prompt_cache is not True and prompt_cache is not False and prompt_cache <= 0:
@@ -546,7 +548,7 @@ def load(
         return Failure(
             RequestError(f"num-draft-tokens must be >= 1, got {num_draft_tokens}")
         )
-    loaded = load_model(ref, dtype)
+    loaded = load_model(ref, dtype, gguf_quantized)
     if not isinstance(loaded, Success):
         return Failure(loaded.failure())
     target = loaded.unwrap()

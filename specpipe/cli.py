@@ -105,6 +105,7 @@ def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pip
             draft_ahead=_SWITCH[args.draft_ahead],
             prompt_cache=prompt_cache,
             draft_bits=args.draft_bits,
+            gguf_quantized=args.gguf_quantized,
         )
     )
     return pipeline
@@ -226,8 +227,9 @@ def _convert(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         _fail(f"{out} exists and is not empty; pass --force to replace it")
-    quantize = None if args.quantize == "none" else int(args.quantize)
-    loaded = _unwrap(load_model(args.src, args.dtype))
+    keep = args.quantize == "keep"
+    quantize = None if args.quantize in ("none", "keep") else int(args.quantize)
+    loaded = _unwrap(load_model(args.src, args.dtype, gguf_quantized=keep))
     path = _unwrap(save_folder(loaded, out, quantize, args.group_size))
     print(f"specpipe: wrote {path}", file=sys.stderr)
 
@@ -276,6 +278,13 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         "draft's bytes; on an x86-64 CPU it runs on specpipe's AVX2 kernel)",
     )
     _draft_bits_option(parser)
+    parser.add_argument(
+        "--gguf-quantized",
+        action="store_true",
+        help="a .gguf (or fixture) model keeps its Q4_0 / Q4_1 / Q4_K / Q8_0 "
+        "matrices quantized (the same weights, a fraction of the memory) instead "
+        "of dequantizing them to float",
+    )
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
@@ -411,7 +420,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("src", help="folder, .gguf, fixture name or hub id")
     conv.add_argument("out", help="output folder")
-    conv.add_argument("--quantize", choices=["4", "8", "none"], default="none")
+    conv.add_argument(
+        "--quantize",
+        choices=["4", "8", "none", "keep"],
+        default="none",
+        help="4 or 8: MLX affine in groups of --group-size; keep (a .gguf or a "
+        "fixture): its Q4_0 / Q4_1 / Q4_K / Q8_0 matrices stay quantized as they "
+        "are (MLX groups of 32, the same weights), other types dequantized; "
+        "none (default): float",
+    )
     conv.add_argument("--group-size", type=int, default=64)
     conv.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None

@@ -84,11 +84,43 @@ def parse_dtype(name: str | None) -> Result[mx.Dtype | None, LoadError]:
 
 
 def load(
-    ref: str | None = None, dtype: str | None = None
+    ref: str | None = None, dtype: str | None = None, gguf_quantized: bool = False
 ) -> Result[LoadedModel, LoadError]:
-    """Load a model reference (default: the embedded default model)."""
+    """Load a model reference (default: the embedded default model).
+
+    `gguf_quantized`: a `.gguf` file's (or a fixture's) weight matrices of
+    the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q8_0)
+    load as quantized layers (groups of 32), each weight the very value
+    llama.cpp dequantizes it to; other types are dequantized as usual.
+    `dtype` casts the scales and biases as it casts float weights: float32
+    (the default) keeps every weight exact, float16 those of Q4_0, Q4_1 and
+    Q8_0. Other references are refused with it."""
     ref = ref or DEFAULT_MODEL
-    return parse_dtype(dtype).bind(lambda dt: _load(ref, dt)).map(_fused).map(_resident)
+    load_ref = _load_quantized_gguf if gguf_quantized else _load
+    return (
+        parse_dtype(dtype).bind(lambda dt: load_ref(ref, dt)).map(_fused).map(_resident)
+    )
+
+
+def _load_quantized_gguf(
+    ref: str, dtype: mx.Dtype | None
+) -> Result[LoadedModel, LoadError]:
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            return Failure(LoadError(f"{path}: no such GGUF file"))
+        return load_gguf(path, dtype, keep_quantized=True)
+    if ref in fixture_names():
+        return install_fixture(ref).bind(
+            lambda gguf: load_gguf(gguf, dtype, keep_quantized=True)
+        )
+    return Failure(
+        LoadError(
+            f"{ref!r}: keeping a checkpoint's llama.cpp quantization needs a .gguf "
+            f"file or a fixture ({', '.join(fixture_names())}); quantize other "
+            "models with --quantize 4 or 8 instead"
+        )
+    )
 
 
 def _fused(loaded: LoadedModel) -> LoadedModel:
@@ -274,8 +306,9 @@ def _raw_config(folder: Path) -> dict[str, Any]:
 
 
 def load_gguf(
-    path: Path, dtype: mx.Dtype | None = None
+    path: Path, dtype: mx.Dtype | None = None, keep_quantized: bool = False
 ) -> Result[LoadedModel, LoadError]:
+    """A GGUF file's model (`keep_quantized`: `load`'s `gguf_quantized`)."""
     from models.gguf import read_gguf
 
     def build(g: Any) -> Result[LoadedModel, LoadError]:
@@ -291,7 +324,7 @@ def load_gguf(
             )
         )
 
-    return read_gguf(path).bind(build)
+    return read_gguf(path, keep_quantized=keep_quantized).bind(build)
 
 
 @contextmanager
@@ -372,16 +405,16 @@ def config_for(
         cfg = config_dict(loaded.args, weights)
     else:
         cfg = _upstream_config(loaded)
-    if quantize is not None:
-        model: Any = loaded.model  # (an nn.Module)
-        # the model's quantization block (`quantization_block`: its bits and
-        # group size, and a per-layer entry for each layer quantized otherwise,
-        # e.g. its MoE routers at `ROUTER_BITS`) under the two names MLX
-        # loaders read; the asked setting where no layer was quantized
-        block = quantization_block(model) or {
-            "group_size": group_size,
-            "bits": quantize,
-        }
+    model: Any = loaded.model  # (an nn.Module)
+    # the model's quantization block (`quantization_block`: its bits and
+    # group size, and a per-layer entry for each layer quantized otherwise,
+    # e.g. its MoE routers at `ROUTER_BITS`) under the two names MLX loaders
+    # read: for a model quantized here (the asked setting where no layer
+    # was) or loaded quantized (a GGUF's kept blocks)
+    block = quantization_block(model)
+    if quantize is not None and block is None:
+        block = {"group_size": group_size, "bits": quantize}
+    if block is not None:
         cfg["quantization"] = block
         cfg["quantization_config"] = block
     return cfg

@@ -68,3 +68,21 @@ def test_two_model_qwen_pair(qwen_pair: Pipeline, sampling: SamplingParams) -> N
     ).unwrap()
     assert single.tokens == plain[0]
     assert single.stats.accepted > 0
+
+
+@pytest.mark.fixture
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.7-topp-topk"])
+def test_smollm2_kept_quantized_decodes_as_its_float_twin(
+    smollm2: Pipeline, sampling: SamplingParams
+) -> None:
+    """SmolLM2's GGUF (Q4_1 matrices, a Q8_0 embedding) loaded with its blocks
+    kept quantized: the same weights in under a quarter of the bytes, so the
+    same tokens as the float32 import, plainly and with an ngram draft."""
+    kept = load(
+        SMOLLM2, draft="ngram", num_draft_tokens=6, adaptive=False, gguf_quantized=True
+    ).unwrap()
+    layer = kept.target.model.model.layers[0]
+    assert type(layer.mlp.down_proj).__name__ == "QuantizedLinear"
+    expected = _tokens(smollm2, PROMPTS, sampling, 32)
+    assert _tokens(evolve(kept, draft=None), PROMPTS, sampling, 32) == expected
+    assert _tokens(kept, PROMPTS, sampling, 32) == expected

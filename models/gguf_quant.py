@@ -1,0 +1,140 @@
+"""llama.cpp quant blocks that MLX's affine quantization holds exactly.
+
+MLX affine quantization stores, per group of `group_size` values of a row,
+unsigned integers q with one scale s and one bias b: w = s * q + b. Four
+llama.cpp block types are that form with groups of 32:
+
+- Q4_0 (32 values, 18 bytes): an fp16 scale d, then 16 bytes of nibbles
+  (byte j: value j low, value j + 16 high); w = d * (q - 8): s = d, b = -8d.
+- Q4_1 (32 values, 20 bytes): fp16 d and m, then the same nibbles;
+  w = d * q + m: s = d, b = m.
+- Q8_0 (32 values, 34 bytes): fp16 d, then 32 signed bytes; w = d * q:
+  q + 128 at 8 bits, s = d, b = -128d.
+- Q4_K (256 values, 144 bytes): fp16 d and dmin, 12 bytes packing eight
+  6-bit scales and eight 6-bit mins, then 128 bytes of nibbles (each 32 bytes
+  hold two sub-blocks of 32: low nibbles the first, high the second);
+  w = d * sc * q - dmin * m: s = d * sc, b = -dmin * m per sub-block.
+
+Scales and biases are float32, where each of these products is exact (an
+fp16 value times an integer below 64), so the weights dequantize to exactly
+the values llama.cpp's own dequantization gives (tests/models/test_gguf_quant.py
+checks against the `gguf` package's). Other types (Q5_*, Q6_K, Q2_K, Q3_K,
+the IQ types, floats) have no such form here and load dequantized.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+__all__ = ["AFFINE_TYPES", "GROUP_SIZE", "affine_bits", "affine_rows", "read_affine"]
+
+GROUP_SIZE = 32
+Q = GGMLQuantizationType
+# type -> MLX bits
+AFFINE_TYPES: dict[GGMLQuantizationType, int] = {
+    Q.Q4_0: 4,
+    Q.Q4_1: 4,
+    Q.Q4_K: 4,
+    Q.Q8_0: 8,
+}
+# raw bytes converted at a time (a row block), as the float reader does
+_CHUNK_BYTES = 1 << 24
+
+Affine = tuple[np.ndarray, np.ndarray, np.ndarray]  # packed uint32, scales, biases
+
+
+def affine_bits(qtype: GGMLQuantizationType) -> int | None:
+    """The MLX bits a type keeps, or None when it loads dequantized."""
+    return AFFINE_TYPES.get(qtype)
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:  # [n, 1] float32
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:  # [n, 16] bytes -> [n, 32]
+    return np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's eight 6-bit scales and mins from its 12 bytes: [n, 8] each.
+    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales
+    4-7; bytes 4-7 the same for the mins; bytes 8-11 the low 4 bits of
+    scales 4-7 (low nibble) and of mins 4-7 (high nibble)."""
+    p = packed.astype(np.int32)
+    low_sc, low_m, rest = p[:, 0:4], p[:, 4:8], p[:, 8:12]
+    scales = np.concatenate([low_sc & 63, (rest & 15) | ((low_sc >> 6) << 4)], axis=1)
+    mins = np.concatenate([low_m & 63, (rest >> 4) | ((low_m >> 6) << 4)], axis=1)
+    return scales, mins
+
+
+def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
+    """Unpacked values [G, 32] (uint8) with their scales and biases [G, 1],
+    G groups in row order, from whole blocks of `qtype`."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, size)
+    if qtype == Q.Q4_0:
+        d = _half(blocks, 0)
+        return _nibbles(blocks[:, 2:18]), d, -8 * d
+    if qtype == Q.Q4_1:
+        return _nibbles(blocks[:, 4:20]), _half(blocks, 0), _half(blocks, 2)
+    if qtype == Q.Q8_0:
+        d = _half(blocks, 0)
+        signed = blocks[:, 2:34].view(np.int8).astype(np.int16)
+        return (signed + 128).astype(np.uint8), d, -128 * d
+    assert qtype == Q.Q4_K, qtype
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    sc, mins = _k_scales(blocks[:, 4:16])
+    qs = blocks[:, 16:144].reshape(-1, 4, 1, 32)
+    values = np.concatenate([qs & 15, qs >> 4], axis=2)  # [n, 4 chunks, 2, 32]
+    return (
+        values.reshape(-1, GROUP_SIZE),
+        (d * sc).reshape(-1, 1),
+        (-(dmin * mins)).reshape(-1, 1),
+    )
+
+
+def _pack(values: np.ndarray, bits: int) -> np.ndarray:  # [R, W] -> [R, W * bits / 32]
+    """MLX's packing: a uint32 holds 32 / bits values, the first in its low bits."""
+    per_word = 32 // bits
+    words = values.reshape(values.shape[0], -1, per_word).astype(np.uint32)
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, None, :]
+    packed: np.ndarray = np.bitwise_or.reduce(words << shifts, axis=2)
+    return packed
+
+
+def affine_rows(qtype: GGMLQuantizationType, raw: np.ndarray, width: int) -> Affine:
+    """Whole rows of `width` values of `qtype` (raw bytes, uint8) as MLX
+    affine arrays: packed [R, width * bits / 32] uint32, scales and biases
+    [R, width / 32] float32."""
+    bits = AFFINE_TYPES[qtype]
+    values, scales, biases = _groups(qtype, raw)
+    rows = values.size // width
+    return (
+        _pack(values.reshape(rows, width), bits),
+        scales.reshape(rows, -1).astype(np.float32),
+        biases.reshape(rows, -1).astype(np.float32),
+    )
+
+
+def read_affine(
+    fd: int, qtype: GGMLQuantizationType, shape: tuple[int, ...], offset: int
+) -> Affine:
+    """A 2-D tensor of `shape` [R, W] at `offset` of the open file, as
+    `affine_rows` gives it, read a row block at a time."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, width = shape
+    row_bytes = width // block * size
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    parts: list[Affine] = []
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        raw = os.pread(fd, count * row_bytes, offset + start * row_bytes)
+        if len(raw) != count * row_bytes:
+            raise ValueError(f"short read ({len(raw)} of {count * row_bytes} bytes)")
+        parts.append(affine_rows(qtype, np.frombuffer(raw, dtype=np.uint8), width))
+    packed, scales, biases = (np.concatenate(p) for p in zip(*parts, strict=True))
+    return packed, scales, biases

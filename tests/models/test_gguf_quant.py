@@ -1,0 +1,222 @@
+"""llama.cpp blocks kept quantized (models/gguf_quant.py, `keep_quantized`).
+
+Q4_0, Q4_1, Q4_K and Q8_0 blocks become MLX affine groups of 32 whose
+dequantized weights are exactly llama.cpp's (the `gguf` package's
+dequantization); a kept GGUF model computes what its dequantized twin does,
+in a fraction of the memory, and converts to a quantized MLX folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_support import tiny_tokens, tiny_weights, write_tiny_gguf
+from mlx.utils import tree_flatten
+from returns.result import Failure, Success
+
+import models.gguf_quant as gguf_quant
+from models.gguf import read_gguf
+from models.gguf_quant import AFFINE_TYPES, GROUP_SIZE, affine_rows
+from specpipe.load import LoadedModel, load, save_folder
+
+Q = GGMLQuantizationType
+
+
+def random_blocks(
+    qtype: GGMLQuantizationType, rows: int, width: int, seed: int
+) -> np.ndarray:
+    """Whole rows of random blocks (random bytes with finite fp16 scales)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    count = rows * width // block
+    raw = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    halves = rng.normal(0.0, 0.05, (count, 2)).astype(np.float16)
+    width_of_halves = 4 if qtype in (Q.Q4_1, Q.Q4_K) else 2  # d (and m / dmin)
+    raw[:, :width_of_halves] = halves.view(np.uint8).reshape(count, 4)[
+        :, :width_of_halves
+    ]
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", list(AFFINE_TYPES), ids=lambda q: q.name)
+@pytest.mark.parametrize("width", [256, 768])
+def test_blocks_dequantize_to_llamacpp_values_exactly(
+    qtype: GGMLQuantizationType, width: int
+) -> None:
+    rows = 6
+    raw = random_blocks(qtype, rows, width, seed=width)
+    packed, scales, biases = affine_rows(qtype, raw, width)
+    bits = AFFINE_TYPES[qtype]
+    assert packed.dtype == np.uint32 and packed.shape == (rows, width * bits // 32)
+    assert scales.shape == biases.shape == (rows, width // GROUP_SIZE)
+    assert scales.dtype == biases.dtype == np.float32
+    got = mx.dequantize(
+        mx.array(packed), mx.array(scales), mx.array(biases), GROUP_SIZE, bits
+    )
+    want = dequantize(raw.reshape(1, -1), qtype).reshape(rows, width)
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+def test_row_blocks_read_as_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor read in several row blocks is the tensor read whole."""
+    raw = random_blocks(Q.Q4_K, 10, 512, seed=3)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(b"\0" * 7 + raw.tobytes())
+    with path.open("rb") as handle:
+        whole = gguf_quant.read_affine(handle.fileno(), Q.Q4_K, (10, 512), 7)
+        monkeypatch.setattr(gguf_quant, "_CHUNK_BYTES", 3 * 288)  # 3 rows a block
+        parts = gguf_quant.read_affine(handle.fileno(), Q.Q4_K, (10, 512), 7)
+    for a, b in zip(whole, parts, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _tiny(tmp_path: Path, qtype: GGMLQuantizationType, arch: str = "llama") -> Path:
+    tokens, _ = tiny_tokens()
+    weights = tiny_weights(4, len(tokens), model_type=arch, tied=arch == "llama")
+    path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
+    write_tiny_gguf(path, weights, arch=arch, qtype=qtype)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_kept_matrices_are_the_dequantized_weights(
+    tmp_path: Path, qtype: GGMLQuantizationType, arch: str
+) -> None:
+    """Every matrix comes as an MLX triple (llama's Q/K rows unpermuted in all
+    three) that dequantizes to the weight the float import gives; vectors
+    (norms, biases) come as they do without keeping."""
+    path = _tiny(tmp_path, qtype, arch)
+    plain = read_gguf(path).unwrap().weights
+    kept = read_gguf(path, keep_quantized=True).unwrap().weights
+    bits = AFFINE_TYPES[qtype]
+    matrices = [n for n, v in plain.items() if v.ndim == 2]
+    assert matrices and "model.layers.0.self_attn.q_proj.weight" in matrices
+    for name, value in plain.items():
+        if value.ndim == 1:
+            assert kept[name].dtype == mx.float32
+            np.testing.assert_array_equal(np.array(kept[name]), np.array(value))
+            continue
+        base = name.removesuffix(".weight")
+        packed = kept[name]
+        assert packed.dtype == mx.uint32, name
+        got = mx.dequantize(
+            packed, kept[f"{base}.scales"], kept[f"{base}.biases"], GROUP_SIZE, bits
+        )
+        np.testing.assert_array_equal(np.array(got), np.array(value), err_msg=name)
+    assert len(kept) == len(plain) + 2 * len(matrices)
+
+
+def test_types_without_an_affine_form_load_dequantized(tmp_path: Path) -> None:
+    path = _tiny(tmp_path, Q.Q5_0)
+    kept = read_gguf(path, keep_quantized=True).unwrap().weights
+    assert not any(name.endswith(".scales") for name in kept)
+    assert all(v.dtype == mx.float32 for v in kept.values())
+
+
+def _logits(loaded: LoadedModel) -> mx.array:
+    ids = mx.array([[1, 5, 9, 12, 3, 7]])
+    model = loaded.model
+    cache = model.make_cache(1)
+    first = model(ids[:, :4], cache, [0]).logits
+    rest = model(ids[:, 4:], cache, [4]).logits
+    return mx.concatenate([first, rest], axis=1)
+
+
+def _bytes(loaded: LoadedModel) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_kept_model_computes_what_its_float_twin_does(
+    tmp_path: Path, arch: str
+) -> None:
+    path = _tiny(tmp_path, Q.Q4_0, arch)
+    plain = load(str(path)).unwrap()
+    kept = load(str(path), gguf_quantized=True).unwrap()
+    layer = kept.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, nn.QuantizedLinear)
+    assert isinstance(kept.model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert _bytes(kept) < _bytes(plain) / 3
+    np.testing.assert_allclose(
+        np.array(_logits(kept)), np.array(_logits(plain)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_kept_model_converts_to_a_quantized_folder(tmp_path: Path) -> None:
+    path = _tiny(tmp_path, Q.Q8_0)
+    kept = load(str(path), gguf_quantized=True).unwrap()
+    out = save_folder(kept, tmp_path / "out")
+    assert isinstance(out, Success), out
+    config = (tmp_path / "out" / "config.json").read_text()
+    assert '"group_size": 32' in config and '"bits": 8' in config
+    again = load(str(tmp_path / "out")).unwrap()
+    assert isinstance(again.model.model.layers[1].self_attn.o_proj, nn.QuantizedLinear)
+    np.testing.assert_array_equal(np.array(_logits(again)), np.array(_logits(kept)))
+
+
+def test_keeping_needs_a_gguf(tmp_path: Path) -> None:
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    result = load(str(folder), gguf_quantized=True)
+    assert isinstance(result, Failure)
+    message = result.failure().message
+    assert (
+        "needs a .gguf file or a fixture" in message and "--quantize 4 or 8" in message
+    )
+    missing = load(str(tmp_path / "none.gguf"), gguf_quantized=True)
+    assert (
+        isinstance(missing, Failure)
+        and "no such GGUF file" in missing.failure().message
+    )
+
+
+def test_the_command_keeps_a_gguf_quantized(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`convert --quantize keep` writes the kept blocks; `generate
+    --gguf-quantized` decodes what the float import decodes; keeping a
+    folder's weights is refused with the fix named."""
+    from specpipe.cli import main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = 0
+        try:
+            main(list(argv))
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    path = _tiny(tmp_path, Q.Q4_1)
+    out = tmp_path / "kept"
+    assert run("convert", str(path), str(out), "--quantize", "keep")[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4}
+    texts = [
+        json.loads(
+            run(
+                "generate", "ab", "--model", model, "--max-tokens", "6", "--json", *flag
+            )[1]
+        )
+        for model, flag in (
+            (str(path), ()),
+            (str(path), ("--gguf-quantized",)),
+            (str(out), ()),
+        )
+    ]
+    assert texts[0]["tokens"] == texts[1]["tokens"] == texts[2]["tokens"]
+    code, _, err = run(
+        "convert", str(out), str(tmp_path / "again"), "--quantize", "keep"
+    )
+    assert code != 0 and "needs a .gguf file or a fixture" in err
+    assert not (tmp_path / "again").exists()
