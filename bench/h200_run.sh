@@ -111,7 +111,7 @@
 #  realistic 512-expert layer has never been timed on an H200))
 # (thirty-second session, two H100 leases (asked for an H200): the DFlash / DSpark tests on the GPU by hand, then
 #  bench/quant_probe.py --quick: MLX's single-group quantized product found wrong, regrouped in models/parallel.py.
-#  Next, on any GPU: `setup-min quant` (the fix and gather_qmm); first on an H200: `setup-min retime`, or with
+#  Next, on any GPU: `setup-min quant` (the fix, gather_qmm, 5-bit products: a GGUF's kept Q5_* blocks); first on an H200: `setup-min retime`, or with
 #  little device time left `EXPERTS=512 SETS=none SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8
 #  bash bench/h200_run.sh setup-min switches` alone)
 set -uo pipefail
@@ -318,7 +318,7 @@ for step in "$@"; do
     # rows on an H100, thirty-second session), specpipe's regrouped product and gather_qmm beside them;
     # then the DFlash / DSpark tests on the GPU (TF32 off), which found it
     for d in float32 bfloat16; do
-      MLX_ENABLE_TF32=0 timeout ${LIMIT:-120} python3 bench/quant_probe.py --quick --dtype $d \
+      MLX_ENABLE_TF32=0 timeout ${LIMIT:-200} python3 bench/quant_probe.py --quick --dtype $d \
           --out $OUT/quant-probe-$d-h200.json | grep -E "wrong of|WRONG" || echo "STEP FAILED: $?"
     done
     MLX_ENABLE_TF32=0 timeout ${LIMIT:-120} python3 -m pytest -q -p no:cacheprovider \

@@ -40,9 +40,9 @@ def sweep(dtype: mx.Dtype, quick: bool) -> list[dict[str, Any]]:
     cases: list[dict[str, Any]] = []
     mx.random.seed(0)
     tol = 1e-4 if dtype == mx.float32 else 2e-2
-    ks = (64, 128, 192, 896) if quick else (32, 64, 96, 128, 192, 256, 384, 512, 896)
+    ks = (64, 128, 896) if quick else (32, 64, 96, 128, 192, 256, 384, 512, 896)
     n = 128
-    for bits in (4,) if quick else (4, 8):
+    for bits in (4, 5, 8):  # 5: a GGUF's Q5_* blocks kept (models/gguf_quant.py)
         for group in (32, 64, 128):
             for k in ks:
                 if k % group:
@@ -50,7 +50,7 @@ def sweep(dtype: mx.Dtype, quick: bool) -> list[dict[str, Any]]:
                 w = mx.random.normal((EXPERTS, n, k))
                 wq, scales, biases = mx.quantize(w, group, bits)
                 deq = mx.dequantize(wq, scales, biases, group, bits)
-                for rows in (1, 2, 5, 16) if quick else (1, 2, 3, 4, 5, 8, 16, 33, 64):
+                for rows in (1, 2, 16) if quick else (1, 2, 3, 4, 5, 8, 16, 33, 64):
                     x = mx.random.normal((rows, k)).astype(dtype)
                     want = x.astype(mx.float32) @ deq[0].T
                     mlx = mx.quantized_matmul(
@@ -104,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
-        "--quick", action="store_true", help="4 bits, four widths, four row counts"
+        "--quick", action="store_true", help="three widths, three row counts"
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

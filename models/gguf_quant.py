@@ -1,7 +1,7 @@
 """llama.cpp quant blocks that MLX's affine quantization holds exactly.
 
 MLX affine quantization stores, per group of `group_size` values of a row,
-unsigned integers q with one scale s and one bias b: w = s * q + b. Four
+unsigned integers q with one scale s and one bias b: w = s * q + b. Seven
 llama.cpp block types are that form with groups of 32:
 
 - Q4_0 (32 values, 18 bytes): an fp16 scale d, then 16 bytes of nibbles
@@ -14,12 +14,18 @@ llama.cpp block types are that form with groups of 32:
   6-bit scales and eight 6-bit mins, then 128 bytes of nibbles (each 32 bytes
   hold two sub-blocks of 32: low nibbles the first, high the second);
   w = d * sc * q - dmin * m: s = d * sc, b = -dmin * m per sub-block.
+- Q5_0 / Q5_1 (32 values, 22 / 24 bytes): Q4_0's / Q4_1's layout with a
+  32-bit word of fifth bits (bit j: value j's) before the nibbles;
+  Q5_0: w = d * (q - 16): s = d, b = -16d; Q5_1: s = d, b = m.
+- Q5_K (256 values, 176 bytes): Q4_K with 32 bytes of fifth bits before
+  the nibbles (byte l, bit k: value l of sub-block k).
 
 Scales and biases are float32, where each of these products is exact (an
 fp16 value times an integer below 64), so the weights dequantize to exactly
 the values llama.cpp's own dequantization gives (tests/models/test_gguf_quant.py
-checks against the `gguf` package's). Other types (Q5_*, Q6_K, Q2_K, Q3_K,
-the IQ types, floats) have no such form here and load dequantized.
+checks against the `gguf` package's). Other types (Q6_K's 16-value groups,
+Q2_K, Q3_K, the IQ types, floats) have no such form here and load
+dequantized.
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ AFFINE_TYPES: dict[GGMLQuantizationType, int] = {
     Q.Q4_0: 4,
     Q.Q4_1: 4,
     Q.Q4_K: 4,
+    Q.Q5_0: 5,
+    Q.Q5_1: 5,
+    Q.Q5_K: 5,
     Q.Q8_0: 8,
 }
-# raw bytes converted at a time (a row block), as the float reader does
-_CHUNK_BYTES = 1 << 24
+# raw bytes converted at a time (a row block; packing takes ~16 bytes a value)
+_CHUNK_BYTES = 1 << 22
 
 Affine = tuple[np.ndarray, np.ndarray, np.ndarray]  # packed uint32, scales, biases
 
@@ -71,6 +80,12 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:  # [n, 4] bytes -> [n, 32] of 0 / 16
+    """Q5_0's / Q5_1's high bits: bit j of the little-endian word is value j's."""
+    bits = np.unpackbits(qh, axis=1, bitorder="little")
+    return (bits << 4).astype(np.uint8)
+
+
 def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
     """Unpacked values [G, 32] (uint8) with their scales and biases [G, 1],
     G groups in row order, from whole blocks of `qtype`."""
@@ -81,15 +96,26 @@ def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
         return _nibbles(blocks[:, 2:18]), d, -8 * d
     if qtype == Q.Q4_1:
         return _nibbles(blocks[:, 4:20]), _half(blocks, 0), _half(blocks, 2)
+    if qtype == Q.Q5_0:
+        d = _half(blocks, 0)
+        values = _nibbles(blocks[:, 6:22]) | _fifth_bits(blocks[:, 2:6])
+        return values, d, -16 * d
+    if qtype == Q.Q5_1:
+        values = _nibbles(blocks[:, 8:24]) | _fifth_bits(blocks[:, 4:8])
+        return values, _half(blocks, 0), _half(blocks, 2)
     if qtype == Q.Q8_0:
         d = _half(blocks, 0)
         signed = blocks[:, 2:34].view(np.int8).astype(np.int16)
         return (signed + 128).astype(np.uint8), d, -128 * d
-    assert qtype == Q.Q4_K, qtype
+    assert qtype in (Q.Q4_K, Q.Q5_K), qtype
     d, dmin = _half(blocks, 0), _half(blocks, 2)
     sc, mins = _k_scales(blocks[:, 4:16])
-    qs = blocks[:, 16:144].reshape(-1, 4, 1, 32)
+    qs = blocks[:, -128:].reshape(-1, 4, 1, 32)
     values = np.concatenate([qs & 15, qs >> 4], axis=2)  # [n, 4 chunks, 2, 32]
+    if qtype == Q.Q5_K:
+        # byte l of the 32, bit k: the fifth bit of value l of sub-block k
+        high = np.unpackbits(blocks[:, 16:48, None], axis=2, bitorder="little")
+        values = values | (high.transpose(0, 2, 1).reshape(-1, 4, 2, 32) << 4)
     return (
         values.reshape(-1, GROUP_SIZE),
         (d * sc).reshape(-1, 1),
@@ -98,12 +124,14 @@ def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
 
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:  # [R, W] -> [R, W * bits / 32]
-    """MLX's packing: a uint32 holds 32 / bits values, the first in its low bits."""
-    per_word = 32 // bits
-    words = values.reshape(values.shape[0], -1, per_word).astype(np.uint32)
-    shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, None, :]
-    packed: np.ndarray = np.bitwise_or.reduce(words << shifts, axis=2)
-    return packed
+    """MLX's packing: a little-endian bit stream of `bits`-bit values (value
+    i at bit i * bits), read as uint32 words."""
+    stream = np.unpackbits(values[..., None], axis=-1, bitorder="little")[..., :bits]
+    packed = np.packbits(
+        stream.reshape(values.shape[0], -1), axis=-1, bitorder="little"
+    )
+    words: np.ndarray = packed.view("<u4")
+    return words
 
 
 def affine_rows(qtype: GGMLQuantizationType, raw: np.ndarray, width: int) -> Affine:

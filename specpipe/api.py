@@ -533,7 +533,7 @@ def load(
     None: 4 for a DFlash2 draft on a GPU, float on the CPU and for DFlash
     v1: `models.dflash.default_bits`; a checkpoint already quantized loads
     as it is). `gguf_quantized`: a .gguf (or fixture) target keeps its
-    Q4_0 / Q4_1 / Q4_K / Q8_0 matrices quantized (`specpipe.load.load`)."""
+    Q4_*, Q5_* and Q8_0 matrices quantized (`specpipe.load.load`)."""
     if draft_bits is not None and (problem := bits_problem(draft_bits)):
         return Failure(RequestError(problem))
     if prompt_cache is not True and prompt_cache is not False and prompt_cache <= 0:

@@ -281,7 +281,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gguf-quantized",
         action="store_true",
-        help="a .gguf (or fixture) model keeps its Q4_0 / Q4_1 / Q4_K / Q8_0 "
+        help="a .gguf (or fixture) model keeps its Q4_*, Q5_* and Q8_0 "
         "matrices quantized (the same weights, a fraction of the memory) instead "
         "of dequantizing them to float",
     )
@@ -425,9 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["4", "8", "none", "keep"],
         default="none",
         help="4 or 8: MLX affine in groups of --group-size; keep (a .gguf or a "
-        "fixture): its Q4_0 / Q4_1 / Q4_K / Q8_0 matrices stay quantized as they "
-        "are (MLX groups of 32, the same weights), other types dequantized; "
-        "none (default): float",
+        "fixture): its Q4_*, Q5_* and Q8_0 matrices stay quantized as they are "
+        "(MLX groups of 32, the same weights), other types dequantized; none "
+        "(default): float",
     )
     conv.add_argument("--group-size", type=int, default=64)
     conv.add_argument(

@@ -1,6 +1,6 @@
 """llama.cpp blocks kept quantized (models/gguf_quant.py, `keep_quantized`).
 
-Q4_0, Q4_1, Q4_K and Q8_0 blocks become MLX affine groups of 32 whose
+Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0 blocks become MLX affine groups of 32 whose
 dequantized weights are exactly llama.cpp's (the `gguf` package's
 dequantization); a kept GGUF model computes what its dequantized twin does,
 in a fraction of the memory, and converts to a quantized MLX folder.
@@ -38,7 +38,8 @@ def random_blocks(
     count = rows * width // block
     raw = rng.integers(0, 256, (count, size), dtype=np.uint8)
     halves = rng.normal(0.0, 0.05, (count, 2)).astype(np.float16)
-    width_of_halves = 4 if qtype in (Q.Q4_1, Q.Q4_K) else 2  # d (and m / dmin)
+    # d (and m / dmin)
+    width_of_halves = 4 if qtype in (Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K) else 2
     raw[:, :width_of_halves] = halves.view(np.uint8).reshape(count, 4)[
         :, :width_of_halves
     ]
@@ -88,7 +89,9 @@ def _tiny(tmp_path: Path, qtype: GGMLQuantizationType, arch: str = "llama") -> P
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name
+)
 def test_kept_matrices_are_the_dequantized_weights(
     tmp_path: Path, qtype: GGMLQuantizationType, arch: str
 ) -> None:
@@ -116,8 +119,8 @@ def test_kept_matrices_are_the_dequantized_weights(
     assert len(kept) == len(plain) + 2 * len(matrices)
 
 
-def test_types_without_an_affine_form_load_dequantized(tmp_path: Path) -> None:
-    path = _tiny(tmp_path, Q.Q5_0)
+def test_types_without_an_affine_form_load_as_floats(tmp_path: Path) -> None:
+    path = _tiny(tmp_path, Q.BF16)
     kept = read_gguf(path, keep_quantized=True).unwrap().weights
     assert not any(name.endswith(".scales") for name in kept)
     assert all(v.dtype == mx.float32 for v in kept.values())

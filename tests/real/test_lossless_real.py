@@ -86,3 +86,21 @@ def test_smollm2_kept_quantized_decodes_as_its_float_twin(
     expected = _tokens(smollm2, PROMPTS, sampling, 32)
     assert _tokens(evolve(kept, draft=None), PROMPTS, sampling, 32) == expected
     assert _tokens(kept, PROMPTS, sampling, 32) == expected
+
+
+@pytest.mark.fixture
+def test_qwen05_kept_quantized_decodes_as_its_float_twin(qwen05: Pipeline) -> None:
+    """The Qwen2.5-Coder 0.5B GGUF kept quantized mixes 5-bit (Q5_0), 4-bit
+    (Q4_K) and 8-bit (Q8_0) layers and dequantizes its Q6_K ones: the same
+    greedy tokens as its float32 import."""
+    kept = load(QWEN_05, adaptive=False, gguf_quantized=True).unwrap()
+    bits = {
+        module.bits
+        for _, module in kept.target.model.named_modules()
+        if type(module).__name__.startswith("Quantized")
+    }
+    assert bits == {4, 5, 8}
+    sampling = SAMPLINGS[0]
+    assert _tokens(kept, PROMPTS[:2], sampling, 16) == _tokens(
+        qwen05, PROMPTS[:2], sampling, 16
+    )
