@@ -58,11 +58,12 @@ def _load_ngram(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
 def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
     from specpipe.draft_vocab import configured
     from specpipe.drafts.two_model import TwoModelDrafter
-    from specpipe.load import load
+    from specpipe.load import gguf_ref, load
 
     assert request.source is not None
     target = request.target
-    loaded = load(request.source, request.dtype)
+    keep = request.gguf_quantized and gguf_ref(request.source)
+    loaded = load(request.source, request.dtype, gguf_quantized=keep)
     if not isinstance(loaded, Success):
         return Failure(BindingError(f"draft model: {loaded.failure().message}"))
     draft = loaded.unwrap()

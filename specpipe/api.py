@@ -533,7 +533,8 @@ def load(
     None: 4 for a DFlash2 draft on a GPU, float on the CPU and for DFlash
     v1: `models.dflash.default_bits`; a checkpoint already quantized loads
     as it is). `gguf_quantized`: a .gguf (or fixture) target keeps its
-    Q4_*, Q5_* and Q8_0 matrices quantized (`specpipe.load.load`)."""
+    Q4_*, Q5_* and Q8_0 matrices quantized (`specpipe.load.load`), and so
+    does a two-model draft that is one."""
     if draft_bits is not None and (problem := bits_problem(draft_bits)):
         return Failure(RequestError(problem))
     if prompt_cache is not True and prompt_cache is not False and prompt_cache <= 0:
@@ -587,6 +588,7 @@ def load(
         draft_vocab=draft_vocab,
         dtype=draft_dtype or dtype,
         draft_bits=draft_bits,
+        gguf_quantized=gguf_quantized,
     )
     result = _resolve_draft(registry, draft, target, request)
     if not isinstance(result, Success):

@@ -281,9 +281,9 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gguf-quantized",
         action="store_true",
-        help="a .gguf (or fixture) model keeps its Q4_*, Q5_* and Q8_0 "
-        "matrices quantized (the same weights, a fraction of the memory) instead "
-        "of dequantizing them to float",
+        help="a .gguf (or fixture) model, and a --draft model that is one, keep "
+        "their Q4_*, Q5_* and Q8_0 matrices quantized (the same weights, a "
+        "fraction of the memory) instead of dequantizing them to float",
     )
     parser.add_argument(
         "--num-draft-tokens",

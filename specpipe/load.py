@@ -103,6 +103,12 @@ def load(
     )
 
 
+def gguf_ref(ref: str) -> bool:
+    """Whether `ref` names a .gguf file or a fixture (`load`'s
+    `gguf_quantized` applies to it)."""
+    return Path(ref).expanduser().suffix == ".gguf" or ref in fixture_names()
+
+
 def _load_quantized_gguf(
     ref: str, dtype: mx.Dtype | None
 ) -> Result[LoadedModel, LoadError]:

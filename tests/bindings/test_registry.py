@@ -465,8 +465,12 @@ def fake_load(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     module = importlib.import_module("specpipe.load")
     table: dict[str, Any] = {}
 
-    def load(ref: str | None = None, dtype: str | None = None) -> Any:
+    def load(
+        ref: str | None = None, dtype: str | None = None, gguf_quantized: bool = False
+    ) -> Any:
         from schemas.errors import LoadError
+
+        assert not gguf_quantized, "these fakes are no GGUF files"
 
         if ref not in table:
             return Failure(LoadError(f"{ref}: no such model"))

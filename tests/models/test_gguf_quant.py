@@ -223,3 +223,31 @@ def test_the_command_keeps_a_gguf_quantized(
     )
     assert code != 0 and "needs a .gguf file or a fixture" in err
     assert not (tmp_path / "again").exists()
+
+
+def test_a_two_model_draft_kept_quantized_is_plain_decoding(tmp_path: Path) -> None:
+    """With `gguf_quantized` a GGUF draft keeps its blocks too, and the output
+    is the target's own."""
+    from schemas.request import GenerationLimits, SamplingParams
+    from specpipe.api import load as load_pipeline
+
+    target = _tiny(tmp_path, Q.Q8_0)
+    tokens, _ = tiny_tokens()
+    draft = tmp_path / "draft.gguf"
+    write_tiny_gguf(draft, tiny_weights(9, len(tokens)), qtype=Q.Q4_1)
+    spec = load_pipeline(
+        str(target),
+        draft=str(draft),
+        num_draft_tokens=3,
+        adaptive=False,
+        gguf_quantized=True,
+    ).unwrap()
+    assert spec.draft is not None
+    layer = spec.draft.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, nn.QuantizedLinear)
+    plain = load_pipeline(str(target), adaptive=False).unwrap()
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+        limits = GenerationLimits(max_tokens=12)
+        want = plain.generate("abc", sampling, limits).unwrap()
+        got = spec.generate("abc", sampling, limits).unwrap()
+        assert got.tokens == want.tokens and got.stats.drafted > 0
