@@ -415,6 +415,9 @@ class Tokenizer:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     _template: jinja2.Template | None = field(default=None, eq=False, repr=False)
+    # ids of the `<0xNN>` byte pieces where the decoder has HF's ByteFallback
+    # (which turns a whole run of them that is not UTF-8 into U+FFFDs)
+    byte_piece_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
     @staticmethod
     def make(
@@ -442,6 +445,7 @@ class Tokenizer:
             eos_token_ids=tuple(dict.fromkeys(ends)),
             bos_token_id=backend.token_to_id(bos) if bos is not None else None,
             template=_compile_template(template) if isinstance(template, str) else None,
+            byte_piece_ids=_byte_piece_ids(backend),
         )
 
     @staticmethod
@@ -552,6 +556,17 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _byte_piece_ids(backend: Backend) -> frozenset[int]:
+    """The byte pieces' ids, where the decoder joins them by ByteFallback."""
+    if "ByteFallback" not in repr(backend.decoder):
+        return frozenset()
+    return frozenset(
+        index
+        for piece, index in backend.get_vocab().items()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+    )
+
+
 class StreamingDetokenizer:
     """Text of a growing token stream, emitted without broken characters.
 
@@ -560,7 +575,13 @@ class StreamingDetokenizer:
     previous token, e.g. a leading-space rule, see it) and returns the text
     beyond that context. A result ending in U+FFFD means the last token ends
     inside a UTF-8 character: nothing is emitted until a later token completes
-    it (or `finish` flushes it). The emitted pieces concatenate to `decode(all)`.
+    it (or `finish` flushes it). Nor is anything emitted while the last token
+    is a byte piece of a ByteFallback decoder: that decoder turns a run of
+    byte pieces that is not UTF-8 into one U+FFFD per byte, valid bytes of
+    the run included, so a run is decoded only whole (and a skipped special
+    token does not end a run: nothing is emitted after one either, there).
+    The emitted pieces
+    concatenate to `decode(all)`.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
@@ -570,6 +591,13 @@ class StreamingDetokenizer:
         self.text = ""
         self._prefix = 0  # start of the context window
         self._read = 0  # end of the tokens already emitted
+        # the tokens after which nothing is emitted: byte pieces, and where
+        # special tokens are skipped those too (a run of byte pieces goes on
+        # through a skipped token)
+        self._hold = tokenizer.byte_piece_ids
+        if self._hold and skip_special_tokens:
+            added = tokenizer.backend.get_added_tokens_decoder().items()
+            self._hold |= {index for index, token in added if token.special}
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -584,6 +612,8 @@ class StreamingDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
+        if not final and self.ids and self.ids[-1] in self._hold:
+            return ""  # a byte run decodes whole (the class's note)
         start = self._prefix
         context = self._decode(self.ids[start : self._read])
         # A context that decodes to nothing (skipped special tokens, a lone

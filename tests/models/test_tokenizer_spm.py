@@ -163,6 +163,31 @@ def test_streaming_equals_decode(trained: tuple[Any, Vocab], ours: Tokenizer) ->
             assert streamed == ours.decode(ids, skip_special_tokens=skip), ids
 
 
+def test_streaming_byte_pieces_equals_decode(
+    trained: tuple[Any, Vocab], ours: Tokenizer
+) -> None:
+    """Random ids with byte pieces among them stream to the whole decode too:
+    the ByteFallback decoder turns a run of byte pieces that is not UTF-8
+    into one U+FFFD per byte, the run's valid bytes included ('A', then a
+    lone 0xE2, then 'A' again decodes as three), so a run is emitted whole;
+    where special tokens are skipped, a run goes on through one."""
+    _, vocab = trained
+    pieces = {t: i for i, t in enumerate(vocab.tokens)}
+    assert ours.byte_piece_ids == {i for i, k in enumerate(vocab.types) if k == BYTE}
+    word = next(i for i, k in enumerate(vocab.types) if k == 1 and i > 10)
+    run = [pieces["<0x41>"], pieces["<0xE2>"], pieces["<0x41>"], word]
+    assert ours.decode(run).startswith("\ufffd" * 3)
+    rng = random.Random(4)
+    everything = range(len(vocab.tokens))
+    for ids in [run] + [
+        rng.choices(everything, k=rng.randint(1, 12)) for _ in range(500)
+    ]:
+        for skip in (False, True):
+            detokenizer = ours.detokenizer(skip_special_tokens=skip)
+            streamed = "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
+            assert streamed == ours.decode(ids, skip_special_tokens=skip), ids
+
+
 def test_merges_from_the_file_equal_merges_from_scores(
     trained: tuple[Any, Vocab], ours: Tokenizer
 ) -> None:
