@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any, cast
 
 import jinja2
+import mlx.nn as nn
 from attrs import asdict, evolve, field, frozen
 from returns.result import Failure, Result, Success
 
 from bindings.capabilities import GraphCapabilities, NativeDraft
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
+from models.build import quantization_block
 from models.cache import on_gpu
 from models.dflash import bits_problem
 from schemas.errors import LoadError, RequestError, SpecpipeError
@@ -635,14 +637,17 @@ def calibrate(
     """The pipeline's cached cost model (measured on first use): the target's
     windows, and a step of the draft as its kind runs one (a draft model's
     forward, an MTP head's forward and projection, nothing for host-side
-    drafts), cached apart per draft kind and source."""
+    drafts), cached apart per draft kind and source, and per quantization
+    of the target (a GGUF loaded kept quantized and dequantized has one
+    source)."""
+    precision = _precision_key(target, dtype)
     if draft is None:
         return calibrated(
             target.model,
             None,
             target.source,
             None,
-            dtype or "native",
+            precision,
             max_width,
             refresh,
         )
@@ -655,7 +660,7 @@ def calibrate(
         draft.model,
         target.source,
         draft.source,
-        dtype or "native",
+        precision,
         max_width,
         refresh,
         draft_kind=key if isinstance(key, str) else draft.kind,
@@ -708,3 +713,12 @@ def _resolve_draft(
 def _graph(target: LoadedModel) -> GraphCapabilities:
     native = NativeDraft("mtp", 2) if target.mtp else None
     return GraphCapabilities.for_decoder(target.args, native)
+
+
+def _precision_key(target: LoadedModel, dtype: str | None) -> str:
+    """The calibration cache's dtype key, with the target's quantization
+    (its most common bits and group size) where it holds quantized layers."""
+    model = target.model
+    block = quantization_block(model) if isinstance(model, nn.Module) else None
+    key = dtype or "native"
+    return key if block is None else f"{key}/q{block['bits']}g{block['group_size']}"

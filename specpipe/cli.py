@@ -278,13 +278,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         "draft's bytes; on an x86-64 CPU it runs on specpipe's AVX2 kernel)",
     )
     _draft_bits_option(parser)
-    parser.add_argument(
-        "--gguf-quantized",
-        action="store_true",
-        help="a .gguf (or fixture) model, and a --draft model that is one, keep "
-        "their Q4_*, Q5_* and Q8_0 matrices quantized (the same weights, a "
-        "fraction of the memory) instead of dequantizing them to float",
-    )
+    _gguf_quantized_option(parser)
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
@@ -349,6 +343,16 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="FR-Spec draft vocabulary: a draft_vocab.json path, or 'off' "
         "(default: the list the draft ships, if any)",
+    )
+
+
+def _gguf_quantized_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gguf-quantized",
+        action="store_true",
+        help="a .gguf (or fixture) model, and a --draft model that is one, keep "
+        "their Q4_*, Q5_* and Q8_0 matrices quantized (the same weights, a "
+        "fraction of the memory) instead of dequantizing them to float",
     )
 
 
@@ -447,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--max-width", type=int, default=8)
     _draft_bits_option(cal)
+    _gguf_quantized_option(cal)
     cal.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None
     )
@@ -473,7 +478,13 @@ def _calibrate(args: argparse.Namespace) -> None:
     if args.max_width < 1:
         _fail(f"max-width must be >= 1, got {args.max_width}")
     pipeline = _unwrap(
-        load(args.model, draft=args.draft, dtype=args.dtype, draft_bits=args.draft_bits)
+        load(
+            args.model,
+            draft=args.draft,
+            dtype=args.dtype,
+            draft_bits=args.draft_bits,
+            gguf_quantized=args.gguf_quantized,
+        )
     )
     cost = calibrate(
         pipeline.target, pipeline.draft, args.dtype, args.max_width, refresh=True

@@ -251,3 +251,19 @@ def test_a_two_model_draft_kept_quantized_is_plain_decoding(tmp_path: Path) -> N
         want = plain.generate("abc", sampling, limits).unwrap()
         got = spec.generate("abc", sampling, limits).unwrap()
         assert got.tokens == want.tokens and got.stats.drafted > 0
+
+
+def test_a_kept_model_is_calibrated_apart_from_its_float_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One .gguf loaded kept and dequantized has one source but not one
+    cost: their calibrations are cached apart."""
+    from specpipe.api import load as load_pipeline
+
+    monkeypatch.setenv("SPECPIPE_CALIBRATION_CACHE", str(tmp_path / "costs"))
+    path = _tiny(tmp_path, Q.Q4_0)
+    for kept in (False, True, False, True):
+        load_pipeline(
+            str(path), draft="ngram", num_draft_tokens=2, gguf_quantized=kept
+        ).unwrap()
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
