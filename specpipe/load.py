@@ -89,10 +89,10 @@ def load(
     """Load a model reference (default: the embedded default model).
 
     `gguf_quantized`: a `.gguf` file's (or a fixture's) weight matrices of
-    the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K,
-    Q5_0, Q5_1, Q5_K, Q8_0)
-    load as quantized layers (groups of 32), each weight the very value
-    llama.cpp dequantizes it to; other types are dequantized as usual.
+    the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q5_0,
+    Q5_1, Q5_K, Q8_0) load as quantized layers (groups of 32), each weight
+    the very value llama.cpp dequantizes it to; other types, and a gemma4
+    file's weights, are dequantized as usual.
     `dtype` casts the scales and biases as it casts float weights: float32
     (the default) keeps every weight exact, float16 those of Q4_0, Q4_1,
     Q5_0, Q5_1 and Q8_0. Other references are refused with it."""
