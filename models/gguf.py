@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from returns.result import Failure, Result, Success
 
-from models.gguf_quant import affine_bits, read_affine
+from models.gguf_quant import AFFINE_TYPES, read_affine, row_blocks
 from models.tokenizer import gguf_tokenizer
 from schemas.errors import LoadError
 from schemas.hf_gemma4 import FULL_ATTENTION, GEMMA4_TEXT, SLIDING_ATTENTION
@@ -476,7 +475,7 @@ def _kept(info: TensorInfo) -> bool:
     return (
         len(info.shape) == 2
         and info.name.endswith(".weight")
-        and affine_bits(info.qtype) is not None
+        and info.qtype in AFFINE_TYPES
     )
 
 
@@ -486,7 +485,7 @@ def _read_affine(
     """The tensor as MLX affine `weight`, `scales` and `biases` (HF row order:
     llama's Q/K rows unpermuted alike in all three)."""
     arrays: tuple[np.ndarray, ...] = read_affine(
-        fd, info.qtype, info.shape, info.offset
+        fd, info.qtype, info.shape, info.offset, info.name
     )
     if n_heads is not None:
         arrays = tuple(unpermute_rope_rows(a, n_heads) for a in arrays)
@@ -502,19 +501,15 @@ def _read_tensor(
 ) -> np.ndarray:  # [*info.shape] float32, HF row order
     block, type_size = GGML_QUANT_SIZES[info.qtype]
     width = info.shape[-1]
-    row_bytes = width // block * type_size
-    rows = info.nbytes // row_bytes
+    rows = info.nbytes // (width // block * type_size)
     out = np.empty((rows, width), dtype=np.float32)
     step = max(1, _BLOCK_ELEMENTS // width)
-    for start in range(0, rows, step):
-        count = min(step, rows - start)
-        size = count * row_bytes
-        raw = os.pread(fd, size, info.offset + start * row_bytes)
-        if len(raw) != size:
-            raise ValueError(f"{info.name}: short read ({len(raw)} of {size} bytes)")
+    for start, count, raw in row_blocks(
+        fd, info.qtype, rows, width, info.offset, step, info.name
+    ):
         # one flat row of whole blocks: gguf then dequantises it in one
         # vectorised call instead of looping over groups of 16 rows
-        flat = np.frombuffer(raw, dtype=np.uint8).reshape(1, size)
+        flat = raw.reshape(1, raw.size)
         out[start : start + count] = dequantize(flat, info.qtype).reshape(count, width)
     weight = out.reshape(info.shape)
     return weight if n_heads is None else unpermute_rope_rows(weight, n_heads)

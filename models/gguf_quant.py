@@ -31,11 +31,12 @@ dequantized.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["AFFINE_TYPES", "GROUP_SIZE", "affine_bits", "affine_rows", "read_affine"]
+__all__ = ["AFFINE_TYPES", "GROUP_SIZE", "affine_rows", "read_affine", "row_blocks"]
 
 GROUP_SIZE = 32
 Q = GGMLQuantizationType
@@ -53,11 +54,6 @@ AFFINE_TYPES: dict[GGMLQuantizationType, int] = {
 _CHUNK_BYTES = 1 << 22
 
 Affine = tuple[np.ndarray, np.ndarray, np.ndarray]  # packed uint32, scales, biases
-
-
-def affine_bits(qtype: GGMLQuantizationType) -> int | None:
-    """The MLX bits a type keeps, or None when it loads dequantized."""
-    return AFFINE_TYPES.get(qtype)
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:  # [n, 1] float32
@@ -148,21 +144,45 @@ def affine_rows(qtype: GGMLQuantizationType, raw: np.ndarray, width: int) -> Aff
     )
 
 
+def row_blocks(
+    fd: int,
+    qtype: GGMLQuantizationType,
+    rows: int,
+    width: int,
+    offset: int,
+    step: int,
+    what: str = "tensor",
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """A tensor of `rows` rows of `width` values of `qtype` at `offset` of the
+    open file, `step` rows at a time: (first row, row count, raw bytes as one
+    flat uint8 array of whole blocks). A short read is a ValueError naming
+    `what`."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    row_bytes = width // block * size
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        want = count * row_bytes
+        raw = os.pread(fd, want, offset + start * row_bytes)
+        if len(raw) != want:
+            raise ValueError(f"{what}: short read ({len(raw)} of {want} bytes)")
+        yield start, count, np.frombuffer(raw, dtype=np.uint8)
+
+
 def read_affine(
-    fd: int, qtype: GGMLQuantizationType, shape: tuple[int, ...], offset: int
+    fd: int,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, ...],
+    offset: int,
+    what: str = "tensor",
 ) -> Affine:
     """A 2-D tensor of `shape` [R, W] at `offset` of the open file, as
     `affine_rows` gives it, read a row block at a time."""
     block, size = GGML_QUANT_SIZES[qtype]
     rows, width = shape
-    row_bytes = width // block * size
-    step = max(1, _CHUNK_BYTES // row_bytes)
-    parts: list[Affine] = []
-    for start in range(0, rows, step):
-        count = min(step, rows - start)
-        raw = os.pread(fd, count * row_bytes, offset + start * row_bytes)
-        if len(raw) != count * row_bytes:
-            raise ValueError(f"short read ({len(raw)} of {count * row_bytes} bytes)")
-        parts.append(affine_rows(qtype, np.frombuffer(raw, dtype=np.uint8), width))
+    step = max(1, _CHUNK_BYTES // (width // block * size))
+    parts = [
+        affine_rows(qtype, raw, width)
+        for _, _, raw in row_blocks(fd, qtype, rows, width, offset, step, what)
+    ]
     packed, scales, biases = (np.concatenate(p) for p in zip(*parts, strict=True))
     return packed, scales, biases

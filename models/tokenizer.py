@@ -580,8 +580,7 @@ class StreamingDetokenizer:
     byte pieces that is not UTF-8 into one U+FFFD per byte, valid bytes of
     the run included, so a run is decoded only whole (and a skipped special
     token does not end a run: nothing is emitted after one either, there).
-    The emitted pieces
-    concatenate to `decode(all)`.
+    The emitted pieces concatenate to `decode(all)`.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
@@ -612,7 +611,7 @@ class StreamingDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        if not final and self.ids and self.ids[-1] in self._hold:
+        if not final and self.ids[-1] in self._hold:  # (`add` just appended it)
             return ""  # a byte run decodes whole (the class's note)
         start = self._prefix
         context = self._decode(self.ids[start : self._read])

@@ -97,9 +97,11 @@ def load(
     (the default) keeps every weight exact, float16 those of Q4_0, Q4_1,
     Q5_0, Q5_1 and Q8_0. Other references are refused with it."""
     ref = ref or DEFAULT_MODEL
-    load_ref = _load_quantized_gguf if gguf_quantized else _load
     return (
-        parse_dtype(dtype).bind(lambda dt: load_ref(ref, dt)).map(_fused).map(_resident)
+        parse_dtype(dtype)
+        .bind(lambda dt: _load(ref, dt, gguf_quantized))
+        .map(_fused)
+        .map(_resident)
     )
 
 
@@ -107,27 +109,6 @@ def gguf_ref(ref: str) -> bool:
     """Whether `ref` names a .gguf file or a fixture (`load`'s
     `gguf_quantized` applies to it)."""
     return Path(ref).expanduser().suffix == ".gguf" or ref in fixture_names()
-
-
-def _load_quantized_gguf(
-    ref: str, dtype: mx.Dtype | None
-) -> Result[LoadedModel, LoadError]:
-    path = Path(ref).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            return Failure(LoadError(f"{path}: no such GGUF file"))
-        return load_gguf(path, dtype, keep_quantized=True)
-    if ref in fixture_names():
-        return install_fixture(ref).bind(
-            lambda gguf: load_gguf(gguf, dtype, keep_quantized=True)
-        )
-    return Failure(
-        LoadError(
-            f"{ref!r}: keeping a checkpoint's llama.cpp quantization needs a .gguf "
-            f"file or a fixture ({', '.join(fixture_names())}); quantize other "
-            "models with --quantize 4 or 8 instead"
-        )
-    )
 
 
 def _fused(loaded: LoadedModel) -> LoadedModel:
@@ -150,14 +131,29 @@ def _resident(loaded: LoadedModel) -> LoadedModel:
     return loaded
 
 
-def _load(ref: str, dtype: mx.Dtype | None) -> Result[LoadedModel, LoadError]:
+def _load(
+    ref: str, dtype: mx.Dtype | None, keep_quantized: bool = False
+) -> Result[LoadedModel, LoadError]:
+    """`ref` loaded (`keep_quantized`: `load`'s `gguf_quantized`)."""
+    if keep_quantized and not gguf_ref(ref):
+        return Failure(
+            LoadError(
+                f"{ref!r}: keeping a checkpoint's llama.cpp quantization needs a .gguf "
+                f"file or a fixture ({', '.join(fixture_names())}); quantize other "
+                "models with --quantize 4 or 8 instead"
+            )
+        )
     path = Path(ref).expanduser()
-    if path.is_dir():
+    if path.is_dir() and not keep_quantized:
         return load_folder(path, dtype)
     if path.suffix == ".gguf":
         if not path.is_file():
             return Failure(LoadError(f"{path}: no such GGUF file"))
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, keep_quantized)
+    if ref in fixture_names() and keep_quantized:  # its GGUF, not its float folder
+        return install_fixture(ref).bind(
+            lambda gguf: load_gguf(gguf, dtype, keep_quantized=True)
+        )
     if ref in fixture_names():
         return fixture_folder(ref).bind(lambda folder: load_folder(folder, dtype, ref))
     if path.exists():

@@ -1,4 +1,5 @@
-"""A tiny random model folder in the HF layout, made on the fly (no downloads)."""
+"""A tiny random model folder in the HF layout, made on the fly (no downloads), and
+the command run in-process (`run`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from models.build import build_model
 from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
+from specpipe.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """The command's exit code, stdout and stderr for `argv`."""
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
 
 CORPUS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",

@@ -10,18 +10,7 @@ from typing import Any
 
 import pytest
 
-from specpipe.cli import main
-from tests.cli.conftest import write_tiny_model
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.cli.conftest import run, write_tiny_model
 
 
 def fails_with(capsys: pytest.CaptureFixture[str], needle: str, *argv: str) -> str:

@@ -8,6 +8,7 @@ in a fraction of the memory, and converts to a quantized MLX folder.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -189,16 +190,9 @@ def test_the_command_keeps_a_gguf_quantized(
     """`convert --quantize keep` writes the kept blocks; `generate
     --gguf-quantized` decodes what the float import decodes; keeping a
     folder's weights is refused with the fix named."""
-    from specpipe.cli import main
+    from tests.cli.conftest import run as cli
 
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = 0
-        try:
-            main(list(argv))
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-        out, err = capsys.readouterr()
-        return code, out, err
+    run = functools.partial(cli, capsys)
 
     path = _tiny(tmp_path, Q.Q4_1)
     out = tmp_path / "kept"

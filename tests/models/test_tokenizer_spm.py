@@ -149,18 +149,24 @@ def test_streaming_equals_decode(trained: tuple[Any, Vocab], ours: Tokenizer) ->
     nothing to strip the leading space from)."""
     processor, vocab = trained
     for text in TEXTS + _random_texts(100, seed=2):
-        detokenizer = ours.detokenizer()
-        ids = processor.encode(text)
-        streamed = "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
-        assert streamed == text
+        assert _streamed(ours, processor.encode(text)) == text
     rng = random.Random(3)
     whole = [i for i, kind in enumerate(vocab.types) if kind != BYTE]
+    _check_streams(ours, [rng.choices(whole, k=rng.randint(1, 10)) for _ in range(300)])
+
+
+def _streamed(tokenizer: Tokenizer, ids: list[int], skip: bool = False) -> str:
+    """`ids` fed one by one to a streaming detokenizer, its pieces joined."""
+    detokenizer = tokenizer.detokenizer(skip_special_tokens=skip)
+    return "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
+
+
+def _check_streams(tokenizer: Tokenizer, cases: list[list[int]]) -> None:
+    """Each case streams to its whole decode, special tokens skipped or not."""
     for skip in (False, True):
-        for _ in range(300):
-            ids = rng.choices(whole, k=rng.randint(1, 10))
-            detokenizer = ours.detokenizer(skip_special_tokens=skip)
-            streamed = "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
-            assert streamed == ours.decode(ids, skip_special_tokens=skip), ids
+        for ids in cases:
+            want = tokenizer.decode(ids, skip_special_tokens=skip)
+            assert _streamed(tokenizer, ids, skip) == want, ids
 
 
 def test_streaming_byte_pieces_equals_decode(
@@ -179,13 +185,8 @@ def test_streaming_byte_pieces_equals_decode(
     assert ours.decode(run).startswith("\ufffd" * 3)
     rng = random.Random(4)
     everything = range(len(vocab.tokens))
-    for ids in [run] + [
-        rng.choices(everything, k=rng.randint(1, 12)) for _ in range(500)
-    ]:
-        for skip in (False, True):
-            detokenizer = ours.detokenizer(skip_special_tokens=skip)
-            streamed = "".join(detokenizer.add(i) for i in ids) + detokenizer.finish()
-            assert streamed == ours.decode(ids, skip_special_tokens=skip), ids
+    randoms = [rng.choices(everything, k=rng.randint(1, 12)) for _ in range(500)]
+    _check_streams(ours, [run, *randoms])
 
 
 def test_merges_from_the_file_equal_merges_from_scores(
