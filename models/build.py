@@ -341,5 +341,19 @@ def _listing(what: str, names: list[str]) -> str:
     return f"{len(names)} {what}: {shown}{more}"
 
 
+def row_major(weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
+    """The weights as row-major arrays, ready to assign to a module.
+
+    A sanitizer's slices (a fused `gate_up_proj` split in two, a transposed
+    layout) are strided views of the checkpoint's arrays. MLX's CUDA kernels
+    misread some views: on an H100 (mlx-cuda 0.32.4) the expert-grouped
+    `gather_mm`, which a MoE block takes from `SwitchGLU.SORT_MIN`
+    (token, expert) pairs on, gave a tiny Qwen3-Next's 63-token prefill
+    wrong logits from position 0 with the halves of a fused `gate_up_proj`,
+    and right ones once every weight was copied row-major. A weight that is
+    already row-major is not copied."""
+    return {name: mx.contiguous(value) for name, value in weights.items()}
+
+
 def _assign(model: Model, weights: Mapping[str, mx.array]) -> None:
-    model.update(tree_unflatten(list(weights.items())))
+    model.update(tree_unflatten(list(row_major(weights).items())))

@@ -44,7 +44,7 @@ from attrs import frozen
 from returns.result import Failure, Result, Success
 
 from models.base import rope_offset
-from models.build import quantize_layers, quantized_layers
+from models.build import quantize_layers, quantized_layers, row_major
 from models.cache import KVCache
 from models.layers import (
     MLP,
@@ -681,6 +681,6 @@ def load_exact(
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
             for k, v in names.items()
         }
-    module.load_weights(list(names.items()))
+    module.load_weights(list(row_major(names).items()))
     mx.eval(module.parameters())
     return Success(module)

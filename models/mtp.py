@@ -46,7 +46,7 @@ from mlx.utils import tree_unflatten
 from returns.result import Failure, Result, Success
 
 from models.base import attention_mask, rope_offset
-from models.build import quantized_layers
+from models.build import quantized_layers, row_major
 from models.cache import KVCache, position_mask, scatter_window
 from models.fuse import fuse_projections
 from models.layers import flat_parameters, model_dtype
@@ -328,6 +328,6 @@ def load_head(
         return Failure(
             LoadError("the MTP weights do not match this config: " + "; ".join(listed))
         )
-    head.update(tree_unflatten(list(weights.items())))
+    head.update(tree_unflatten(list(row_major(weights).items())))
     fuse_projections(head)  # one product for q/k/v and for gate/up (models/fuse.py)
     return Success(head)

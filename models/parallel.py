@@ -213,10 +213,12 @@ def gpu_safe_groups(
         or scales.shape[-1] != 1
     ):
         return scales, biases, group_size
-    twice = mx.repeat(scales, 2, axis=-1)
+    # Fresh row-major arrays: MLX's GPU product refuses ("No implementation for
+    # problem shape") scales or biases with a zero stride, which `repeat` of a
+    # one-column array can give.
     return (
-        twice,
-        mx.repeat(biases, 2, axis=-1) if biases is not None else None,
+        mx.concatenate([scales, scales], axis=-1),
+        mx.concatenate([biases, biases], axis=-1) if biases is not None else None,
         group_size // 2,
     )
 
