@@ -114,6 +114,12 @@
 #  Next, on any GPU: `setup-min quant` (the fix, gather_qmm, 5-bit products: a GGUF's kept Q5_* blocks); first on an H200: `setup-min retime`, or with
 #  little device time left `EXPERTS=512 SETS=none SAMPLINGS=greedy NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8
 #  bash bench/h200_run.sh setup-min switches` alone)
+# (thirty-third session, three H100 leases (asked for an H200): `setup-min quant` (the regroup refused: repeat's
+#  zero-stride scales; made fresh arrays, then the DFlash / DSpark tests 140 of 140), then pytest on four model
+#  test files by hand, and the bisection of a wrong hybrid MoE prefill (now `kernels`): weights made row-major at
+#  load. Next, on any GPU: `setup-min kernels` (the fix: `hybrid` must show 0 bad), then pytest
+#  tests/models/test_qwen3_next.py tests/models/test_qwen3_5_moe.py -k 70 by hand; first on an H200: `setup-min
+#  retime`, or the 512-expert `switches` line above alone)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

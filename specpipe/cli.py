@@ -484,6 +484,7 @@ def _calibrate(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             draft_bits=args.draft_bits,
             gguf_quantized=args.gguf_quantized,
+            adaptive=False,  # measured below, fresh (the default calibrates too)
         )
     )
     cost = calibrate(

@@ -451,6 +451,28 @@ def test_adaptive_is_the_default_and_no_adaptive_drafts_every_round(
     assert len(tokens) == 1  # the width never changes the output
 
 
+def test_calibrate_measures_once_and_caches(
+    tiny_model: Path,
+    tiny_draft: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`calibrate` measures the pair once (not once at load and again), prints
+    the costs it caches, and measures afresh when run again."""
+    monkeypatch.setenv("SPECPIPE_CALIBRATION_CACHE", str(tmp_path))
+    argv = ["calibrate", "--model", str(tiny_model), "--draft", str(tiny_draft)]
+    for _ in range(2):
+        code, out, err = run(capsys, *argv, "--max-width", "3")
+        assert code == 0, err
+        assert err.count("calibrating round costs") == 1
+        cost = json.loads(out)
+        assert len(cost["verify_ms"]) >= 3 and cost["draft_ms"] > 0
+        assert all(ms > 0 for ms in cost["verify_ms"])
+    cached = [json.loads(p.read_text()) for p in tmp_path.rglob("*.json")]
+    assert [c["verify_ms"] for c in cached] == [cost["verify_ms"]]
+
+
 def test_chat_keeps_earlier_turns_in_the_prompt_cache(
     tiny_model: Path,
     capsys: pytest.CaptureFixture[str],
