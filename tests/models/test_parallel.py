@@ -38,6 +38,16 @@ def split_everything(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     parallel.set_cpu_threads(None)
 
 
+# The split exists where MLX is CPU-only: with its CUDA backend CPU products
+# stay whole by design (split products of GPU-made arrays went wrong on an
+# H200: models/parallel.py), so the tests that need a split to happen apply
+# to the CPU build only. CI runs them; a GPU machine checks the refusal.
+needs_cpu_build = pytest.mark.skipif(
+    parallel._cuda_backend(),
+    reason="MLX's CUDA build never splits CPU products (models/parallel.py)",
+)
+
+
 def _same(a: mx.array, b: mx.array) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     assert np.array_equal(
@@ -45,6 +55,7 @@ def _same(a: mx.array, b: mx.array) -> None:
     )
 
 
+@needs_cpu_build
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("threads", [2, 3, 4])
 @pytest.mark.parametrize("window", [1, 5])
@@ -94,6 +105,7 @@ def test_split_layers_equal_mlx_layers(
     _same(q_table.as_linear(x), table.to_quantized(group_size=32, bits=8).as_linear(x))
 
 
+@needs_cpu_build
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_quantized_product_split_equals_whole(bits: int, threads: int) -> None:
@@ -135,6 +147,7 @@ def test_model_logits_split_equal_whole(tied: bool, bits: int) -> None:
     _same(logits(3), logits(1))
 
 
+@needs_cpu_build
 def test_small_products_stay_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     parallel.set_cpu_threads(2)
     x = mx.zeros((1, 64))
@@ -144,6 +157,7 @@ def test_small_products_stay_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parallel._blocks(x, 101) == 2
 
 
+@needs_cpu_build
 def test_thread_count_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         parallel.set_cpu_threads(0)
@@ -165,8 +179,17 @@ def test_thread_count_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parallel.cpu_threads() >= 1
 
 
+@pytest.fixture
+def cpu_default() -> Iterator[None]:
+    """The CPU as the default device (only CPU products split), restored after."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)
+
+
 def test_no_split_where_mlx_has_its_cuda_backend(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, cpu_default: None
 ) -> None:
     """On MLX's CUDA build CPU products stay whole (split products of GPU-made
     arrays went wrong on an H200): by default, and with a warning when more

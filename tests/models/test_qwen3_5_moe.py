@@ -64,6 +64,7 @@ from tests.models.hybrid_support import (
     step,
     token_ids,
 )
+from tests.rounding import same_math
 
 pytestmark = pytest.mark.reference
 
@@ -416,4 +417,4 @@ def test_fused_projections_equal_separate_products() -> None:
     model: Model = support.ours(make_hf(), Model)
     fused, difference = support.fused_logit_difference(model)
     assert fused > 0
-    assert difference == 0.0
+    assert difference <= same_math(0.0)  # bit for bit on the CPU

@@ -67,6 +67,7 @@ from tests.models.hybrid_support import (
     step,
     token_ids,
 )
+from tests.rounding import same_math
 
 pytestmark = pytest.mark.reference
 
@@ -255,7 +256,8 @@ def test_a_prefill_window_keeps_only_its_final_state(
         caches.append(cache)
     verify, prefilled = caches
     for a, b in zip(verify.arrays(), prefilled.arrays(), strict=True):
-        assert mx.array_equal(a, b).item()
+        gap = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+        assert gap <= same_math(0.0)  # identical on the CPU
 
 
 def test_a_prefill_window_cannot_keep_a_part(pair: tuple[Any, Model]) -> None:
@@ -288,8 +290,9 @@ def test_chunked_rule_equals_the_step_recurrence(stress: str) -> None:
     state = 0.1 * mx.random.normal((batch, heads, dk, dv))
     out, states = gated_delta.gated_delta_rule(q, k, v, g, beta, state, True)
     chunked_out, final = gated_delta.chunked_gated_delta_rule(q, k, v, g, beta, state)
-    assert np.abs(as_np(out) - as_np(chunked_out)).max() < 1e-5
-    assert np.abs(as_np(states[-1]) - as_np(final)).max() < 1e-5
+    bound = same_math(1e-5)
+    assert np.abs(as_np(out) - as_np(chunked_out)).max() < bound
+    assert np.abs(as_np(states[-1]) - as_np(final)).max() < bound
 
 
 @pytest.fixture(scope="module")
@@ -551,7 +554,7 @@ def test_fused_projections_equal_separate_products() -> None:
     """attention q/k/v; shared expert gate/up: one product each, logits unchanged bit for bit."""
     fused, difference = support.fused_logit_difference(ours(make_hf()))
     assert fused > 0
-    assert difference == 0.0
+    assert difference <= same_math(0.0)  # bit for bit on the CPU
 
 
 @pytest.mark.parametrize("tokens", [1, 6, 7, 48])
