@@ -24,6 +24,7 @@ from returns.result import Result, Success
 
 from models.build import build_model, load_weights
 from models.hybrid_cache import HybridCache
+from models.layers import flat_parameters
 from models.qwen3_next import Model
 from schemas.hf_hybrid import hybrid_args
 from tests.rounding import same_math
@@ -434,6 +435,13 @@ def mtp_reference(
         embeds = language.embed_tokens(tokens)
         logits: np.ndarray = lm_head(reference(embeds[:, 1:], hidden[:, :-1])).numpy()
     return logits
+
+
+def assert_row_major(module: Any) -> None:
+    """Every parameter of `module` is a row-major array (models.build.row_major)."""
+    for name, weight in flat_parameters(module).items():
+        mx.eval(weight)
+        assert memoryview(weight).c_contiguous, name
 
 
 def fused_logit_difference(model: Model) -> tuple[int, float]:

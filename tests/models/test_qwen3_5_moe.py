@@ -294,6 +294,18 @@ def test_fused_per_expert_and_mlx_expert_names_load_the_same(
             assert np.array_equal(as_np(named[key]), as_np(ours_[key])), key
 
 
+def test_loaded_weights_are_row_major(pair: tuple[Any, Model]) -> None:
+    """The halves of transformers' fused `gate_up_proj` are strided views
+    after sanitizing; the loader copies them row-major (MLX's CUDA grouped
+    expert product misread them: models.build.row_major)."""
+    hf, model = pair
+    sanitized = model.sanitize(hf_weights(hf))
+    gate = sanitized["model.layers.0.mlp.switch_mlp.gate_proj.weight"]
+    mx.eval(gate)
+    assert not memoryview(gate).c_contiguous  # what the loader is given
+    support.assert_row_major(model)
+
+
 def multimodal_name(key: str) -> str:
     """A text-form HF name as `Qwen3_5MoeForConditionalGeneration` has it."""
     if key.startswith("model."):
@@ -375,6 +387,7 @@ def test_mtp_head_has_an_moe_layer_matching_its_reference_wiring(
     model = loaded.model
     assert isinstance(model, Model)
     head = build_mtp(model.hybrid, loaded.mtp).unwrap()
+    support.assert_row_major(head)  # its experts too (models.mtp.build_mtp)
     moe = head.layers[0].mlp
     assert isinstance(moe, SparseMoeBlock) and isinstance(moe.switch_mlp, SwitchGLU)
     ids = token_ids((2, 10), seed=50, vocab=FOLDER_VOCAB)
