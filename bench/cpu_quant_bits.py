@@ -1,12 +1,12 @@
-"""MLX's quantized product by bit width on the default device: is a GGUF's
-Q5 block (kept at 5 bits, models/gguf_quant.py) better stored at 8?
+"""Quantized products on the CPU by bit width: MLX's own against specpipe's
+affine kernel (models/kernels/affine_matmul.c) and the float32 product.
 
-Every Q5_0 / Q5_1 / Q5_K value is an integer 0..31 with a per-group scale
-and offset, so it is exactly an 8-bit affine value too (the same scale and
-bias, the high bits zero): only speed and memory differ. This times
-`mx.quantized_matmul` (groups of 32, float32 activations) at 4, 5 and 8 bits
-and the float32 product, for the projections of Qwen2.5-Coder 0.5B and
-1.5B, at 1 row (a decode step) and 5 rows (a verify window).
+Times, for the projections of Qwen2.5-Coder 0.5B and 1.5B at 1 row (a
+decode step) and 5 rows (a verify window), groups of 32, float32
+activations: `mx.quantized_matmul` at 4, 5 and 8 bits (one thread), the
+kernel on one thread (`k<bits>_us`) and as `models.parallel.project` runs
+it (every thread specpipe uses, `p<bits>_us`), and `x @ w.T` in float32 (as
+MLX computes it, no split).
 
     python bench/cpu_quant_bits.py [--repeats 30] [--out F.json]
 """
@@ -27,6 +27,8 @@ import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import mlx.core as mx
 
 from bench.common import machine_info
+from models import cpu_kernel
+from models.parallel import project
 
 # (name, inputs, outputs): q/k/v/o and the MLP of each model (o = q's shape)
 SHAPES = (
@@ -81,11 +83,26 @@ def main() -> None:
                     ),
                     args.repeats,
                 )
+                row[f"k{bits}_us"] = _time(
+                    lambda w=w, s=s, b=b, bits=bits: cpu_kernel.affine_product(
+                        x, w, s, b, bits, GROUP, 1
+                    ),
+                    args.repeats,
+                )
+                row[f"p{bits}_us"] = _time(
+                    lambda w=w, s=s, b=b, bits=bits: project(
+                        x, w, s, b, group_size=GROUP, bits=bits
+                    ),
+                    args.repeats,
+                )
             results.append(row)
             print(
-                f"{name:14s} rows {rows}: float32 {row['float32_us']:8.0f} us  "
-                + "  ".join(f"q{b} {row[f'q{b}_us']:8.0f}" for b in (4, 5, 8))
-                + f"  q5/q8 {row['q5_us'] / row['q8_us']:.2f}",
+                f"{name:14s} rows {rows}: float32 {row['float32_us']:7.0f} us  "
+                + "  ".join(
+                    f"{b}-bit mlx {row[f'q{b}_us']:6.0f} kernel {row[f'k{b}_us']:6.0f} "
+                    f"project {row[f'p{b}_us']:6.0f}"
+                    for b in (4, 5, 8)
+                ),
                 flush=True,
             )
     if args.out:

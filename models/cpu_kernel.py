@@ -1,4 +1,5 @@
-"""bfloat16 weight products on the CPU through a small vectorised C kernel.
+"""bfloat16 and affine-quantized weight products on the CPU through small
+vectorised C kernels.
 
 MLX's CPU backend multiplies bfloat16 matrices with a generic loop: a
 `[1, 1536] x [1536, 8960]` product took 24 ms against 16 ms in float32 on
@@ -8,13 +9,22 @@ weights are half the bytes of float32, so with this kernel a bf16 model is
 the fastest way to decode on such a CPU, and a bf16 draft model costs a
 fraction of a float32 target's step.
 
-The kernel is compiled from its C source with the system C compiler on first
+MLX's CPU quantized product reads the packed weights once per input row: a
+5-row verify window took ~5x a single token's time, 5-6x float32's
+(bench/RESULTS.md). `kernels/affine_matmul.c` unpacks each weight row once
+into float32 values and runs every input row over them, for MLX affine
+weights of 4, 5 or 8 bits in groups of 32, 64 or 128 (a GGUF's kept Q4_*,
+Q5_* and Q8_0 blocks, `convert --quantize 4|8` folders); other widths keep
+MLX's product.
+
+The kernels are compiled from their C sources with the system C compiler on first
 use (`$CC`, else `cc`; `-O3 -mavx2 -mfma -ffp-contract=off`) into the cache folder
 (`$SPECPIPE_CACHE/kernels`, default `~/.cache/specpipe/kernels`), written
 under a temporary name and renamed into place, so a failed or interrupted
 build leaves nothing half-written. Where it cannot be had (not x86-64 with
 AVX2 and FMA, no compiler, a failed build, or `SPECPIPE_CPU_KERNEL=off`),
-bf16 products run on MLX's own kernel and a one-line notice says why.
+bf16 and quantized products run on MLX's own kernels and a one-line notice
+says why.
 
 The call is eager: the input is evaluated, multiplied in C over the weight's
 memory (no copy), and the result enters MLX as a new array. Every output
@@ -42,7 +52,10 @@ import numpy as np
 from models.paths import cache_root
 
 ENV = "SPECPIPE_CPU_KERNEL"
-SOURCE = Path(__file__).resolve().parent / "kernels" / "bf16_matmul.c"
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "kernels" / name
+    for name in ("bf16_matmul.c", "affine_matmul.c")
+)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 # Products with fewer weights than this run on one thread: a thread's start
 # costs more than its share of a small product, and a small weight is read
@@ -72,7 +85,7 @@ def _build(compiler: str, out: Path) -> str | None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lpthread"],
+            [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lpthread"],
             capture_output=True,
             text=True,
             check=False,
@@ -98,9 +111,9 @@ def _library() -> ctypes.CDLL | str:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         return f"no C compiler ({compiler}) on PATH"
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"bf16_matmul-{digest}.so"
+    path = cache_root() / "kernels" / f"cpu_kernels-{digest}.so"
     if not path.is_file():
         error = _build(compiler, path)
         if error is not None:
@@ -112,6 +125,9 @@ def _library() -> ctypes.CDLL | str:
     fn = lib.specpipe_bf16_matmul
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     fn.restype = None
+    affine = lib.specpipe_affine_matmul
+    affine.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int] * 3
+    affine.restype = ctypes.c_int
     return lib
 
 
@@ -131,8 +147,8 @@ def available() -> bool:
         if not _noticed:
             _noticed = True
             print(
-                f"specpipe: bf16 CPU kernel not used ({lib}); bf16 products run "
-                "on MLX's slower generic kernel",
+                f"specpipe: CPU kernels not used ({lib}); bf16 and quantized "
+                "products run on MLX's slower kernels",
                 file=sys.stderr,
             )
         return False
@@ -184,4 +200,73 @@ def bf16_product(
         xs.shape[0],
         threads,
     )
+    return mx.array(y).reshape(*lead, out_rows).astype(x.dtype)
+
+
+AFFINE_BITS = (4, 5, 8)
+AFFINE_GROUPS = (32, 64, 128)
+
+
+def affine_usable(weight: mx.array, bits: int, group_size: int, mode: str) -> bool:
+    """Whether a quantized `x @ weight.T` can run on the affine kernel here:
+    an MLX affine weight [O, I * bits / 32] of 4, 5 or 8 bits in groups of
+    32, 64 or 128 on the CPU (I a multiple of 32)."""
+    return (
+        mode == "affine"
+        and bits in AFFINE_BITS
+        and group_size in AFFINE_GROUPS
+        and weight.ndim == 2
+        and weight.dtype == mx.uint32
+        and (int(weight.shape[1]) * 32 // bits) % max(group_size, 32) == 0
+        and mx.default_device().type == mx.DeviceType.cpu
+        and available()
+    )
+
+
+def affine_product(
+    x: mx.array,  # [..., I]
+    weight: mx.array,  # [O, I * bits / 32] uint32
+    scales: mx.array,  # [O, I / group_size]
+    biases: mx.array,  # [O, I / group_size]
+    bits: int,
+    group_size: int,
+    threads: int,
+) -> mx.array | None:  # [..., O] in x's dtype; None: use MLX's product
+    """`x @ dequantize(weight).T` on the affine kernel, accumulated in
+    float32 and rounded once to x's dtype; None where the arrays are not
+    laid out row after row or the kernel could not get its buffers."""
+    lib = _library()
+    assert not isinstance(lib, str), "affine_product without the kernel"
+    out_rows = int(weight.shape[0])
+    inner = int(weight.shape[1]) * 32 // bits
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, inner).astype(mx.float32)
+    scales32, biases32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    mx.eval(flat, weight, scales32, biases32)
+    w = np.asarray(weight)
+    s = np.asarray(scales32)
+    b = np.asarray(biases32)
+    if not (
+        w.flags["C_CONTIGUOUS"] and s.flags["C_CONTIGUOUS"] and b.flags["C_CONTIGUOUS"]
+    ):
+        return None
+    xs = np.ascontiguousarray(np.asarray(flat))
+    y = np.empty((xs.shape[0], out_rows), dtype=np.float32)
+    if out_rows * inner < MIN_THREADED_WEIGHTS:
+        threads = 1
+    failed = lib.specpipe_affine_matmul(
+        w.ctypes.data,
+        s.ctypes.data,
+        b.ctypes.data,
+        xs.ctypes.data,
+        y.ctypes.data,
+        out_rows,
+        inner,
+        xs.shape[0],
+        bits,
+        group_size,
+        threads,
+    )
+    if failed:
+        return None
     return mx.array(y).reshape(*lead, out_rows).astype(x.dtype)

@@ -164,6 +164,18 @@ def project(
             stream=stream,
         )
 
+    if (
+        bits
+        and scales is not None
+        and biases is not None
+        and cpu_kernel.affine_usable(weight, bits, group_size, mode)
+    ):
+        # affine weights on the CPU: unpacked once per call, threaded on its own
+        out = cpu_kernel.affine_product(
+            x, weight, scales, biases, bits, group_size, cpu_threads()
+        )
+        if out is not None:
+            return out + bias if bias is not None else out
     if not bits and cpu_kernel.usable(weight):
         # bf16 on the CPU: the vectorised kernel, threaded on its own
         out = cpu_kernel.bf16_product(x, weight, bias, cpu_threads())

@@ -184,3 +184,104 @@ def test_bf16_target_speculates_losslessly(tmp_path: Path) -> None:
     ).unwrap()
     results = spec.generate_batch(prompts, sampling, limits).unwrap()
     assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
+
+
+# --- the affine (quantized) kernel: models/kernels/affine_matmul.c ---------
+
+
+def _quantized(
+    rows: int, inner: int, bits: int, group: int, seed: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    mx.random.seed(seed)
+    packed, scales, biases = mx.quantize(
+        mx.random.normal((rows, inner)) * 0.05, group_size=group, bits=bits
+    )
+    return packed, scales, biases
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("window", [1, 3, 4, 7, 9])
+def test_a_quantized_product_is_the_float32_sum_of_its_weights(
+    bits: int, group: int, window: int
+) -> None:
+    """Through `project`, as every quantized layer calls it: the dequantized
+    weights (MLX's own dequantize) times the inputs, plus the bias."""
+    inner = 384
+    packed, scales, biases = _quantized(251, inner, bits, group, bits * group + window)
+    assert cpu_kernel.affine_usable(packed, bits, group, "affine")
+    x = mx.random.normal((2, window, inner))
+    bias = mx.random.normal((251,))
+    got = project(x, packed, scales, biases, group_size=group, bits=bits, bias=bias)
+    assert got.dtype == mx.float32 and got.shape == (2, window, 251)
+    weights = mx.dequantize(packed, scales, biases, group_size=group, bits=bits)
+    exact = np.asarray(x, dtype=np.float64) @ np.asarray(
+        weights, dtype=np.float64
+    ).T + np.asarray(bias, dtype=np.float64)
+    assert np.allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5 * np.sqrt(inner))
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_quantized_row_is_computed_as_alone(bits: int, threads: int) -> None:
+    """Window invariance, as for bf16: a verify window's rows equal single
+    tokens' bit for bit (the weights' last chunk, read without loads past
+    its end at 5 bits, included)."""
+    packed, scales, biases = _quantized(301, 1024, bits, 64, threads)
+    x = mx.random.normal((1, 9, 1024)).astype(mx.bfloat16)
+    window = cpu_kernel.affine_product(x, packed, scales, biases, bits, 64, threads)
+    assert window is not None and window.dtype == mx.bfloat16
+    for i in range(9):
+        for width in (1, 2, 5):
+            part = x[:, i : i + width]
+            alone = cpu_kernel.affine_product(part, packed, scales, biases, bits, 64, 1)
+            assert alone is not None
+            assert mx.array_equal(alone, window[:, i : i + part.shape[1]]).item()
+
+
+def test_other_quantized_forms_keep_mlx_product() -> None:
+    """3-, 6- and 2-bit weights (and a sliced one) are MLX's to multiply."""
+    for bits in (2, 3, 6):
+        packed, scales, biases = _quantized(40, 256, bits, 64, bits)
+        assert not cpu_kernel.affine_usable(packed, bits, 64, "affine")
+        x = mx.random.normal((3, 256))
+        assert mx.array_equal(
+            project(x, packed, scales, biases, group_size=64, bits=bits),
+            mx.quantized_matmul(x, packed, scales, biases, True, 64, bits),
+        ).item()
+    packed, scales, biases = _quantized(40, 256, 4, 64, 0)
+    assert (
+        cpu_kernel.affine_product(
+            mx.ones((1, 256)), packed[::2], scales[::2], biases[::2], 4, 64, 1
+        )
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)]
+)
+def test_a_quantized_target_speculates_losslessly(
+    tmp_path: Path, sampling: SamplingParams
+) -> None:
+    """A 4-bit target (`convert --quantize 4`'s form) with a draft of
+    itself: the kernel's windows give plain decoding's tokens."""
+    folder = write_tiny_model(tmp_path / "target")
+    quantized = tmp_path / "q4"
+    from specpipe.cli import main
+
+    main(["convert", str(folder), str(quantized), "--quantize", "4"])
+    prompts = ["def fibonacci(n):", "Hello world! Hello world!"]
+    limits = GenerationLimits(max_tokens=16)
+    plain = load(str(quantized)).unwrap().generate_batch(prompts, sampling, limits)
+    spec = load(
+        str(quantized), draft=str(quantized), num_draft_tokens=3, adaptive=False
+    ).unwrap()
+    layer = spec.target.model.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+    assert type(layer).__name__ == "QuantizedLinear"
+    assert cpu_kernel.affine_usable(
+        layer.weight, layer.bits, layer.group_size, "affine"
+    )
+    results = spec.generate_batch(prompts, sampling, limits).unwrap()
+    assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
+    assert sum(r.stats.accepted for r in results) > 0

@@ -151,8 +151,10 @@ def test_a_kept_model_computes_what_its_float_twin_does(
     assert isinstance(layer.mlp.down_proj, nn.QuantizedLinear)
     assert isinstance(kept.model.model.embed_tokens, nn.QuantizedEmbedding)
     assert _bytes(kept) < _bytes(plain) / 3
+    # the same weights; float32 sums in another order (the CPU's affine
+    # kernel unpacks them, models/kernels/affine_matmul.c): logits up to ~20
     np.testing.assert_allclose(
-        np.array(_logits(kept)), np.array(_logits(plain)), rtol=1e-5, atol=1e-5
+        np.array(_logits(kept)), np.array(_logits(plain)), rtol=1e-5, atol=1e-4
     )
 
 

@@ -30,10 +30,11 @@ from tests.models.decoder_support import tiny_args
 @pytest.fixture(autouse=True)
 def split_everything(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Split even the tiny products of these tests; restore the thread count.
-    bf16 products take MLX's split path here, not the CPU kernel (its own
-    tests: tests/models/test_cpu_kernel.py)."""
+    bf16 and quantized products take MLX's split path here, not the CPU
+    kernels (their own tests: tests/models/test_cpu_kernel.py)."""
     monkeypatch.setattr(parallel, "MIN_SPLIT_WEIGHTS", 0)
     monkeypatch.setattr(parallel.cpu_kernel, "usable", lambda _weight: False)
+    monkeypatch.setattr(parallel.cpu_kernel, "affine_usable", lambda *_: False)
     yield
     parallel.set_cpu_threads(None)
 

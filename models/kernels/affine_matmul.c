@@ -1,0 +1,188 @@
+/* y[m, n] = sum_k w[n, k] * x[m, k] for an MLX affine-quantized weight
+ * (w = scale * q + bias per group of `group` values; q packed `bits` wide,
+ * value k at bit k * bits of the row's little-endian bit stream), float32
+ * inputs and outputs, for x86-64 with AVX2 and FMA (models/cpu_kernel.py).
+ *
+ * MLX's CPU quantized product reads every input row over the packed weight
+ * separately: a 5-row verify window costs five single-token products
+ * (bench/RESULTS.md). Here each weight row is unpacked once per call, into
+ * float32 values in a row buffer that stays in cache, and every input row
+ * (four at a time) then runs over that buffer: a window costs about what
+ * one token does, as it does for float weights.
+ *
+ * Each weight value is scale * q rounded, plus bias rounded (no fused
+ * multiply-add: -ffp-contract=off), the value MLX's dequantize gives. Every
+ * output is accumulated the same way whatever the number of input rows or
+ * threads: two 8-lane float32 accumulators over k in steps of 16, their sum
+ * reduced in a fixed order, then the tail in order. So a verify window
+ * computes each token's products bit for bit as a single token's step does.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const uint8_t *w; /* packed rows, row_bytes each */
+    const float *scales, *biases; /* [n, k / group] */
+    const float *x;
+    float *y;
+    long n0, n1, n, k, m, row_bytes;
+    int bits, group;
+} job_t;
+
+static inline float reduce(__m256 a, __m256 b) {
+    __m256 s = _mm256_add_ps(a, b);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    __m128 hi = _mm_movehl_ps(lo, lo);
+    lo = _mm_add_ps(lo, hi);
+    hi = _mm_shuffle_ps(lo, lo, 0x1);
+    return _mm_cvtss_f32(_mm_add_ss(lo, hi));
+}
+
+/* Eight values 0..255 (as 32-bit lanes) to weights scale * q + bias. */
+static inline __m256 weights8(__m256i q, __m256 scale, __m256 bias) {
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), bias);
+}
+
+/* Unpack 32 values starting at value `at` of a packed row into out[0..31]. */
+static inline void unpack32(const uint8_t *row, long at, int bits, float scale, float bias,
+                            int overread, float *out) {
+    const __m256 s = _mm256_set1_ps(scale), b = _mm256_set1_ps(bias);
+    if (bits == 8) {
+        const uint8_t *p = row + at;
+        for (int i = 0; i < 4; i++) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(p + 8 * i));
+            _mm256_storeu_ps(out + 8 * i, weights8(_mm256_cvtepu8_epi32(bytes), s, b));
+        }
+    } else if (bits == 4) {
+        /* 16 bytes, value 2i in byte i's low nibble, 2i + 1 in its high one */
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + at / 2));
+        const __m128i nibble = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(packed, nibble);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+        __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+        _mm256_storeu_ps(out, weights8(_mm256_cvtepu8_epi32(first), s, b));
+        _mm256_storeu_ps(out + 8, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)), s, b));
+        _mm256_storeu_ps(out + 16, weights8(_mm256_cvtepu8_epi32(second), s, b));
+        _mm256_storeu_ps(out + 24, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)), s, b));
+    } else { /* 5 bits: eight values in each 5 bytes */
+        const uint8_t *p = row + at / 8 * 5;
+        if (overread) { /* 8-byte loads: 3 bytes past each 5, inside the weights */
+            /* value j: the 16 bits at byte 5j / 8, shifted right by 5j % 8 */
+            const __m256i spread = _mm256_setr_epi8(
+                0, 1, -1, -1, 0, 1, -1, -1, 1, 2, -1, -1, 1, 2, -1, -1,
+                2, 3, -1, -1, 3, 4, -1, -1, 3, 4, -1, -1, 4, 5, -1, -1);
+            const __m256i shift = _mm256_setr_epi32(0, 5, 2, 7, 4, 1, 6, 3);
+            const __m256i mask = _mm256_set1_epi32(31);
+            for (int i = 0; i < 4; i++) {
+                __m128i bytes = _mm_loadl_epi64((const __m128i *)(p + 5 * i));
+                __m256i both = _mm256_broadcastsi128_si256(bytes);
+                __m256i q = _mm256_and_si256(
+                    _mm256_srlv_epi32(_mm256_shuffle_epi8(both, spread), shift), mask);
+                _mm256_storeu_ps(out + 8 * i, weights8(q, s, b));
+            }
+        } else { /* the weights' last 32 values: no byte past them is read */
+            int32_t q[32];
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *c = p + 5 * i;
+                const uint64_t v = (uint64_t)c[0] | (uint64_t)c[1] << 8 |
+                                   (uint64_t)c[2] << 16 | (uint64_t)c[3] << 24 |
+                                   (uint64_t)c[4] << 32;
+                for (int j = 0; j < 8; j++) q[8 * i + j] = (int32_t)((v >> (5 * j)) & 31);
+            }
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(out + 8 * i,
+                                 weights8(_mm256_loadu_si256((const __m256i *)(q + 8 * i)), s, b));
+        }
+    }
+}
+
+/* One pass of `ROWS` input rows over the unpacked weight row w. */
+#define PASS(ROWS)                                                                  \
+    static inline void pass_##ROWS(const float *w, const float *x, long K, float *y, \
+                                   long ldy) {                                      \
+        const long body = K - K % 16;                                               \
+        __m256 lo[ROWS], hi[ROWS];                                                  \
+        for (int i = 0; i < ROWS; i++) {                                            \
+            lo[i] = _mm256_setzero_ps();                                            \
+            hi[i] = _mm256_setzero_ps();                                            \
+        }                                                                           \
+        for (long k = 0; k < body; k += 16) {                                       \
+            const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8); \
+            for (int i = 0; i < ROWS; i++) {                                        \
+                lo[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * K + k), lo[i]); \
+                hi[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * K + k + 8), hi[i]); \
+            }                                                                       \
+        }                                                                           \
+        for (int i = 0; i < ROWS; i++) {                                            \
+            float s = reduce(lo[i], hi[i]);                                         \
+            for (long k = body; k < K; k++) s += w[k] * x[i * K + k];               \
+            y[i * ldy] = s;                                                         \
+        }                                                                           \
+    }
+PASS(1)
+PASS(2)
+PASS(3)
+PASS(4)
+
+static void *run(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    const long K = j->k, groups = K / j->group;
+    float *w = aligned_alloc(64, (size_t)((K + 15) / 16 * 16) * sizeof(float));
+    if (w == NULL) return (void *)1;
+    for (long n = j->n0; n < j->n1; n++) {
+        const uint8_t *row = j->w + n * j->row_bytes;
+        for (long at = 0; at < K; at += 32) {
+            const long g = n * groups + at / j->group;
+            /* 8-byte loads may pass a 5-bit chunk's end except at the weights' end */
+            const int overread = n + 1 < j->n || at + 32 < K;
+            unpack32(row, at, j->bits, j->scales[g], j->biases[g], overread, w + at);
+        }
+        long m0 = 0;
+        for (; m0 + 4 <= j->m; m0 += 4) pass_4(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n);
+        switch (j->m - m0) {
+        case 3: pass_3(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n); break;
+        case 2: pass_2(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n); break;
+        case 1: pass_1(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n); break;
+        default: break;
+        }
+    }
+    free(w);
+    return NULL;
+}
+
+/* Returns 0, or -1 when a buffer could not be had (the caller then runs
+ * MLX's product). k must be a multiple of 32 and of group; bits 4, 5 or 8.
+ * A worker that cannot start has its share run on the calling thread. */
+int specpipe_affine_matmul(const uint8_t *w, const float *scales, const float *biases,
+                           const float *x, float *y, long n, long k, long m, int bits,
+                           int group, int threads) {
+    pthread_t tid[MAX_THREADS];
+    job_t jobs[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    void *failed = NULL;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n) threads = (int)n;
+    if (threads < 1) threads = 1;
+    const long per = (n + threads - 1) / threads, row_bytes = k * bits / 8;
+    for (int t = 0; t < threads; t++) {
+        const long n0 = t * per < n ? t * per : n;
+        const long n1 = n0 + per > n ? n : n0 + per;
+        jobs[t] = (job_t){w, scales, biases, x, y, n0, n1, n, k, m, row_bytes, bits, group};
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
+    if (run(&jobs[0]) != NULL) failed = (void *)1;
+    for (int t = 1; t < threads; t++) {
+        void *result = NULL;
+        if (started[t]) pthread_join(tid[t], &result);
+        else result = run(&jobs[t]);
+        if (result != NULL) failed = (void *)1;
+    }
+    return failed != NULL ? -1 : 0;
+}
