@@ -56,6 +56,7 @@ SOURCES = tuple(
     Path(__file__).resolve().parent / "kernels" / name
     for name in ("bf16_matmul.c", "affine_matmul.c")
 )
+HEADER = SOURCES[0].parent / "fixed_sums.h"  # both sources include it
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 # Products with fewer weights than this run on one thread: a thread's start
 # costs more than its share of a small product, and a small weight is read
@@ -111,7 +112,7 @@ def _library() -> ctypes.CDLL | str:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         return f"no C compiler ({compiler}) on PATH"
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"cpu_kernels-{digest}.so"
     if not path.is_file():

@@ -13,8 +13,7 @@
  * Each weight value is scale * q rounded, plus bias rounded (no fused
  * multiply-add: -ffp-contract=off), the value MLX's dequantize gives. Every
  * output is accumulated the same way whatever the number of input rows or
- * threads: two 8-lane float32 accumulators over k in steps of 16, their sum
- * reduced in a fixed order, then the tail in order. So a verify window
+ * threads (fixed_sums.h, the bf16 kernel's order). So a verify window
  * computes each token's products bit for bit as a single token's step does.
  */
 #include <immintrin.h>
@@ -23,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fixed_sums.h"
 
 #define MAX_THREADS 64
 
@@ -34,15 +35,6 @@ typedef struct {
     long n0, n1, n, k, m, row_bytes;
     int bits, group;
 } job_t;
-
-static inline float reduce(__m256 a, __m256 b) {
-    __m256 s = _mm256_add_ps(a, b);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    __m128 hi = _mm_movehl_ps(lo, lo);
-    lo = _mm_add_ps(lo, hi);
-    hi = _mm_shuffle_ps(lo, lo, 0x1);
-    return _mm_cvtss_f32(_mm_add_ss(lo, hi));
-}
 
 /* Eight values 0..255 (as 32-bit lanes) to weights scale * q + bias. */
 static inline __m256 weights8(__m256i q, __m256 scale, __m256 bias) {
@@ -102,33 +94,12 @@ static inline void unpack32(const uint8_t *row, long at, int bits, float scale, 
     }
 }
 
-/* One pass of `ROWS` input rows over the unpacked weight row w. */
-#define PASS(ROWS)                                                                  \
-    static inline void pass_##ROWS(const float *w, const float *x, long K, float *y, \
-                                   long ldy) {                                      \
-        const long body = K - K % 16;                                               \
-        __m256 lo[ROWS], hi[ROWS];                                                  \
-        for (int i = 0; i < ROWS; i++) {                                            \
-            lo[i] = _mm256_setzero_ps();                                            \
-            hi[i] = _mm256_setzero_ps();                                            \
-        }                                                                           \
-        for (long k = 0; k < body; k += 16) {                                       \
-            const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8); \
-            for (int i = 0; i < ROWS; i++) {                                        \
-                lo[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * K + k), lo[i]); \
-                hi[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * K + k + 8), hi[i]); \
-            }                                                                       \
-        }                                                                           \
-        for (int i = 0; i < ROWS; i++) {                                            \
-            float s = reduce(lo[i], hi[i]);                                         \
-            for (long k = body; k < K; k++) s += w[k] * x[i * K + k];               \
-            y[i * ldy] = s;                                                         \
-        }                                                                           \
-    }
-PASS(1)
-PASS(2)
-PASS(3)
-PASS(4)
+#define NO_HINT(k) ((void)0)
+#define AS_FLOAT(v) (v)
+FIXED_PASS(pass_1, 1, float, _mm256_loadu_ps, AS_FLOAT, NO_HINT)
+FIXED_PASS(pass_2, 2, float, _mm256_loadu_ps, AS_FLOAT, NO_HINT)
+FIXED_PASS(pass_3, 3, float, _mm256_loadu_ps, AS_FLOAT, NO_HINT)
+FIXED_PASS(pass_4, 4, float, _mm256_loadu_ps, AS_FLOAT, NO_HINT)
 
 static void *run(void *arg) {
     const job_t *j = (const job_t *)arg;
@@ -143,14 +114,7 @@ static void *run(void *arg) {
             const int overread = n + 1 < j->n || at + 32 < K;
             unpack32(row, at, j->bits, j->scales[g], j->biases[g], overread, w + at);
         }
-        long m0 = 0;
-        for (; m0 + 4 <= j->m; m0 += 4) pass_4(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n);
-        switch (j->m - m0) {
-        case 3: pass_3(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n); break;
-        case 2: pass_2(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n); break;
-        case 1: pass_1(w, j->x + m0 * K, K, j->y + m0 * j->n + n, j->n); break;
-        default: break;
-        }
+        ALL_ROWS(pass_, w, j->x, K, j->m, 0.0f, j->y + n, j->n);
     }
     free(w);
     return NULL;

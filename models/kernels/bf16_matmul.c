@@ -7,17 +7,15 @@
  * at a time) runs over it while it sits in the L1 cache.
  *
  * Every output value is accumulated the same way whatever the number of
- * input rows or threads: two 8-lane float32 accumulators over k in steps of
- * 16 (lanes k..k+7 and k+8..k+15), their sum reduced in a fixed order, then
- * the tail (k not a multiple of 16) in order (built with -ffp-contract=off,
- * so no pass fuses it differently), then the bias. So a verify
- * window of W tokens computes each token's products bit for bit as a single
- * token's step does.
+ * input rows or threads (fixed_sums.h). So a verify window of W tokens
+ * computes each token's products bit for bit as a single token's step does.
  */
 #include <immintrin.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "fixed_sums.h"
 
 #define MAX_THREADS 64
 /* Weights (bf16 elements) to prefetch ahead of the stream: 2 KB ahead cut
@@ -44,43 +42,11 @@ static inline float bf16_value(uint16_t bits) {
     return v.f;
 }
 
-static inline float reduce(__m256 a, __m256 b) {
-    __m256 s = _mm256_add_ps(a, b);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    __m128 hi = _mm_movehl_ps(lo, lo);
-    lo = _mm_add_ps(lo, hi);
-    hi = _mm_shuffle_ps(lo, lo, 0x1);
-    return _mm_cvtss_f32(_mm_add_ss(lo, hi));
-}
-
-/* One pass of `ROWS` input rows over weight row w: outputs y[i * ldy]. */
-#define PASS(ROWS)                                                                  \
-    static inline void pass_##ROWS(const uint16_t *w, const float *x, long K,       \
-                                   float bias, float *y, long ldy) {                \
-        const long body = K - K % 16;                                               \
-        __m256 lo[ROWS], hi[ROWS];                                                  \
-        for (int i = 0; i < ROWS; i++) {                                            \
-            lo[i] = _mm256_setzero_ps();                                            \
-            hi[i] = _mm256_setzero_ps();                                            \
-        }                                                                           \
-        for (long k = 0; k < body; k += 16) {                                       \
-            _mm_prefetch((const char *)(w + k + PREFETCH), _MM_HINT_T0);             \
-            const __m256 w0 = load_bf16(w + k), w1 = load_bf16(w + k + 8);          \
-            for (int i = 0; i < ROWS; i++) {                                        \
-                lo[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * K + k), lo[i]); \
-                hi[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * K + k + 8), hi[i]); \
-            }                                                                       \
-        }                                                                           \
-        for (int i = 0; i < ROWS; i++) {                                            \
-            float s = reduce(lo[i], hi[i]);                                         \
-            for (long k = body; k < K; k++) s += bf16_value(w[k]) * x[i * K + k];   \
-            y[i * ldy] = s + bias;                                                  \
-        }                                                                           \
-    }
-PASS(1)
-PASS(2)
-PASS(3)
-PASS(4)
+#define PREFETCH_AHEAD(k) _mm_prefetch((const char *)(w + (k) + PREFETCH), _MM_HINT_T0)
+FIXED_PASS(pass_1, 1, uint16_t, load_bf16, bf16_value, PREFETCH_AHEAD)
+FIXED_PASS(pass_2, 2, uint16_t, load_bf16, bf16_value, PREFETCH_AHEAD)
+FIXED_PASS(pass_3, 3, uint16_t, load_bf16, bf16_value, PREFETCH_AHEAD)
+FIXED_PASS(pass_4, 4, uint16_t, load_bf16, bf16_value, PREFETCH_AHEAD)
 
 static void *run(void *arg) {
     const job_t *j = (const job_t *)arg;
@@ -88,14 +54,7 @@ static void *run(void *arg) {
     for (long n = j->n0; n < j->n1; n++) {
         const uint16_t *w = j->w + n * K;
         const float bias = j->bias ? j->bias[n] : 0.0f;
-        long m0 = 0;
-        for (; m0 + 4 <= j->m; m0 += 4) pass_4(w, j->x + m0 * K, K, bias, j->y + m0 * j->n + n, j->n);
-        switch (j->m - m0) {
-        case 3: pass_3(w, j->x + m0 * K, K, bias, j->y + m0 * j->n + n, j->n); break;
-        case 2: pass_2(w, j->x + m0 * K, K, bias, j->y + m0 * j->n + n, j->n); break;
-        case 1: pass_1(w, j->x + m0 * K, K, bias, j->y + m0 * j->n + n, j->n); break;
-        default: break;
-        }
+        ALL_ROWS(pass_, w, j->x, K, j->m, bias, j->y + n, j->n);
     }
     return NULL;
 }
