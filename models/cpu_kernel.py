@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -56,7 +57,9 @@ SOURCES = tuple(
     Path(__file__).resolve().parent / "kernels" / name
     for name in ("bf16_matmul.c", "affine_matmul.c")
 )
-HEADER = SOURCES[0].parent / "fixed_sums.h"  # both sources include it
+HEADERS = tuple(  # both sources include them
+    SOURCES[0].parent / name for name in ("fixed_sums.h", "row_threads.h")
+)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 # Products with fewer weights than this run on one thread: a thread's start
 # costs more than its share of a small product, and a small weight is read
@@ -112,7 +115,7 @@ def _library() -> ctypes.CDLL | str:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         return f"no C compiler ({compiler}) on PATH"
-    source = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"cpu_kernels-{digest}.so"
     if not path.is_file():
@@ -179,28 +182,55 @@ def bf16_product(
     lib = _library()
     assert not isinstance(lib, str), "bf16_product without the kernel"
     out_rows, inner = int(weight.shape[0]), int(weight.shape[1])
+    bias32 = bias.astype(mx.float32) if bias is not None else None
+
+    def call(
+        arrays: list[np.ndarray], xs: np.ndarray, y: np.ndarray, threads: int
+    ) -> int:
+        b = np.ascontiguousarray(np.asarray(bias32)) if bias32 is not None else None
+        lib.specpipe_bf16_matmul(
+            arrays[0].ctypes.data,
+            xs.ctypes.data,
+            b.ctypes.data if b is not None else None,
+            y.ctypes.data,
+            out_rows,
+            inner,
+            xs.shape[0],
+            threads,
+        )
+        return 0
+
+    also = [bias32] if bias32 is not None else []
+    return _on_kernel(x, inner, out_rows, threads, [weight.view(mx.uint16)], call, also)
+
+
+def _on_kernel(
+    x: mx.array,  # [..., inner]
+    inner: int,
+    out_rows: int,
+    threads: int,
+    laid_out: Sequence[mx.array],
+    call: Callable[[list[np.ndarray], np.ndarray, np.ndarray, int], int],
+    also: Sequence[mx.array] = (),
+) -> mx.array | None:  # [..., out_rows] in x's dtype
+    """What both kernels' products share: `x`'s rows as contiguous float32
+    `xs` [M, inner], the output `y` [M, out_rows] float32, the `laid_out`
+    arrays as numpy views (None where one is not laid out row after row),
+    one thread for a small product; `call(views, xs, y, threads)` runs the
+    kernel (nonzero: it could not, None). Evaluates x, `laid_out` and `also`
+    together."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, inner).astype(mx.float32)
-    bias32 = bias.astype(mx.float32) if bias is not None else None
-    mx.eval(flat, weight, *([bias32] if bias32 is not None else []))
-    w = np.asarray(weight.view(mx.uint16))
-    if not w.flags["C_CONTIGUOUS"]:
+    mx.eval(flat, *laid_out, *also)
+    views = [np.asarray(a) for a in laid_out]
+    if not all(view.flags["C_CONTIGUOUS"] for view in views):
         return None
     xs = np.ascontiguousarray(np.asarray(flat))
-    b = np.ascontiguousarray(np.asarray(bias32)) if bias32 is not None else None
     y = np.empty((xs.shape[0], out_rows), dtype=np.float32)
     if out_rows * inner < MIN_THREADED_WEIGHTS:
         threads = 1
-    lib.specpipe_bf16_matmul(
-        w.ctypes.data,
-        xs.ctypes.data,
-        b.ctypes.data if b is not None else None,
-        y.ctypes.data,
-        out_rows,
-        inner,
-        xs.shape[0],
-        threads,
-    )
+    if call(views, xs, y, threads):
+        return None
     return mx.array(y).reshape(*lead, out_rows).astype(x.dtype)
 
 
@@ -240,34 +270,25 @@ def affine_product(
     assert not isinstance(lib, str), "affine_product without the kernel"
     out_rows = int(weight.shape[0])
     inner = int(weight.shape[1]) * 32 // bits
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, inner).astype(mx.float32)
-    scales32, biases32 = scales.astype(mx.float32), biases.astype(mx.float32)
-    mx.eval(flat, weight, scales32, biases32)
-    w = np.asarray(weight)
-    s = np.asarray(scales32)
-    b = np.asarray(biases32)
-    if not (
-        w.flags["C_CONTIGUOUS"] and s.flags["C_CONTIGUOUS"] and b.flags["C_CONTIGUOUS"]
-    ):
-        return None
-    xs = np.ascontiguousarray(np.asarray(flat))
-    y = np.empty((xs.shape[0], out_rows), dtype=np.float32)
-    if out_rows * inner < MIN_THREADED_WEIGHTS:
-        threads = 1
-    failed = lib.specpipe_affine_matmul(
-        w.ctypes.data,
-        s.ctypes.data,
-        b.ctypes.data,
-        xs.ctypes.data,
-        y.ctypes.data,
-        out_rows,
-        inner,
-        xs.shape[0],
-        bits,
-        group_size,
-        threads,
-    )
-    if failed:
-        return None
-    return mx.array(y).reshape(*lead, out_rows).astype(x.dtype)
+
+    def call(
+        arrays: list[np.ndarray], xs: np.ndarray, y: np.ndarray, threads: int
+    ) -> int:
+        w, s, b = arrays
+        failed: int = lib.specpipe_affine_matmul(
+            w.ctypes.data,
+            s.ctypes.data,
+            b.ctypes.data,
+            xs.ctypes.data,
+            y.ctypes.data,
+            out_rows,
+            inner,
+            xs.shape[0],
+            bits,
+            group_size,
+            threads,
+        )
+        return failed
+
+    laid_out = [weight, scales.astype(mx.float32), biases.astype(mx.float32)]
+    return _on_kernel(x, inner, out_rows, threads, laid_out, call)

@@ -17,15 +17,13 @@
  * computes each token's products bit for bit as a single token's step does.
  */
 #include <immintrin.h>
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "fixed_sums.h"
+#include "row_threads.h"
 
-#define MAX_THREADS 64
 
 typedef struct {
     const uint8_t *w; /* packed rows, row_bytes each */
@@ -121,32 +119,16 @@ static void *run(void *arg) {
 }
 
 /* Returns 0, or -1 when a buffer could not be had (the caller then runs
- * MLX's product). k must be a multiple of 32 and of group; bits 4, 5 or 8.
- * A worker that cannot start has its share run on the calling thread. */
+ * MLX's product). k must be a multiple of 32 and of group; bits 4, 5 or 8. */
 int specpipe_affine_matmul(const uint8_t *w, const float *scales, const float *biases,
                            const float *x, float *y, long n, long k, long m, int bits,
                            int group, int threads) {
-    pthread_t tid[MAX_THREADS];
     job_t jobs[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    void *failed = NULL;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = (int)n;
-    if (threads < 1) threads = 1;
-    const long per = (n + threads - 1) / threads, row_bytes = k * bits / 8;
+    threads = thread_count(threads, n);
     for (int t = 0; t < threads; t++) {
-        const long n0 = t * per < n ? t * per : n;
-        const long n1 = n0 + per > n ? n : n0 + per;
-        jobs[t] = (job_t){w, scales, biases, x, y, n0, n1, n, k, m, row_bytes, bits, group};
+        long n0, n1;
+        row_share(n, threads, t, &n0, &n1);
+        jobs[t] = (job_t){w, scales, biases, x, y, n0, n1, n, k, m, k * bits / 8, bits, group};
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
-    if (run(&jobs[0]) != NULL) failed = (void *)1;
-    for (int t = 1; t < threads; t++) {
-        void *result = NULL;
-        if (started[t]) pthread_join(tid[t], &result);
-        else result = run(&jobs[t]);
-        if (result != NULL) failed = (void *)1;
-    }
-    return failed != NULL ? -1 : 0;
+    return spread(run, jobs, sizeof(job_t), threads) ? -1 : 0;
 }

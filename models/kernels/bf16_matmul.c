@@ -11,13 +11,12 @@
  * computes each token's products bit for bit as a single token's step does.
  */
 #include <immintrin.h>
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "fixed_sums.h"
+#include "row_threads.h"
 
-#define MAX_THREADS 64
 /* Weights (bf16 elements) to prefetch ahead of the stream: 2 KB ahead cut
  * 5-15 % off products of 1-7 rows on the 2-core AVX2 machine. A prefetch is
  * a hint: past the end of the weights it does not fault. */
@@ -59,26 +58,14 @@ static void *run(void *arg) {
     return NULL;
 }
 
-/* A worker that cannot start has its share run on the calling thread. */
 void specpipe_bf16_matmul(const uint16_t *w, const float *x, const float *bias, float *y,
                           long n, long k, long m, int threads) {
-    pthread_t tid[MAX_THREADS];
     job_t jobs[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = (int)n;
-    if (threads < 1) threads = 1; /* also for n == 0: no rows, no division by zero */
-    const long per = (n + threads - 1) / threads;
+    threads = thread_count(threads, n);
     for (int t = 0; t < threads; t++) {
-        const long n0 = t * per < n ? t * per : n;
-        const long n1 = n0 + per > n ? n : n0 + per;
+        long n0, n1;
+        row_share(n, threads, t, &n0, &n1);
         jobs[t] = (job_t){w, x, bias, y, n0, n1, n, k, m};
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tid[t], NULL, run, &jobs[t]) == 0;
-    run(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run(&jobs[t]);
-    }
+    spread(run, jobs, sizeof(job_t), threads);
 }
