@@ -54,29 +54,55 @@ def ints(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
-                        help="a draft model reference, or 'ngram' (model-free; no mlx-lm peer)")
+    parser.add_argument(
+        "--draft",
+        default="qwen2.5-coder-0.5b-instruct",
+        help="a draft model reference, or 'ngram' (model-free; no mlx-lm peer)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--prompts", default="code,chat,prose")
-    parser.add_argument("--widths", default="1,2,3,4,6", help="fixed widths ('' for none)")
-    parser.add_argument("--max-depth", type=int, default=6, help="adaptive: deepest window")
+    parser.add_argument(
+        "--widths", default="1,2,3,4,6", help="fixed widths ('' for none)"
+    )
+    parser.add_argument(
+        "--max-depth", type=int, default=6, help="adaptive: deepest window"
+    )
     parser.add_argument("--mlxlm-widths", default="2,4,6")
-    parser.add_argument("--draft-vocab", help="FR-Spec list for the draft model (fixed widths and adaptive alike)")
+    parser.add_argument(
+        "--draft-vocab",
+        help="FR-Spec list for the draft model (fixed widths and adaptive alike)",
+    )
     parser.add_argument("--no-mlxlm", action="store_true")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run each specpipe configuration and mlx-lm's plain decode this many times "
-                             "(interleaved); the run with the median tok/s is kept")
-    parser.add_argument("--peer-repeats", type=int, default=None,
-                        help="repeats of mlx-lm's speculative runs (default --repeats)")
-    parser.add_argument("--estimator", choices=("median", "best"), default="median",
-                        help="which repeat stands for a configuration: the median tok/s, or the "
-                             "fastest (robust to a shared machine's slow spells, which only add "
-                             "time); every repeat's tok/s is kept in the results either way")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each specpipe configuration and mlx-lm's plain decode this many times "
+        "(interleaved); the run with the median tok/s is kept",
+    )
+    parser.add_argument(
+        "--peer-repeats",
+        type=int,
+        default=None,
+        help="repeats of mlx-lm's speculative runs (default --repeats)",
+    )
+    parser.add_argument(
+        "--estimator",
+        choices=("median", "best"),
+        default="median",
+        help="which repeat stands for a configuration: the median tok/s, or the "
+        "fastest (robust to a shared machine's slow spells, which only add "
+        "time); every repeat's tok/s is kept in the results either way",
+    )
     parser.add_argument("--out", default=str(RESULTS / "adaptive.json"))
     parser.add_argument("--plot", default=str(RESULTS / "adaptive.png"))
     parser.add_argument("--no-assert", action="store_true")
-    parser.add_argument("--replot", metavar="JSON", help="only redraw the plot and tables from a result file")
+    parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="only redraw the plot and tables from a result file",
+    )
     args = parser.parse_args()
     if args.replot:
         import json
@@ -98,8 +124,12 @@ def main() -> None:
     print(f"target {target_folder}\ndraft  {draft_folder}", file=sys.stderr, flush=True)
 
     adaptive = specpipe.load(
-        str(target_folder), draft=str(draft_folder), num_draft_tokens=args.max_depth,
-        dtype=args.dtype, adaptive=True, draft_vocab=args.draft_vocab,
+        str(target_folder),
+        draft=str(draft_folder),
+        num_draft_tokens=args.max_depth,
+        dtype=args.dtype,
+        adaptive=True,
+        draft_vocab=args.draft_vocab,
     ).unwrap()
     assert adaptive.draft is not None and adaptive.adaptive is not None
     plain = evolve(adaptive, draft=None, adaptive=None)
@@ -150,7 +180,9 @@ def main() -> None:
         entry["speedup"] = run.decode_tps / base["decode_tps"] if base else 1.0
         block["runs"].append(entry)
         if diff is not None and run.library == "specpipe":
-            failures.append(f"{prompt}: specpipe {run.method} k={run.width} differs at token {diff}")
+            failures.append(
+                f"{prompt}: specpipe {run.method} k={run.width} differs at token {diff}"
+            )
         write_json(Path(args.out), payload)
         depths = run.extra.get("depths")
         print(
@@ -158,13 +190,18 @@ def main() -> None:
             f"x{entry['speedup']:.2f} acc.len {run.acceptance_length:.2f} {run.ms_per_round:.0f} ms/round "
             f"{'depths ' + str(depths) if depths else ''} {'==' if diff is None else f'DIFF@{diff}'} "
             f"[{time.perf_counter() - started:.0f}s]",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
 
     for prompt in args.prompts.split(","):
         text, chat = PROMPTS[prompt]
         ids = list(plain.encode(text, chat).unwrap())
-        payload["prompts"][prompt] = {"prompt_tokens": len(ids), "plain": {}, "runs": []}
+        payload["prompts"][prompt] = {
+            "prompt_tokens": len(ids),
+            "plain": {},
+            "runs": [],
+        }
         block = payload["prompts"][prompt]
         # every configuration `repeats` times, in rounds over all of them
         configs: list[tuple[str, Any]] = [("plain", plain)]
@@ -182,7 +219,9 @@ def main() -> None:
                 if method == "mlx-lm plain":
                     runs[i].append(mlxlm_plain(peer, ids, args.tokens, eos))
                 elif method == "mlx-lm speculative":
-                    runs[i].append(mlxlm_speculative(peer, peer_draft, ids, args.tokens, pipe, eos))
+                    runs[i].append(
+                        mlxlm_speculative(peer, peer_draft, ids, args.tokens, pipe, eos)
+                    )
                 else:
                     runs[i].append(specpipe_run(pipe, ids, args.tokens, method))
         kept = [kept_run(r, args.estimator) for r in runs]
@@ -225,7 +264,9 @@ def summarise(block: dict[str, Any]) -> dict[str, Any]:
     fixed = [r for r in ours if r["method"] == "fixed"]
     adaptive = next(r for r in ours if r["method"] == "adaptive")
     best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
-    peer = [r for r in runs if r["library"] == "mlx-lm" and r["method"] == "speculative"]
+    peer = [
+        r for r in runs if r["library"] == "mlx-lm" and r["method"] == "speculative"
+    ]
     peer_best = max(peer, key=lambda r: r["speedup"]) if peer else None
     return {
         "adaptive": adaptive["speedup"],
@@ -262,23 +303,61 @@ def report(payload: dict[str, Any]) -> None:
         print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
         rows = [
             [
-                r["library"], r["method"], r["width"], r["n_tokens"], r["decode_tps"], r["speedup"],
-                r["acceptance_length"], r["ms_per_round"],
+                r["library"],
+                r["method"],
+                r["width"],
+                r["n_tokens"],
+                r["decode_tps"],
+                r["speedup"],
+                r["acceptance_length"],
+                r["ms_per_round"],
                 r["extra"].get("depths", ""),
                 "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
             ]
             for r in block["runs"]
         ]
-        print(table(["library", "method", "k", "tokens", "tok/s", "speedup", "tokens/round", "ms/round",
-                     "depths (adaptive)", "== specpipe plain"], rows))
+        print(
+            table(
+                [
+                    "library",
+                    "method",
+                    "k",
+                    "tokens",
+                    "tok/s",
+                    "speedup",
+                    "tokens/round",
+                    "ms/round",
+                    "depths (adaptive)",
+                    "== specpipe plain",
+                ],
+                rows,
+            )
+        )
     rows = []
     for prompt, g in payload.get("goals", goals(payload)).items():
-        rows.append([
-            prompt, g["adaptive"], f"{g['best_fixed']:.3f} (k={g['best_fixed_width']})" if g["best_fixed"] else "-",
-            f"{g['mlxlm_best']:.3f} (k={g['mlxlm_best_width']})" if g["mlxlm_best"] is not None else "-",
-            g["gated_share"], ", ".join(f"{k}: {'ok' if v else 'MISSED'}" for k, v in g["checks"].items()),
-        ])
-    print("\n" + table(["prompt", "adaptive", "best fixed", "mlx-lm best", "gated share", "goals"], rows))
+        rows.append(
+            [
+                prompt,
+                g["adaptive"],
+                f"{g['best_fixed']:.3f} (k={g['best_fixed_width']})"
+                if g["best_fixed"]
+                else "-",
+                f"{g['mlxlm_best']:.3f} (k={g['mlxlm_best_width']})"
+                if g["mlxlm_best"] is not None
+                else "-",
+                g["gated_share"],
+                ", ".join(
+                    f"{k}: {'ok' if v else 'MISSED'}" for k, v in g["checks"].items()
+                ),
+            ]
+        )
+    print(
+        "\n"
+        + table(
+            ["prompt", "adaptive", "best fixed", "mlx-lm best", "gated share", "goals"],
+            rows,
+        )
+    )
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
@@ -288,18 +367,39 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     prompts = list(payload["prompts"])
-    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True
+    )
     for ax, prompt in zip(axes[0], prompts, strict=True):
         runs = payload["prompts"][prompt]["runs"]
         for (lib, method), (color, style, label) in {
-            ("specpipe", "fixed"): ("C0", "o-", f"specpipe {payload.get('drafter', '')} fixed width"),
+            ("specpipe", "fixed"): (
+                "C0",
+                "o-",
+                f"specpipe {payload.get('drafter', '')} fixed width",
+            ),
             ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
         }.items():
-            pts = sorted((r["width"], r["speedup"]) for r in runs if r["library"] == lib and r["method"] == method)
+            pts = sorted(
+                (r["width"], r["speedup"])
+                for r in runs
+                if r["library"] == lib and r["method"] == method
+            )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    color=color,
+                    label=label,
+                )
         adaptive = next(r for r in runs if r["method"] == "adaptive")
-        ax.axhline(adaptive["speedup"], color="C2", lw=2, label=f"specpipe adaptive (max {adaptive['width']})")
+        ax.axhline(
+            adaptive["speedup"],
+            color="C2",
+            lw=2,
+            label=f"specpipe adaptive (max {adaptive['width']})",
+        )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(NEVER_LOSE, color="grey", lw=0.8, ls=":")
         ax.set_title(f"prompt '{prompt}'")

@@ -33,10 +33,14 @@ for width in (1, 2, 3, 5):
         t = time.perf_counter()
         mx.eval(model(ids, cache, [130 + i]).logits)
         growing.append((time.perf_counter() - t) * 1000)
-    print(f"width {width}: fixed offset {statistics.median(fixed[5:]):.2f} ms, "
-          f"growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
+    print(
+        f"width {width}: fixed offset {statistics.median(fixed[5:]):.2f} ms, "
+        f"growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})",
+        flush=True,
+    )
 
 # The same with an explicit boolean mask instead of MLX's "causal" string.
+
 
 def explicit_mask(offsets, length):  # type: ignore[no-untyped-def]
     if length == 1 and all(o == offsets[0] for o in offsets):
@@ -46,6 +50,7 @@ def explicit_mask(offsets, length):  # type: ignore[no-untyped-def]
     query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
     key = mx.arange(span, dtype=mx.int32)[None, None, None, :]
     return key <= starts + query
+
 
 import models.llama as llama  # noqa: E402
 
@@ -61,7 +66,10 @@ for width in (2, 3, 5):
         t = time.perf_counter()
         mx.eval(model(ids, cache, [170 + i]).logits)
         growing.append((time.perf_counter() - t) * 1000)
-    print(f"explicit mask, width {width}: growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
+    print(
+        f"explicit mask, width {width}: growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})",
+        flush=True,
+    )
 
 # Keys over the whole (bucketed) cache capacity, masked past each query's
 # position: the attention kernel then sees a key length that changes only
@@ -104,4 +112,7 @@ for width in (2, 3, 5):
         t = time.perf_counter()
         mx.eval(model(ids, cache, [200 + i]).logits)
         growing.append((time.perf_counter() - t) * 1000)
-    print(f"bucketed keys, width {width}: growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})", flush=True)
+    print(
+        f"bucketed keys, width {width}: growing offset {statistics.median(growing):.2f} ms (max {max(growing):.1f})",
+        flush=True,
+    )

@@ -61,7 +61,9 @@ def gaps(logits: mx.array) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
@@ -69,10 +71,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--no-group", action="store_true",
-                        help="the routed experts' pairs never grouped by expert (SwitchGLU.SORT_MIN)")
-    parser.add_argument("--no-window-kernel", action="store_true",
-                        help="the recurrent layers' windows as MLX operations")
+    parser.add_argument(
+        "--no-group",
+        action="store_true",
+        help="the routed experts' pairs never grouped by expert (SwitchGLU.SORT_MIN)",
+    )
+    parser.add_argument(
+        "--no-window-kernel",
+        action="store_true",
+        help="the recurrent layers' windows as MLX operations",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.no_group:
@@ -84,7 +92,12 @@ def main() -> None:
 
         models.gated_delta.WINDOW_KERNEL_ON_GPU = False
     _, model, head = random_target_and_head(
-        "qwen3-next", args.layers, args.experts, 2048, args.vocab, getattr(mx, args.dtype)
+        "qwen3-next",
+        args.layers,
+        args.experts,
+        2048,
+        args.vocab,
+        getattr(mx, args.dtype),
     )
     prompt = bench_prompt(args.vocab)
     prompts = [prompt[b:] + prompt[:b] for b in range(args.rows)]
@@ -94,7 +107,10 @@ def main() -> None:
     alone = [generate_rows_of(model, [p], n, None, 0, greedy)[0][0] for p in prompts]
     ways = {
         "plain_batch": generate_rows_of(model, prompts, n, None, 0, greedy)[0],
-        "mtp_alone": [generate_rows_of(model, [p], n, drafter, depth, greedy)[0][0] for p in prompts],
+        "mtp_alone": [
+            generate_rows_of(model, [p], n, drafter, depth, greedy)[0][0]
+            for p in prompts
+        ],
         "mtp_batch": generate_rows_of(model, prompts, n, drafter, depth, greedy)[0],
     }
     report: dict[str, Any] = {
@@ -105,18 +121,32 @@ def main() -> None:
         "first_difference": {},
     }
     for name, got in ways.items():
-        report["first_difference"][name] = [_first_difference(a, b) for a, b in zip(got, alone, strict=True)]
+        report["first_difference"][name] = [
+            _first_difference(a, b) for a, b in zip(got, alone, strict=True)
+        ]
         report[name] = got
         print("BATCH", name, report["first_difference"][name], flush=True)
     single = mx.concatenate([first_logits(model, [p], 1) for p in prompts], axis=0)
-    report["logits"] = {"alone_step_gap": gaps(single), "alone_step_argmax": mx.argmax(single, -1).tolist()}
-    for name, width in (("batch_step", 1), ("batch_window", depth + 1), ("alone_window", 0)):
+    report["logits"] = {
+        "alone_step_gap": gaps(single),
+        "alone_step_argmax": mx.argmax(single, -1).tolist(),
+    }
+    for name, width in (
+        ("batch_step", 1),
+        ("batch_window", depth + 1),
+        ("alone_window", 0),
+    ):
         if width == 0:
-            got = mx.concatenate([first_logits(model, [p], depth + 1) for p in prompts], axis=0)
+            got = mx.concatenate(
+                [first_logits(model, [p], depth + 1) for p in prompts], axis=0
+            )
         else:
             got = first_logits(model, prompts, width)
         diff = mx.abs(got - single).max(axis=-1).tolist()
-        report["logits"][name] = {"max_abs_diff": diff, "argmax": mx.argmax(got, -1).tolist()}
+        report["logits"][name] = {
+            "max_abs_diff": diff,
+            "argmax": mx.argmax(got, -1).tolist(),
+        }
         print("LOGITS", name, "max|diff|", [f"{d:.3g}" for d in diff], "argmax", report["logits"][name]["argmax"],
               "alone", report["logits"]["alone_step_argmax"], "gap", [f"{g:.3g}" for g in report["logits"]["alone_step_gap"]],
               flush=True)  # fmt: skip

@@ -49,12 +49,12 @@ CODE_PROMPT = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
 
 CHAT_PROMPT = "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces. Keep it short."
 
-EDIT_SOURCE = '''def total_price(items, tax_rate):
+EDIT_SOURCE = """def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal += item["price"] * item["quantity"]
     return subtotal * (1 + tax_rate)
-'''
+"""
 
 EDIT_PROMPT = (
     "Rename the function `total_price` to `order_total` and the variable `subtotal` "
@@ -88,7 +88,9 @@ def machine_info() -> dict[str, Any]:
 
     model = "unknown"
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, check=False
+        ).stdout
         for line in out.splitlines():
             if line.lower().startswith("model name"):
                 model = line.split(":", 1)[1].strip()
@@ -97,8 +99,14 @@ def machine_info() -> dict[str, Any]:
     gpu = None
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, check=False,
+            [
+                "nvidia-smi",
+                "--query-gpu=name,memory.total,driver_version",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         gpu = out.stdout.strip() or None
     except OSError:
@@ -166,7 +174,17 @@ def model_folder(ref: str, dtype: str) -> Path:
         return fixture_folder(ref).unwrap()
     out = bench_cache() / f"{ref}-{dtype}"
     if not (out / "config.json").is_file():
-        cmd = [sys.executable, "-m", "specpipe", "convert", ref, str(out), "--dtype", dtype, "--force"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specpipe",
+            "convert",
+            ref,
+            str(out),
+            "--dtype",
+            dtype,
+            "--force",
+        ]
         print("+", " ".join(cmd), file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
     return out
@@ -239,10 +257,14 @@ def mlxlm_load(folder: Path, share_from: Any = None) -> Any:
     theirs = dict(tree_flatten(model.parameters()))
     ours = flat_parameters(share_from)
     same = theirs.keys() == ours.keys() and all(
-        theirs[k].shape == ours[k].shape and theirs[k].dtype == ours[k].dtype for k in ours
+        theirs[k].shape == ours[k].shape and theirs[k].dtype == ours[k].dtype
+        for k in ours
     )
     if not same:
-        print(f"mlx-lm: weights of {folder} not shareable; loading its own copy", file=sys.stderr)
+        print(
+            f"mlx-lm: weights of {folder} not shareable; loading its own copy",
+            file=sys.stderr,
+        )
         mx.eval(model.parameters())
         return model
     model.load_weights(list(ours.items()), strict=True)
@@ -253,7 +275,9 @@ def greedy_sampler(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def specpipe_run(pipeline: Any, ids: Sequence[int], max_tokens: int, method: str) -> Run:
+def specpipe_run(
+    pipeline: Any, ids: Sequence[int], max_tokens: int, method: str
+) -> Run:
     from schemas.request import GenerationLimits, SamplingParams
 
     sampling = SamplingParams.create(temperature=0.0).unwrap()
@@ -282,15 +306,23 @@ def specpipe_run(pipeline: Any, ids: Sequence[int], max_tokens: int, method: str
         extra={
             "prompt_s": s.prompt_seconds,
             "finish": result.finish_reason,
-            **({"depths": {str(d): n for d, n in s.depths}, "gated_share": s.gated_share}
-               if s.depths else {}),
+            **(
+                {
+                    "depths": {str(d): n for d, n in s.depths},
+                    "gated_share": s.gated_share,
+                }
+                if s.depths
+                else {}
+            ),
         },
         cpu_s=clock.cpu,
         load=clock.load,
     )
 
 
-def mlxlm_plain(model: Any, ids: Sequence[int], max_tokens: int, eos: frozenset[int]) -> Run:
+def mlxlm_plain(
+    model: Any, ids: Sequence[int], max_tokens: int, eos: frozenset[int]
+) -> Run:
     from mlx_lm.generate import generate_step
 
     prompt = mx.array(list(ids), dtype=mx.uint32)
@@ -298,7 +330,9 @@ def mlxlm_plain(model: Any, ids: Sequence[int], max_tokens: int, eos: frozenset[
     stamps: list[float] = []
     with Clock() as clock:
         t0 = clock.t0
-        gen = generate_step(prompt, model, max_tokens=max_tokens, sampler=greedy_sampler)
+        gen = generate_step(
+            prompt, model, max_tokens=max_tokens, sampler=greedy_sampler
+        )
         for token, _ in gen:
             stamps.append(time.perf_counter())
             if token in eos:
@@ -326,7 +360,12 @@ def mlxlm_plain(model: Any, ids: Sequence[int], max_tokens: int, eos: frozenset[
 
 
 def mlxlm_speculative(
-    model: Any, draft: Any, ids: Sequence[int], max_tokens: int, width: int, eos: frozenset[int]
+    model: Any,
+    draft: Any,
+    ids: Sequence[int],
+    max_tokens: int,
+    width: int,
+    eos: frozenset[int],
 ) -> Run:
     """mlx-lm's speculative_generate_step. A round yields its accepted drafts
     (from_draft=True) and then one target token, so rounds = target tokens."""
@@ -340,7 +379,12 @@ def mlxlm_speculative(
     with Clock() as clock:
         t0 = clock.t0
         gen = speculative_generate_step(
-            prompt, model, draft, num_draft_tokens=width, max_tokens=max_tokens, sampler=greedy_sampler
+            prompt,
+            model,
+            draft,
+            num_draft_tokens=width,
+            max_tokens=max_tokens,
+            sampler=greedy_sampler,
         )
         for token, _, drafted in gen:
             now = time.perf_counter()
@@ -422,7 +466,10 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
+        for r in cells
+    ]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 
@@ -433,7 +480,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def recorded_decode(tokenizer: Any, data: dict[str, Any], name: str) -> tuple[list[int], list[int]]:
+def recorded_decode(
+    tokenizer: Any, data: dict[str, Any], name: str
+) -> tuple[list[int], list[int]]:
     """`(prompt ids, specpipe's plain output)` of prompt `name` in a result file
     (the prompt re-encoded as the bench encodes it, checked against the record)."""
     text, chat = PROMPTS[name]

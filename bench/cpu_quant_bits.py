@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,7 +24,7 @@ import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 # isort: split
 import mlx.core as mx
 
-from bench.common import machine_info
+from bench.common import machine_info, median_ms
 from models import cpu_kernel
 from models.parallel import project
 
@@ -46,15 +44,7 @@ GROUP = 32
 
 def _time(fn: object, repeats: int) -> float:
     """Median microseconds of `fn()` evaluated, after two warm-up calls."""
-    assert callable(fn)
-    for _ in range(2):
-        mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+    return median_ms(fn, repeats, warmup=2) * 1e3
 
 
 def main() -> None:

@@ -42,13 +42,19 @@ VARIANTS = {
 }
 
 
-def child(made: str, op: str, streams: int, first: bool, repeats: int) -> dict[str, Any]:
+def child(
+    made: str, op: str, streams: int, first: bool, repeats: int
+) -> dict[str, Any]:
     import mlx.core as mx
 
     def make(seed: int) -> tuple[mx.array, mx.array, mx.array]:
         mx.set_default_device(mx.cpu if made == "cpu" else mx.gpu)
         mx.random.seed(seed)
-        arrays = (mx.random.normal((4864, 896)), mx.random.normal((4864,)), mx.random.normal((3, 7, 896)))
+        arrays = (
+            mx.random.normal((4864, 896)),
+            mx.random.normal((4864,)),
+            mx.random.normal((3, 7, 896)),
+        )
         mx.eval(*arrays)
         mx.set_default_device(mx.cpu)
         if made == "gpu-copied":  # fresh CPU-made copies of the GPU's arrays
@@ -56,7 +62,9 @@ def child(made: str, op: str, streams: int, first: bool, repeats: int) -> dict[s
             mx.eval(*arrays)
         return arrays
 
-    def product(w: mx.array, bias: mx.array, x: mx.array, rows: slice, stream: Any) -> mx.array:
+    def product(
+        w: mx.array, bias: mx.array, x: mx.array, rows: slice, stream: Any
+    ) -> mx.array:
         if op == "addmm":
             return mx.addmm(bias[rows], x, w[rows].T, stream=stream)
         return mx.matmul(x, w[rows].T, stream=stream)
@@ -69,8 +77,13 @@ def child(made: str, op: str, streams: int, first: bool, repeats: int) -> dict[s
         if first:  # new arrays, their first CPU use the split products
             w, bias, x = make(repeat)
         step = -(-w.shape[0] // streams)
-        rows = [slice(i * step, min((i + 1) * step, w.shape[0])) for i in range(streams)]
-        got = mx.concatenate([product(w, bias, x, r, s) for r, s in zip(rows, pool, strict=True)], axis=-1)
+        rows = [
+            slice(i * step, min((i + 1) * step, w.shape[0])) for i in range(streams)
+        ]
+        got = mx.concatenate(
+            [product(w, bias, x, r, s) for r, s in zip(rows, pool, strict=True)],
+            axis=-1,
+        )
         mx.eval(got)
         if first:  # the unsplit product after the split ones
             want = product(w, bias, x, slice(None), mx.cpu)
@@ -80,7 +93,9 @@ def child(made: str, op: str, streams: int, first: bool, repeats: int) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=60)
@@ -95,8 +110,13 @@ def main() -> None:
         command = [sys.executable, "-X", "faulthandler", __file__, "--child", name,
                    "--repeats", str(args.repeats)]  # fmt: skip
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-            result: dict[str, Any] = {"returncode": done.returncode, "stderr": done.stderr[-600:]}
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=args.timeout
+            )
+            result: dict[str, Any] = {
+                "returncode": done.returncode,
+                "stderr": done.stderr[-600:],
+            }
             if done.returncode == 0:
                 result.update(json.loads(done.stdout.strip().splitlines()[-1]))
         except subprocess.TimeoutExpired:

@@ -79,7 +79,9 @@ def text_sections(cubin: bytes) -> bytes:
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
 
     def header(i: int) -> tuple[int, int, int]:
-        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        name, _, _, _, offset, size = struct.unpack_from(
+            "<IIQQQQ", cubin, shoff + i * shentsize
+        )
         return name, offset, size
 
     _, names_at, _ = header(shstrndx)
@@ -93,15 +95,22 @@ def text_sections(cubin: bytes) -> bytes:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--switches", default="", help="comma-separated NAME (on) / -NAME (off)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--switches", default="", help="comma-separated NAME (on) / -NAME (off)"
+    )
     args = parser.parse_args()
     from bench.mtp import apply_switches
 
     apply_switches(args.switches)
     import test_mtp_cuda
 
-    fixtures = {"moe": test_mtp_cuda.built(test_mtp_cuda.MOE), "dense": test_mtp_cuda.built(test_mtp_cuda.DENSE)}
+    fixtures = {
+        "moe": test_mtp_cuda.built(test_mtp_cuda.MOE),
+        "dense": test_mtp_cuda.built(test_mtp_cuda.DENSE),
+    }
     for case in default_cases(test_mtp_cuda):
         kind, greedy, first, listed, rows, length, count, _ = case
         label = (f"{kind} {'greedy' if greedy else 'sampled'} {'first' if first else 'chained'} "

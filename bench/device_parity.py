@@ -49,13 +49,19 @@ from specpipe.state import RowState
 
 def families(layers: int, vocab: int) -> dict[str, dict[str, Any]]:
     return {
-        "qwen2.5-0.5b": {**DENSE_SHAPES["qwen2.5-0.5b"], "num_hidden_layers": layers, "vocab_size": vocab},
+        "qwen2.5-0.5b": {
+            **DENSE_SHAPES["qwen2.5-0.5b"],
+            "num_hidden_layers": layers,
+            "vocab_size": vocab,
+        },
         "qwen3-next": qwen3_next_shape(layers, 64, 2048, vocab),
         "qwen3.5-27b": qwen3_5_27b_shape(layers, 0, 0, vocab),
     }
 
 
-def decode(model: Any, prompts: list[tuple[int, ...]], tokens: mx.array, stepwise: bool) -> mx.array:
+def decode(
+    model: Any, prompts: list[tuple[int, ...]], tokens: mx.array, stepwise: bool
+) -> mx.array:
     """Logits [B, W, V] of `tokens` [B, W] after each row's prompt: one window,
     or W single steps (each committed)."""
     rows = [RowState.start(p, 16, SamplingParams()) for p in prompts]
@@ -83,20 +89,38 @@ def compare(got: mx.array, want: mx.array) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--families", default="qwen2.5-0.5b,qwen3-next,qwen3.5-27b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--window", type=int, default=4)
-    parser.add_argument("--lengths", default="20,17,12", help="the rows' prompt lengths")
-    parser.add_argument("--devices", default="gpu,cpu", help="the device checked, then the reference")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                        help="a config value of every family (e.g. tie_word_embeddings=false)")
-    parser.add_argument("--fresh-reference", action="store_true",
-                        help="the reference pass on copies of the weights made on its device")
-    parser.add_argument("--split-threads", type=int, default=None,
-                        help="split the CPU products over N streams even with MLX's CUDA backend "
-                             "(which models/parallel.py refuses: reproduces its failures)")
+    parser.add_argument(
+        "--lengths", default="20,17,12", help="the rows' prompt lengths"
+    )
+    parser.add_argument(
+        "--devices", default="gpu,cpu", help="the device checked, then the reference"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a config value of every family (e.g. tie_word_embeddings=false)",
+    )
+    parser.add_argument(
+        "--fresh-reference",
+        action="store_true",
+        help="the reference pass on copies of the weights made on its device",
+    )
+    parser.add_argument(
+        "--split-threads",
+        type=int,
+        default=None,
+        help="split the CPU products over N streams even with MLX's CUDA backend "
+        "(which models/parallel.py refuses: reproduces its failures)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     checked, reference = (getattr(mx, d) for d in args.devices.split(","))
@@ -108,7 +132,9 @@ def main() -> None:
     mx.random.seed(1)
     lengths = [int(n) for n in args.lengths.split(",")]
     prompts = [tuple(mx.random.randint(0, args.vocab, (n,)).tolist()) for n in lengths]
-    tokens = mx.random.randint(0, args.vocab, (len(prompts), args.window)).astype(mx.int32)
+    tokens = mx.random.randint(0, args.vocab, (len(prompts), args.window)).astype(
+        mx.int32
+    )
     report: dict[str, Any] = {
         "machine": machine_info(),
         "MLX_ENABLE_TF32": os.environ.get("MLX_ENABLE_TF32"),
@@ -117,7 +143,10 @@ def main() -> None:
     }
     shapes = families(args.layers, args.vocab)
     for name in args.families.split(","):
-        config = {**shapes[name], **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)}}
+        config = {
+            **shapes[name],
+            **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)},
+        }
         mx.set_default_device(checked)
         mx.random.seed(0)
         model: Any = build_model(args_from_config(config, name).unwrap()).unwrap()
@@ -130,11 +159,17 @@ def main() -> None:
         for device in (checked, reference):
             mx.set_default_device(device)
             if device == reference and args.fresh_reference:
-                model.update(tree_map(lambda p: mx.array(np.array(p, copy=True)), model.parameters()))
+                model.update(
+                    tree_map(
+                        lambda p: mx.array(np.array(p, copy=True)), model.parameters()
+                    )
+                )
                 mx.eval(model.parameters())
             for stepwise in (False, True):
                 start = time.perf_counter()
-                logits[(str(device), stepwise)] = decode(model, prompts, tokens, stepwise)
+                logits[(str(device), stepwise)] = decode(
+                    model, prompts, tokens, stepwise
+                )
                 mx.eval(logits[(str(device), stepwise)])
                 print(f"stage {name} {device} {'steps' if stepwise else 'window'} "
                       f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip

@@ -41,6 +41,7 @@ import models  # noqa: F401  before mlx: routes its BLAS (models/blas.py)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from bench.common import median_ms
 from models.dflash import DFlashDraft, DFlashSettings, build_dflash
 from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
@@ -73,7 +74,9 @@ CONFIG: dict[str, Any] = {
 def random_weights(args: DecoderArgs, settings: DFlashSettings) -> dict[str, mx.array]:
     """bf16 weights of the draft's names and shapes (a lazy module's
     shapes; values drawn one tensor at a time)."""
-    shapes = {k: v.shape for k, v in tree_flatten(DFlashDraft(args, settings).parameters())}
+    shapes = {
+        k: v.shape for k, v in tree_flatten(DFlashDraft(args, settings).parameters())
+    }
     weights = {}
     for name, shape in shapes.items():
         value = (0.02 * mx.random.normal(shape)).astype(mx.bfloat16)
@@ -105,16 +108,6 @@ def forward_ms(
     return times
 
 
-def _median_ms(run: Any, repeats: int) -> float:
-    mx.eval(run())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(run())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def product_ms(repeats: int) -> list[dict[str, Any]]:
     from models.parallel import Linear
 
@@ -135,9 +128,9 @@ def product_ms(repeats: int) -> list[dict[str, Any]]:
         rows.append(
             {
                 "dtype": str(dtype),
-                "float_ms": _median_ms(lambda: layer(x), repeats),
-                "q4_ms": _median_ms(lambda: quantized(x), repeats),
-                "q4_unsplit_ms": _median_ms(unsplit, repeats),
+                "float_ms": median_ms(lambda: layer(x), repeats, warmup=1),
+                "q4_ms": median_ms(lambda: quantized(x), repeats, warmup=1),
+                "q4_unsplit_ms": median_ms(unsplit, repeats, warmup=1),
             }
         )
         print(rows[-1])

@@ -51,8 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 KERNEL = "specpipe_mtp_step"  # models.mtp_cuda's kernel name prefix
 METRIC = "gpu__time_duration.sum"
-UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
-         "second": 1e6, "s": 1e6}
+UNITS = {
+    "nsecond": 1e-3,
+    "ns": 1e-3,
+    "usecond": 1.0,
+    "us": 1.0,
+    "msecond": 1e3,
+    "ms": 1e3,
+    "second": 1e6,
+    "s": 1e6,
+}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -79,10 +87,16 @@ def worker(args: argparse.Namespace) -> None:
     depths = [int(d) for d in args.depths.split(",")]
     drafters = {
         "full": MtpDrafter(model, head, DraftPolicy(compiled=True), vocab=None),
-        "fr": MtpDrafter(model, head, DraftPolicy(compiled=True),
-                         vocab=fr_list(args.vocab, args.fr_size)),
+        "fr": MtpDrafter(
+            model,
+            head,
+            DraftPolicy(compiled=True),
+            vocab=fr_list(args.vocab, args.fr_size),
+        ),
     }
-    drafters = {name: d for name, d in drafters.items() if name in args.heads.split(",")}
+    drafters = {
+        name: d for name, d in drafters.items() if name in args.heads.split(",")
+    }
     opened = {
         (rows, name): opened_rows(
             drafter, model, prompt, max(depths), sampling, rows, craft=args.check
@@ -155,7 +169,9 @@ def check(opened: dict[tuple[int, str], Any], depths: list[int]) -> None:
                                        "derived": derived.device.tolist(),
                                        "host": host.device.tolist()}), flush=True)  # fmt: skip
     if failed:
-        sys.exit(f"{failed} derived rounds drafted other tokens than their host-built twins")
+        sys.exit(
+            f"{failed} derived rounds drafted other tokens than their host-built twins"
+        )
 
 
 def propose_launch(opened: Any, rows: Any, depth: int) -> Any:
@@ -186,11 +202,17 @@ def kept_launch(opened: Any, rows: Any, depth: int, chained: bool = False) -> An
     params = [opened.policy.draft_params(row.sampling) for row in rows]
     filters = draw_filters(params[0])
     arrays = list(opened.round_arrays(rows, depth, params))
-    whole = opened.step._chain(depth, filters) if chained else opened.step.round(filters, depth)
+    whole = (
+        opened.step._chain(depth, filters)
+        if chained
+        else opened.step.round(filters, depth)
+    )
     if chained:  # one position per row, the tail's first state as the previous output
         arrays[0], arrays[1] = arrays[0][:, :1], arrays[1][:, :1]
     keep = list(arrays)
-    gpu = mx.default_device() == mx.gpu  # (the fused kernel's; MLX's step takes no padding)
+    gpu = (
+        mx.default_device() == mx.gpu
+    )  # (the fused kernel's; MLX's step takes no padding)
     for i in (0, 2, 3, 6, 7):  # ids, last, starts, seeds, steps
         a = arrays[i]
         flat = a.reshape(-1)
@@ -226,17 +248,21 @@ def summary(labels: list[dict[str, Any]], times: list[float]) -> list[dict[str, 
     out = []
     for rows, depth in sorted({(k[0], k[2]) for k in per}):
         full, fr = per[(rows, "full", depth)], per[(rows, "fr", depth)]
-        out.append({
-            "rows": rows,
-            "depth": depth,
-            "launches": len(full),
-            "full_us": statistics.median(full),
-            "fr_us": statistics.median(fr),
-            "cut": statistics.median(full) / statistics.median(fr),
-            "paired_cut_median": statistics.median(a / b for a, b in zip(full, fr, strict=True)),
-            "full_us_range": [min(full), max(full)],
-            "fr_us_range": [min(fr), max(fr)],
-        })
+        out.append(
+            {
+                "rows": rows,
+                "depth": depth,
+                "launches": len(full),
+                "full_us": statistics.median(full),
+                "fr_us": statistics.median(fr),
+                "cut": statistics.median(full) / statistics.median(fr),
+                "paired_cut_median": statistics.median(
+                    a / b for a, b in zip(full, fr, strict=True)
+                ),
+                "full_us_range": [min(full), max(full)],
+                "fr_us_range": [min(fr), max(fr)],
+            }
+        )
     return out
 
 
@@ -248,26 +274,42 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--fr-size", type=int, default=32768)
-    parser.add_argument("--context", type=int, default=48,
-                        help="prompt tokens (the rows' context; the head's attention reads it)")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=48,
+        help="prompt tokens (the rows' context; the head's attention reads it)",
+    )
     parser.add_argument("--depths", default="1,2,3,5")
     parser.add_argument("--rows", default="1")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sampling", choices=("greedy", "qwen"), default="greedy")
-    parser.add_argument("--heads", default="full,fr",
-                        help="the worker's heads (profiling one head under other ncu options)")
-    parser.add_argument("--kernel-switches", default="",
-                        help="comma-separated models.mtp_cuda switches on (NAME) or off (-NAME)")
-    parser.add_argument("--inputs", choices=("library", "host", "device", "chained"),
-                        default="library",
-                        help="library: each launch through `propose` in steady state (its inputs "
-                             "derived on the device from the last round's); host: through "
-                             "`propose`, its inputs made from host values; device: the host "
-                             "inputs made once and kept in device memory; chained: as device, "
-                             "`depth` chained steps in one launch")
-    parser.add_argument("--check", action="store_true",
-                        help="no timing: check that rounds deriving their inputs on the device "
-                             "draft what rounds with host-built inputs draft (crafted acceptances)")
+    parser.add_argument(
+        "--heads",
+        default="full,fr",
+        help="the worker's heads (profiling one head under other ncu options)",
+    )
+    parser.add_argument(
+        "--kernel-switches",
+        default="",
+        help="comma-separated models.mtp_cuda switches on (NAME) or off (-NAME)",
+    )
+    parser.add_argument(
+        "--inputs",
+        choices=("library", "host", "device", "chained"),
+        default="library",
+        help="library: each launch through `propose` in steady state (its inputs "
+        "derived on the device from the last round's); host: through "
+        "`propose`, its inputs made from host values; device: the host "
+        "inputs made once and kept in device memory; chained: as device, "
+        "`depth` chained steps in one launch",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="no timing: check that rounds deriving their inputs on the device "
+        "draft what rounds with host-built inputs draft (crafted acceptances)",
+    )
     parser.add_argument("--cache-control", choices=("all", "none"), default="all")
     parser.add_argument("--ncu", default="ncu")
     parser.add_argument("--out", type=Path)
@@ -287,13 +329,28 @@ def main() -> None:
         forwarded = [a for a in sys.argv[1:] if not a.startswith("--out")]
         if "--out" in sys.argv:
             i = sys.argv.index("--out")
-            forwarded = sys.argv[1:i] + sys.argv[i + 2:]
+            forwarded = sys.argv[1:i] + sys.argv[i + 2 :]
         command = [
-            ncu, "--target-processes", "all", "--kernel-name", f"regex:{KERNEL}",
-            "--metrics", METRIC, "--cache-control", args.cache_control,
-            "--clock-control", "none", "--csv", "--log-file", str(log_path),
-            sys.executable, str(Path(__file__).resolve()), "--worker",
-            "--labels", str(labels_path), *forwarded,
+            ncu,
+            "--target-processes",
+            "all",
+            "--kernel-name",
+            f"regex:{KERNEL}",
+            "--metrics",
+            METRIC,
+            "--cache-control",
+            args.cache_control,
+            "--clock-control",
+            "none",
+            "--csv",
+            "--log-file",
+            str(log_path),
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--labels",
+            str(labels_path),
+            *forwarded,
         ]
         env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0")
         done = subprocess.run(command, env=env)
@@ -302,8 +359,10 @@ def main() -> None:
         labels = json.loads(labels_path.read_text())
         times = kernel_times(log_path.read_text())
     if len(times) < len(labels):
-        sys.exit(f"ncu recorded {len(times)} {KERNEL} launches for {len(labels)} labels")
-    entries = summary(labels, times[len(times) - len(labels):])
+        sys.exit(
+            f"ncu recorded {len(times)} {KERNEL} launches for {len(labels)} labels"
+        )
+    entries = summary(labels, times[len(times) - len(labels) :])
     for entry in entries:
         print("DEVICE", json.dumps(entry), flush=True)
     report = {

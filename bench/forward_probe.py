@@ -38,7 +38,11 @@ def main() -> None:
 
     for variant in args.variants.split(","):
         dtype = "bfloat16" if variant == "bf16" else "float32"
-        model = specpipe.load(str(model_folder(args.model, dtype)), dtype=dtype).unwrap().target.model
+        model = (
+            specpipe.load(str(model_folder(args.model, dtype)), dtype=dtype)
+            .unwrap()
+            .target.model
+        )
         if variant.startswith("q"):
             quantize_model(model, int(variant[1:]), 64)
             fuse_projections(model)
@@ -49,10 +53,14 @@ def main() -> None:
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                mx.eval(model(mx.array([[5] * width], dtype=mx.int32), cache, [16]).hidden)
+                mx.eval(
+                    model(mx.array([[5] * width], dtype=mx.int32), cache, [16]).hidden
+                )
                 times.append((time.perf_counter() - t0) * 1000.0)
-            print(f"{variant:5s} width {width}: min {min(times):.1f} ms, median {statistics.median(times):.1f} ms",
-                  flush=True)
+            print(
+                f"{variant:5s} width {width}: min {min(times):.1f} ms, median {statistics.median(times):.1f} ms",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

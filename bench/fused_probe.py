@@ -80,8 +80,14 @@ def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
         "tokens_equal": f"{int(mx.sum(reference[0] == fused[0]).item())}/{count}",
         "ref_tokens": reference[0].tolist(),
         "fused_tokens": fused[0].tolist(),
-        **{f"{what}_max_diff": float(mx.max(mx.abs(r.astype(mx.float32) - f.astype(mx.float32))))
-           for what, r, f in zip(("normed", "keys", "values"), reference[1:], fused[1:], strict=True)},
+        **{
+            f"{what}_max_diff": float(
+                mx.max(mx.abs(r.astype(mx.float32) - f.astype(mx.float32)))
+            )
+            for what, r, f in zip(
+                ("normed", "keys", "values"), reference[1:], fused[1:], strict=True
+            )
+        },
     }
 
 
@@ -92,15 +98,25 @@ def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
 # computed), for a step whose router has its own phase (eight barriers: past
 # FOLD_ROUTER's 127 experts)
 _SEGMENTS = [
-    ("fc_stage", 0, 24), ("fc_product", 24, 1),
-    ("qkv_stage", 2, 25), ("qkv_product", 25, 3),
-    ("attn_query", 4, 26), ("attn_q_norm", 4, 32), ("attn_q_angles", 32, 33),
-    ("attn_q_rotate", 33, 26), ("attn_positions", 26, 27), ("attn_partial", 27, 5),
-    ("o_combine", 6, 28), ("o_product", 28, 7),
+    ("fc_stage", 0, 24),
+    ("fc_product", 24, 1),
+    ("qkv_stage", 2, 25),
+    ("qkv_product", 25, 3),
+    ("attn_query", 4, 26),
+    ("attn_q_norm", 4, 32),
+    ("attn_q_angles", 32, 33),
+    ("attn_q_rotate", 33, 26),
+    ("attn_positions", 26, 27),
+    ("attn_partial", 27, 5),
+    ("o_combine", 6, 28),
+    ("o_product", 28, 7),
     ("router", 8, 9),
-    ("experts_topk", 10, 29), ("experts_product", 29, 11),
-    ("down_stage", 12, 30), ("down_product", 30, 13),
-    ("head_stage", 14, 31), ("head_product", 31, 15),
+    ("experts_topk", 10, 29),
+    ("experts_product", 29, 11),
+    ("down_stage", 12, 30),
+    ("down_product", 30, 13),
+    ("head_stage", 14, 31),
+    ("head_product", 31, 15),
     ("draw", 16, 17),
 ]
 
@@ -112,10 +128,14 @@ def _folded(stamp: int) -> int:
 
 
 # a folded router's step (seven barriers: the router's sums in o_proj's phase)
-_FOLDED = [(name, _folded(a), _folded(b)) for name, a, b in _SEGMENTS if name != "router"]
+_FOLDED = [
+    (name, _folded(a), _folded(b)) for name, a, b in _SEGMENTS if name != "router"
+]
 
 
-def segments(tables: list[list[list[float]]], barriers: int = 8) -> dict[str, list[float]]:
+def segments(
+    tables: list[list[list[float]]], barriers: int = 8
+) -> dict[str, list[float]]:
     """Per stretch of a MoE step of `barriers` grid barriers (7: its router
     folded), over the blocks, its [min, median, max] microseconds, each the
     median over the profiled launches, and (last) the block most often
@@ -127,14 +147,20 @@ def segments(tables: list[list[list[float]]], barriers: int = 8) -> dict[str, li
     end = 1 + 2 * barriers  # the draw's end
     for name, a, b in _FOLDED if barriers == 7 else _SEGMENTS:
         runs = [
-            {blk: row[b] - row[a] for blk, row in enumerate(table)
-             if 0.0 <= row[a] <= row[end] and 0.0 <= row[b] <= row[end]}
+            {
+                blk: row[b] - row[a]
+                for blk, row in enumerate(table)
+                if 0.0 <= row[a] <= row[end] and 0.0 <= row[b] <= row[end]
+            }
             for table in tables
         ]
         runs = [r for r in runs if r]
         if not runs:
             continue
-        stats = [[min(r.values()), statistics.median(r.values()), max(r.values())] for r in runs]
+        stats = [
+            [min(r.values()), statistics.median(r.values()), max(r.values())]
+            for r in runs
+        ]
         slowest = statistics.mode(max(r, key=r.__getitem__) for r in runs)
         out[name] = [round(statistics.median(x[i] for x in stats), 2) for i in range(3)]
         out[name].append(float(slowest))
@@ -145,38 +171,96 @@ def segments(tables: list[list[list[float]]], barriers: int = 8) -> dict[str, li
 _SWITCHES = [
     ("pair-rows", "PAIR_ROWS", "two rows per warp at once in one-input products"),
     ("prefetch", "PREFETCH_L2", "L2 bulk prefetch hints in the kernel"),
-    ("evict-all", "EVICT_ALL", "L2 evict-first loads of every weight row (code stays in L2)"),
+    (
+        "evict-all",
+        "EVICT_ALL",
+        "L2 evict-first loads of every weight row (code stays in L2)",
+    ),
     ("fast-sincos", "FAST_SINCOS", "diagnostic: RoPE angles by __sincosf"),
     ("fold-router", "FOLD_ROUTER", "the MoE router folded into o_proj's phase"),
-    ("draw-heads", "DRAW_HEADS", "a sampled draw merges the blocks' best few candidates first"),
-    ("tight-draw", "TIGHT_DRAW", "a sampled step's sorts and draw in compact (rolled) loops"),
+    (
+        "draw-heads",
+        "DRAW_HEADS",
+        "a sampled draw merges the blocks' best few candidates first",
+    ),
+    (
+        "tight-draw",
+        "TIGHT_DRAW",
+        "a sampled step's sorts and draw in compact (rolled) loops",
+    ),
     ("tree-merge", "TREE_MERGE", "a sampled step's warps' runs merged pairwise"),
-    ("acq-rel-barrier", "ACQ_REL_BARRIER", "the grid barrier by release / acquire operations"),
-    ("att-spread", "ATT_SPREAD", "a warp's cached positions at once NWARP apart, not adjacent"),
-    ("att-pipe", "ATT_PIPE", "attention's next cached positions loaded during the current ones"),
-    ("att-grouped", "ATT_GROUPED", "attention per kv head, its keys and values staged in shared memory"),
-    ("bf16-shifts", "BF16_SHIFTS", "bfloat16 to float by a shift or mask of its 32-bit word"),
+    (
+        "acq-rel-barrier",
+        "ACQ_REL_BARRIER",
+        "the grid barrier by release / acquire operations",
+    ),
+    (
+        "att-spread",
+        "ATT_SPREAD",
+        "a warp's cached positions at once NWARP apart, not adjacent",
+    ),
+    (
+        "att-pipe",
+        "ATT_PIPE",
+        "attention's next cached positions loaded during the current ones",
+    ),
+    (
+        "att-grouped",
+        "ATT_GROUPED",
+        "attention per kv head, its keys and values staged in shared memory",
+    ),
+    (
+        "bf16-shifts",
+        "BF16_SHIFTS",
+        "bfloat16 to float by a shift or mask of its 32-bit word",
+    ),
 ]
 
 
 def main() -> None:
     parser = probe_arguments(__doc__, "qwen3-next", "1,4,8")
     for flag, name, text in _SWITCHES:
-        parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
-                            help=f"{text} (models.mtp_cuda.{name}; default: the module's)")
-    parser.add_argument("--narrow-loads", action="store_true",
-                        help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS off)")
-    parser.add_argument("--draw-heads-k", type=int, default=None,
-                        help="candidates per block the draw merges first (models.mtp_cuda.DRAW_HEADS_K)")
-    parser.add_argument("--att-unroll", type=int, default=None,
-                        help="attention's cache positions per warp at once (models.mtp_cuda.ATT_UNROLL)")
-    parser.add_argument("--copy-unroll", type=int, default=None,
-                        help="a whole round's KV copy, vectors per thread at once (models.mtp_cuda.COPY_UNROLL)")
-    parser.add_argument("--att-share", type=int, default=None,
-                        help="attention's least positions per split, 0: always the most splits (models.mtp_cuda.ATT_SHARE)")
+        parser.add_argument(
+            f"--{flag}",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{text} (models.mtp_cuda.{name}; default: the module's)",
+        )
+    parser.add_argument(
+        "--narrow-loads",
+        action="store_true",
+        help="8 loads per lane in flight in every product (models.mtp_cuda.WIDE_LOADS off)",
+    )
+    parser.add_argument(
+        "--draw-heads-k",
+        type=int,
+        default=None,
+        help="candidates per block the draw merges first (models.mtp_cuda.DRAW_HEADS_K)",
+    )
+    parser.add_argument(
+        "--att-unroll",
+        type=int,
+        default=None,
+        help="attention's cache positions per warp at once (models.mtp_cuda.ATT_UNROLL)",
+    )
+    parser.add_argument(
+        "--copy-unroll",
+        type=int,
+        default=None,
+        help="a whole round's KV copy, vectors per thread at once (models.mtp_cuda.COPY_UNROLL)",
+    )
+    parser.add_argument(
+        "--att-share",
+        type=int,
+        default=None,
+        help="attention's least positions per split, 0: always the most splits (models.mtp_cuda.ATT_SHARE)",
+    )
     parser.add_argument("--samplings", default="greedy,qwen", help="of greedy, qwen")
-    parser.add_argument("--agree-only", action="store_true",
-                        help="the drafts' agreement only (no timing, no profiled launches)")
+    parser.add_argument(
+        "--agree-only",
+        action="store_true",
+        help="the drafts' agreement only (no timing, no profiled launches)",
+    )
     args = parser.parse_args()
     for flag, name, _ in _SWITCHES:  # a switch not given keeps the module's setting
         if getattr(args, flag.replace("-", "_")) is not None:
@@ -217,7 +301,10 @@ def main() -> None:
         "vocab": args.vocab,
         "fr_size": args.fr_size,
         # the kernel's switches as run (every flag's, then the two without one)
-        **{flag.replace("-", "_"): getattr(models.mtp_cuda, name) for flag, name, _ in _SWITCHES},
+        **{
+            flag.replace("-", "_"): getattr(models.mtp_cuda, name)
+            for flag, name, _ in _SWITCHES
+        },
         "wide_loads": models.mtp_cuda.WIDE_LOADS,
         "draw_heads_k": models.mtp_cuda.DRAW_HEADS_K,
         "att_unroll": models.mtp_cuda.ATT_UNROLL,
@@ -232,7 +319,9 @@ def main() -> None:
         cache = head.make_cache(rows)
         cache.reserve(args.context + 8)
         keys = (mx.random.normal(cache.keys[0].shape) * 0.5).astype(cache.keys[0].dtype)
-        values = (mx.random.normal(cache.values[0].shape) * 0.5).astype(cache.values[0].dtype)
+        values = (mx.random.normal(cache.values[0].shape) * 0.5).astype(
+            cache.values[0].dtype
+        )
         token = mx.random.randint(0, args.vocab, (rows, 1)).astype(mx.int32)
         normed = (mx.random.normal((rows, 1, hidden_size)) * 0.5).astype(keys.dtype)
         window_ids = mx.random.randint(0, args.vocab, (rows, 2)).astype(mx.int32)
@@ -242,7 +331,19 @@ def main() -> None:
         starts = mx.array([args.context - 3 * b for b in range(rows)], dtype=mx.int32)
         seeds = mx.arange(rows, dtype=mx.uint32) * 7 + 1
         steps = mx.arange(rows, dtype=mx.uint32) + 100
-        mx.eval(keys, values, token, normed, window_ids, raw, zeros, ones, starts, seeds, steps)
+        mx.eval(
+            keys,
+            values,
+            token,
+            normed,
+            window_ids,
+            raw,
+            zeros,
+            ones,
+            starts,
+            seeds,
+            steps,
+        )
         entry: dict[str, Any] = {"rows": rows}
         for name, (step, fused) in heads.items():
             for label in args.samplings.split(","):
@@ -260,13 +361,22 @@ def main() -> None:
                     )
 
                 def fused_step(first: bool) -> Any:
-                    return fused.step(first, params.temperature if not params.greedy else 0.0,
-                                      params.top_p, params.min_p, top_k)
+                    return fused.step(
+                        first,
+                        params.temperature if not params.greedy else 0.0,
+                        params.top_p,
+                        params.min_p,
+                        top_k,
+                    )
 
                 def fast(first: bool) -> Any:
                     if first:
-                        return fused_step(True)(window_ids, raw, ones, starts, keys, values, seeds, steps)
-                    return fused_step(False)(token, normed, zeros, starts, keys, values, seeds, steps)
+                        return fused_step(True)(
+                            window_ids, raw, ones, starts, keys, values, seeds, steps
+                        )
+                    return fused_step(False)(
+                        token, normed, zeros, starts, keys, values, seeds, steps
+                    )
 
                 if not fused.fits(rows, 2, params.greedy, top_k):
                     entry[f"agree_{key}"] = "outside the fused kernel's scope"
@@ -276,7 +386,14 @@ def main() -> None:
                     f32 = [a.astype(mx.float32) for a in (raw, normed, keys, values)]
                     if first:
                         return exact[name](True, 0, params)(
-                            window_ids, f32[0], ones, starts, f32[2], f32[3], seeds, steps
+                            window_ids,
+                            f32[0],
+                            ones,
+                            starts,
+                            f32[2],
+                            f32[3],
+                            seeds,
+                            steps,
                         )
                     return exact[name](False, 0, params)(
                         token, f32[1], zeros, starts, f32[2], f32[3], seeds, steps
@@ -284,8 +401,10 @@ def main() -> None:
 
                 agree: dict[str, Any] = {}
                 for first, reference, label32 in (
-                    (False, ref, "chained"), (True, ref, "first"),
-                    (False, ref32, "chained_vs_float32"), (True, ref32, "first_vs_float32"),
+                    (False, ref, "chained"),
+                    (True, ref, "first"),
+                    (False, ref32, "chained_vs_float32"),
+                    (True, ref32, "first_vs_float32"),
                 ):
                     r_tok, r_norm, r_k, r_v = reference(first)
                     f_tok, f_norm, f_k, f_v = fast(first)
@@ -294,8 +413,13 @@ def main() -> None:
                     gaps = []
                     for b, ok in enumerate(same):
                         if not ok:  # the reference's logits of the two tokens
-                            logits = target32.project(r_norm[b, 0].astype(mx.float32)[None])[0] \
-                                if step.subset is None else None
+                            logits = (
+                                target32.project(r_norm[b, 0].astype(mx.float32)[None])[
+                                    0
+                                ]
+                                if step.subset is None
+                                else None
+                            )
                             if logits is not None:
                                 gaps.append(float(logits[r_tok[b]] - logits[f_tok[b]]))
                     agree[label32] = {
@@ -303,53 +427,107 @@ def main() -> None:
                         "ref_tokens": r_tok.tolist(),
                         "fused_tokens": f_tok.tolist(),
                         "logit_gaps": gaps,
-                        "normed_max_diff": float(mx.max(mx.abs(r_norm.astype(mx.float32) - f_norm.astype(mx.float32)))),
+                        "normed_max_diff": float(
+                            mx.max(
+                                mx.abs(
+                                    r_norm.astype(mx.float32)
+                                    - f_norm.astype(mx.float32)
+                                )
+                            )
+                        ),
                         "normed_max": float(mx.max(mx.abs(r_norm.astype(mx.float32)))),
-                        "keys_max_diff": float(mx.max(mx.abs(r_k.astype(mx.float32) - f_k.astype(mx.float32)))),
-                        "values_max_diff": float(mx.max(mx.abs(r_v.astype(mx.float32) - f_v.astype(mx.float32)))),
+                        "keys_max_diff": float(
+                            mx.max(
+                                mx.abs(r_k.astype(mx.float32) - f_k.astype(mx.float32))
+                            )
+                        ),
+                        "values_max_diff": float(
+                            mx.max(
+                                mx.abs(r_v.astype(mx.float32) - f_v.astype(mx.float32))
+                            )
+                        ),
                     }
+
                 # three chained steps: one launch of the kernel's chain vs three MLX steps
                 def ref_chain(head_step: HeadStep, cast: Any) -> Any:
                     t, n, k, v = token[:, 0], cast(normed), cast(keys), cast(values)
                     drafted = []
                     for i in range(3):
                         t, n, k, v = head_step(False, 0, params)(
-                            t[:, None], n, zeros, starts + i, k, v, seeds, steps + i)
+                            t[:, None], n, zeros, starts + i, k, v, seeds, steps + i
+                        )
                         drafted.append(t)
                     return mx.stack(drafted, axis=1), n, k, v
 
                 def fused_chain(count: int) -> Any:
-                    return fused.chain(count, params.temperature if not params.greedy else 0.0,
-                                       params.top_p, params.min_p, top_k)
+                    return fused.chain(
+                        count,
+                        params.temperature if not params.greedy else 0.0,
+                        params.top_p,
+                        params.min_p,
+                        top_k,
+                    )
 
-                f_out = fused_chain(3)(token, normed, zeros, starts, keys, values, seeds, steps)
+                f_out = fused_chain(3)(
+                    token, normed, zeros, starts, keys, values, seeds, steps
+                )
                 for label3, r_out in (
                     ("chain3", ref_chain(step, lambda a: a)),
-                    ("chain3_vs_float32", ref_chain(exact[name], lambda a: a.astype(mx.float32))),
+                    (
+                        "chain3_vs_float32",
+                        ref_chain(exact[name], lambda a: a.astype(mx.float32)),
+                    ),
                 ):
                     agree[label3] = launch_agreement(r_out, f_out, rows * 3)
                 # the same chain with the kernel writing whole KV buffers (as a
                 # whole round does) instead of the window to scatter
-                f_kv = fused.launch(False, 3, params.temperature if not params.greedy else 0.0,
-                                    params.top_p, params.min_p, top_k, kv_out=True)(
-                    token, normed, zeros, starts, keys, values, seeds, steps)
+                f_kv = fused.launch(
+                    False,
+                    3,
+                    params.temperature if not params.greedy else 0.0,
+                    params.top_p,
+                    params.min_p,
+                    top_k,
+                    kv_out=True,
+                )(token, normed, zeros, starts, keys, values, seeds, steps)
                 agree["chain3_kv_out"] = launch_agreement(
-                    ref_chain(step, lambda a: a), f_kv, rows * 3)
+                    ref_chain(step, lambda a: a), f_kv, rows * 3
+                )
+
                 # a whole round in one launch: the first step (2-position
                 # window, last = 1) and two chained steps, vs HeadStep.round's
                 # MLX steps (FUSED_ON_GPU is off here)
                 def fused_round() -> Any:
-                    return fused.launch(True, 3, params.temperature if not params.greedy else 0.0,
-                                        params.top_p, params.min_p, top_k, kv_out=True)
+                    return fused.launch(
+                        True,
+                        3,
+                        params.temperature if not params.greedy else 0.0,
+                        params.top_p,
+                        params.min_p,
+                        top_k,
+                        kv_out=True,
+                    )
 
-                f_out = fused_round()(window_ids, raw, ones, starts, keys, values, seeds, steps)
-                for label3, head_step, f32 in (("round3", step, False),
-                                                ("round3_vs_float32", exact[name], True)):
+                f_out = fused_round()(
+                    window_ids, raw, ones, starts, keys, values, seeds, steps
+                )
+                for label3, head_step, f32 in (
+                    ("round3", step, False),
+                    ("round3_vs_float32", exact[name], True),
+                ):
                     whole = head_step.round(params, 3)
                     assert whole is not None
                     cast_in = (lambda a: a.astype(mx.float32)) if f32 else (lambda a: a)
-                    r_out = whole(window_ids, cast_in(raw), ones, starts, cast_in(keys),
-                                  cast_in(values), seeds, steps)
+                    r_out = whole(
+                        window_ids,
+                        cast_in(raw),
+                        ones,
+                        starts,
+                        cast_in(keys),
+                        cast_in(values),
+                        seeds,
+                        steps,
+                    )
                     agree[label3] = launch_agreement(r_out, f_out, rows * 3)
                 entry[f"agree_{key}"] = agree
                 if args.agree_only:
@@ -358,34 +536,65 @@ def main() -> None:
                 def chain(fn: Any) -> Any:
                     t, n, k, v = fn(True)
                     if fn is fast:  # the two chained steps in one launch
-                        return fused_chain(2)(t[:, None], n, zeros, starts + 2, k, v, seeds, steps)[0]
+                        return fused_chain(2)(
+                            t[:, None], n, zeros, starts + 2, k, v, seeds, steps
+                        )[0]
                     for _ in range(2):
                         if fn is fast:
                             t, n, k, v = fused_step(False)(
-                                t[:, None], n, zeros, starts + 2, k, v, seeds, steps)
+                                t[:, None], n, zeros, starts + 2, k, v, seeds, steps
+                            )
                         else:
                             t, n, k, v = step(False, 0, params)(
-                                t[:, None], n, zeros, starts + 2, k, v, seeds, steps)
+                                t[:, None], n, zeros, starts + 2, k, v, seeds, steps
+                            )
                     return t
 
                 def chain10(fn: Any) -> Any:  # ten chained steps, evaluated once
                     t, n, k, v = token[:, 0], normed, keys, values
                     for i in range(10):
-                        t, n, k, v = fn(False)(t[:, None], n, zeros, starts + i, k, v, seeds, steps)
+                        t, n, k, v = fn(False)(
+                            t[:, None], n, zeros, starts + i, k, v, seeds, steps
+                        )
                     return t
 
-                entry[f"chain10_mlx_{key}"] = median_ms(
-                    lambda: chain10(lambda first: step(first, 0, params)), args.repeats) / 10
-                entry[f"chain10_fused_{key}"] = median_ms(
-                    lambda: chain10(fused_step), args.repeats) / 10
-                entry[f"chain10_launch_{key}"] = median_ms(
-                    lambda: fused_chain(10)(token, normed, zeros, starts, keys, values, seeds,
-                                            steps)[0], args.repeats) / 10
-                dist = draw_params(fused.weights.eps, params.temperature, params.top_p,
-                                   params.min_p)
+                entry[f"chain10_mlx_{key}"] = (
+                    median_ms(
+                        lambda: chain10(lambda first: step(first, 0, params)),
+                        args.repeats,
+                    )
+                    / 10
+                )
+                entry[f"chain10_fused_{key}"] = (
+                    median_ms(lambda: chain10(fused_step), args.repeats) / 10
+                )
+                entry[f"chain10_launch_{key}"] = (
+                    median_ms(
+                        lambda: fused_chain(10)(
+                            token, normed, zeros, starts, keys, values, seeds, steps
+                        )[0],
+                        args.repeats,
+                    )
+                    / 10
+                )
+                dist = draw_params(
+                    fused.weights.eps, params.temperature, params.top_p, params.min_p
+                )
                 tables = [
-                    fused.stamp_table(False, params.greedy, top_k, dist, token, normed, zeros,
-                                      starts, keys, values, seeds, steps)
+                    fused.stamp_table(
+                        False,
+                        params.greedy,
+                        top_k,
+                        dist,
+                        token,
+                        normed,
+                        zeros,
+                        starts,
+                        keys,
+                        values,
+                        seeds,
+                        steps,
+                    )
                     for _ in range(7)
                 ]
                 stamps = [phases_of(t, fused.barriers) for t in tables]
@@ -393,27 +602,57 @@ def main() -> None:
                     entry[f"segments_{key}"] = segments(tables, fused.barriers)
                     # the second step of a two-step launch (its code run once
                     # already on every multiprocessor, as a round's chained steps)
-                    entry[f"segments_second_{key}"] = segments([
-                        fused.stamp_table(False, params.greedy, top_k, dist, token, normed, zeros,
-                                          starts, keys, values, seeds, steps, count=2)
-                        for _ in range(7)
-                    ], fused.barriers)
+                    entry[f"segments_second_{key}"] = segments(
+                        [
+                            fused.stamp_table(
+                                False,
+                                params.greedy,
+                                top_k,
+                                dist,
+                                token,
+                                normed,
+                                zeros,
+                                starts,
+                                keys,
+                                values,
+                                seeds,
+                                steps,
+                                count=2,
+                            )
+                            for _ in range(7)
+                        ],
+                        fused.barriers,
+                    )
                 entry[f"phases_{key}"] = [
                     [statistics.median(run[i][j] for run in stamps) for j in range(3)]
                     for i in range(len(stamps[0]))
                 ]
                 # per phase, the last-arriving block of each profiled launch
-                entry[f"slowest_blocks_{key}"] = [[run[i][3] for run in stamps]
-                                                  for i in range(len(stamps[0]))]
-                entry[f"split_mlx_{key}"] = split_ms(lambda: ref(False)[0], args.repeats)
-                entry[f"split_fused_{key}"] = split_ms(lambda: fast(False)[0], args.repeats)
-                entry[f"step_mlx_{key}"] = median_ms(lambda: ref(False)[0], args.repeats)
-                entry[f"step_fused_{key}"] = median_ms(lambda: fast(False)[0], args.repeats)
+                entry[f"slowest_blocks_{key}"] = [
+                    [run[i][3] for run in stamps] for i in range(len(stamps[0]))
+                ]
+                entry[f"split_mlx_{key}"] = split_ms(
+                    lambda: ref(False)[0], args.repeats
+                )
+                entry[f"split_fused_{key}"] = split_ms(
+                    lambda: fast(False)[0], args.repeats
+                )
+                entry[f"step_mlx_{key}"] = median_ms(
+                    lambda: ref(False)[0], args.repeats
+                )
+                entry[f"step_fused_{key}"] = median_ms(
+                    lambda: fast(False)[0], args.repeats
+                )
                 entry[f"chain_mlx_{key}"] = median_ms(lambda: chain(ref), args.repeats)
-                entry[f"chain_fused_{key}"] = median_ms(lambda: chain(fast), args.repeats)
+                entry[f"chain_fused_{key}"] = median_ms(
+                    lambda: chain(fast), args.repeats
+                )
                 entry[f"round_fused_{key}"] = median_ms(
-                    lambda: fused_round()(window_ids, raw, ones, starts, keys, values, seeds,
-                                          steps)[0], args.repeats)
+                    lambda: fused_round()(
+                        window_ids, raw, ones, starts, keys, values, seeds, steps
+                    )[0],
+                    args.repeats,
+                )
                 print(f"rows {rows} {key}: done", flush=True)
         for kind in ("step", "chain", "chain10", "round"):
             for impl in ("mlx", "fused", "launch"):
@@ -428,7 +667,10 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         entry = measure(rows)
         report["rows"].append(entry)
-        print(json.dumps({k: v for k, v in entry.items() if not k.startswith("agree")}), flush=True)
+        print(
+            json.dumps({k: v for k, v in entry.items() if not k.startswith("agree")}),
+            flush=True,
+        )
         for k, v in entry.items():
             if k.startswith("agree"):
                 print(k, json.dumps(v), flush=True)

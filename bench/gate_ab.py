@@ -38,8 +38,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--max-depth", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=15)
-    parser.add_argument("--against", type=int, default=0,
-                        help="the baseline: 0 plain decoding, K a fixed draft width K")
+    parser.add_argument(
+        "--against",
+        type=int,
+        default=0,
+        help="the baseline: 0 plain decoding, K a fixed draft width K",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -48,16 +52,27 @@ def main() -> None:
     import specpipe
 
     target = model_folder(args.target, args.dtype)
-    draft = args.draft if args.draft == "ngram" else str(model_folder(args.draft, args.dtype))
+    draft = (
+        args.draft
+        if args.draft == "ngram"
+        else str(model_folder(args.draft, args.dtype))
+    )
     adaptive = specpipe.load(
-        str(target), draft=draft, num_draft_tokens=args.max_depth, dtype=args.dtype, adaptive=True
+        str(target),
+        draft=draft,
+        num_draft_tokens=args.max_depth,
+        dtype=args.dtype,
+        adaptive=True,
     ).unwrap()
     assert adaptive.adaptive is not None
     plain = evolve(adaptive, draft=None, adaptive=None)
     baseline = plain
     if args.against > 0:
         baseline = specpipe.load(
-            str(target), draft=draft, num_draft_tokens=args.against, dtype=args.dtype,
+            str(target),
+            draft=draft,
+            num_draft_tokens=args.against,
+            dtype=args.dtype,
             adaptive=False,
         ).unwrap()
     base = "plain" if args.against == 0 else f"fixed k={args.against}"
@@ -105,7 +120,8 @@ def main() -> None:
             "pair_ratios": ratios,
             "median_pair_ratio": statistics.median(ratios),
             "best_ratio": max(tps["adaptive"]) / max(tps[base]),
-            "median_ratio": statistics.median(tps["adaptive"]) / statistics.median(tps[base]),
+            "median_ratio": statistics.median(tps["adaptive"])
+            / statistics.median(tps[base]),
             "adaptive_depths": depths,
             "outputs_equal": same,
         }

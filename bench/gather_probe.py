@@ -40,7 +40,9 @@ def relative(got: mx.array, want: mx.array) -> float:
     return float((mx.abs(got - want).max() / mx.abs(want).max()).item())
 
 
-def raw_forms(pairs: int = 90, experts: int = 64, inputs: int = 2048, outputs: int = 512) -> dict[str, float]:
+def raw_forms(
+    pairs: int = 90, experts: int = 64, inputs: int = 2048, outputs: int = 512
+) -> dict[str, float]:
     """`gather_mm` with sorted indices, the lhs's unit axis by reshape or by view."""
     mx.random.seed(0)
     w = mx.random.normal((experts, outputs, inputs)) / inputs**0.5
@@ -49,7 +51,10 @@ def raw_forms(pairs: int = 90, experts: int = 64, inputs: int = 2048, outputs: i
     want = x.reshape(pairs, 1, inputs) @ mx.take(w, idx, axis=0).swapaxes(-1, -2)
     forms = {"reshape": x.reshape(pairs, 1, inputs), "view": x[:, None, :]}
     return {
-        name: relative(mx.gather_mm(lhs, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True), want)
+        name: relative(
+            mx.gather_mm(lhs, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True),
+            want,
+        )
         for name, lhs in forms.items()
     }
 
@@ -57,8 +62,12 @@ def raw_forms(pairs: int = 90, experts: int = 64, inputs: int = 2048, outputs: i
 def switch_forms(tokens: int, dtype: mx.Dtype, glu: SwitchGLU) -> dict[str, float]:
     """`SwitchGLU` grouped and ungrouped against each token alone."""
     x = mx.random.normal((tokens, 2048)).astype(dtype)
-    experts = mx.argsort(mx.random.uniform(shape=(tokens, 64)), axis=-1)[:, :10].astype(mx.int32)
-    alone = mx.concatenate([glu(x[i : i + 1], experts[i : i + 1]) for i in range(tokens)]).astype(mx.float32)
+    experts = mx.argsort(mx.random.uniform(shape=(tokens, 64)), axis=-1)[:, :10].astype(
+        mx.int32
+    )
+    alone = mx.concatenate(
+        [glu(x[i : i + 1], experts[i : i + 1]) for i in range(tokens)]
+    ).astype(mx.float32)
     out = {}
     for name, threshold in (("grouped", 1), ("ungrouped", 1 << 30)):
         SwitchGLU.SORT_MIN = threshold
@@ -68,7 +77,9 @@ def switch_forms(tokens: int, dtype: mx.Dtype, glu: SwitchGLU) -> dict[str, floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", default="1,3,6,7,9,16,48")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -85,7 +96,11 @@ def main() -> None:
     for dtype in (mx.float32, mx.bfloat16):
         glu.set_dtype(dtype)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            entry = {"dtype": str(dtype), "tokens": tokens, **switch_forms(tokens, dtype, glu)}
+            entry = {
+                "dtype": str(dtype),
+                "tokens": tokens,
+                **switch_forms(tokens, dtype, glu),
+            }
             report["switch_glu"].append(entry)
             print("GATHER", entry, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

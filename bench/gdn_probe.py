@@ -84,7 +84,8 @@ def case(shape: str, rows: int, length: int, repeats: int) -> dict[str, Any]:
                 extra[f"{label}_ms"] = median_ms(lambda d=dims: kernel(d), repeats)
                 extra[f"{label}_out_diff"] = mx.abs(mine[0] - ref[0]).max().item()
                 extra[f"{label}_state_diff"] = max(
-                    mx.abs(a - b).max().item() for a, b in zip(mine[1:], ref[1:], strict=True)
+                    mx.abs(a - b).max().item()
+                    for a, b in zip(mine[1:], ref[1:], strict=True)
                 )
             except Exception as exc:  # recorded: the run goes on
                 extra[f"{label}_error"] = f"{type(exc).__name__}: {exc}"

@@ -37,7 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info
 
 # Qwen2.5-1.5B: (out, in) of q, k, v, o, gate, up, down
-SHAPES = [(1536, 1536), (256, 1536), (256, 1536), (1536, 1536), (8960, 1536), (8960, 1536), (1536, 8960)]
+SHAPES = [
+    (1536, 1536),
+    (256, 1536),
+    (256, 1536),
+    (1536, 1536),
+    (8960, 1536),
+    (8960, 1536),
+    (1536, 8960),
+]
 # the same products with q/k/v and gate/up fused into one product each
 FUSED = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
 LAYERS = 28
@@ -52,7 +60,9 @@ def chain(weights: list[mx.array], x: dict[int, mx.array], form: str) -> list[mx
         elif form == "rows":
             outs.append((a[:, None, :] @ w.T)[:, 0, :])
         else:
-            outs.append(mx.concatenate([a[i : i + 1] @ w.T for i in range(a.shape[0])], axis=0))
+            outs.append(
+                mx.concatenate([a[i : i + 1] @ w.T for i in range(a.shape[0])], axis=0)
+            )
     return outs
 
 
@@ -70,16 +80,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,3,4,5,8,16")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one product each")
+    parser.add_argument(
+        "--fused", action="store_true", help="q/k/v and gate/up as one product each"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     mx.random.seed(0)
     weights = [
-        (mx.random.normal((o, i)) * 0.02).astype(mx.bfloat16) for _ in range(LAYERS) for o, i in (FUSED if args.fused else SHAPES)
+        (mx.random.normal((o, i)) * 0.02).astype(mx.bfloat16)
+        for _ in range(LAYERS)
+        for o, i in (FUSED if args.fused else SHAPES)
     ]
     head = (mx.random.normal((151936, 1536)) * 0.02).astype(mx.bfloat16)
     mx.eval(weights, head)
-    report: dict[str, object] = {"machine": machine_info(), "shapes": FUSED if args.fused else SHAPES, "layers": LAYERS, "results": []}
+    report: dict[str, object] = {
+        "machine": machine_info(),
+        "shapes": FUSED if args.fused else SHAPES,
+        "layers": LAYERS,
+        "results": [],
+    }
     results: list[dict[str, object]] = []
     for m in [int(r) for r in args.rows.split(",")]:
         x = {k: mx.random.normal((m, k)).astype(mx.bfloat16) for k in (1536, 8960)}
@@ -88,8 +107,12 @@ def main() -> None:
         for form in ("matmul", "rows", "split"):
             if form == "split" and m > 8:
                 continue
-            row[f"{form}_layers_ms"] = timed(lambda form=form: chain(weights, x, form), args.repeats)
-            row[f"{form}_head_ms"] = timed(lambda form=form: chain([head], x, form), args.repeats)
+            row[f"{form}_layers_ms"] = timed(
+                lambda form=form: chain(weights, x, form), args.repeats
+            )
+            row[f"{form}_head_ms"] = timed(
+                lambda form=form: chain([head], x, form), args.repeats
+            )
         # attention of the window over a 512-key cache (12 query / 2 kv heads,
         # head_dim 128): fused kernel with an explicit additive mask, as
         # short GPU windows run it, 28 layers chained
@@ -99,11 +122,17 @@ def main() -> None:
         mask = mx.zeros((1, 1, m, 512), dtype=mx.bfloat16)
         mx.eval(q, k, v, mask)
         row["sdpa_mask_layers_ms"] = timed(
-            lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask=mask) for _ in range(LAYERS)],
+            lambda: [
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask=mask)
+                for _ in range(LAYERS)
+            ],
             args.repeats,
         )
         row["sdpa_nomask_layers_ms"] = timed(
-            lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088) for _ in range(LAYERS)],
+            lambda: [
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088)
+                for _ in range(LAYERS)
+            ],
             args.repeats,
         )
         results.append(row)

@@ -14,9 +14,15 @@ from specpipe.api import load
 target, draft, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 prompt = "def merge_sorted(a, b):\n    " * 4
 report = {}
-for name, spec, k in (("two-model", draft, 2), ("ngram", "ngram", 2), ("plain", None, None)):
+for name, spec, k in (
+    ("two-model", draft, 2),
+    ("ngram", "ngram", 2),
+    ("plain", None, None),
+):
     for timing in (True, False):
-        p = load(target, draft=spec, num_draft_tokens=k, phase_timing=timing, adaptive=False).unwrap()
+        p = load(
+            target, draft=spec, num_draft_tokens=k, phase_timing=timing, adaptive=False
+        ).unwrap()
         p.generate(prompt, limits=GenerationLimits(max_tokens=8))
         r = p.generate(prompt, limits=GenerationLimits(max_tokens=64)).unwrap()
         report[f"{name}-{'timed' if timing else 'free'}"] = r.to_json()["stats"]

@@ -45,7 +45,9 @@ from specpipe.prefill import prefill_rows
 from specpipe.state import RowState
 
 
-def qwen3_next_shape(layers: int, experts: int, hidden: int, vocab: int) -> dict[str, Any]:
+def qwen3_next_shape(
+    layers: int, experts: int, hidden: int, vocab: int
+) -> dict[str, Any]:
     """Qwen3-Next-80B-A3B per-layer shapes (3 linear : 1 full attention),
     with `layers` layers and `experts` routed experts (top-10 active, so the
     per-token expert compute is the real one)."""
@@ -74,7 +76,9 @@ def qwen3_next_shape(layers: int, experts: int, hidden: int, vocab: int) -> dict
     }
 
 
-def qwen3_5_27b_shape(layers: int, experts: int, hidden: int, vocab: int) -> dict[str, Any]:
+def qwen3_5_27b_shape(
+    layers: int, experts: int, hidden: int, vocab: int
+) -> dict[str, Any]:
     """Qwen3.5-27B (dense hybrid: 3 linear : 1 full attention, gated
     attention, one dense MTP layer), with `layers` target layers; `experts`
     and `hidden` are ignored (the real hidden size is 5120)."""
@@ -106,8 +110,14 @@ SHAPES = {"qwen3-next": qwen3_next_shape, "qwen3.5-27b": qwen3_5_27b_shape}
 
 
 def random_target_and_head(
-    shape: str, layers: int, experts: int, hidden: int, vocab: int, dtype: mx.Dtype,
-    quantize: int = 0, fuse: bool = True,
+    shape: str,
+    layers: int,
+    experts: int,
+    hidden: int,
+    vocab: int,
+    dtype: mx.Dtype,
+    quantize: int = 0,
+    fuse: bool = True,
 ) -> tuple[dict[str, Any], Any, MtpHead]:
     """A random hybrid target of `shape` and its MTP head (seed 0), in
     `dtype`, the target quantized to `quantize` bits if asked, q/k/v and
@@ -131,7 +141,10 @@ def random_target_and_head(
 
 def bench_prompt(vocab: int) -> tuple[int, ...]:
     """The MTP benchmarks' 48-token random prompt."""
-    return tuple(int(t) for t in mx.random.randint(0, vocab, (48,), key=mx.random.key(1)).tolist())
+    return tuple(
+        int(t)
+        for t in mx.random.randint(0, vocab, (48,), key=mx.random.key(1)).tolist()
+    )
 
 
 def fr_list(vocab: int, size: int) -> DraftVocabulary:
@@ -158,25 +171,42 @@ SAMPLINGS = {
 
 
 def generate(
-    model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int,
+    model: Any,
+    prompt: tuple[int, ...],
+    n: int,
+    drafter: Any,
+    depth: int,
     sampling: SamplingParams = SAMPLINGS["greedy"],
 ) -> tuple[list[int], Any, float]:
     """One row: its tokens, its result and the run's seconds."""
-    tokens, results, seconds = generate_rows_of(model, [prompt], n, drafter, depth, sampling)
+    tokens, results, seconds = generate_rows_of(
+        model, [prompt], n, drafter, depth, sampling
+    )
     return tokens[0], results[0], seconds
 
 
 def generate_rows_of(
-    model: Any, prompts: list[tuple[int, ...]], n: int, drafter: Any, depth: int,
-    sampling: SamplingParams, ahead: bool = False,
+    model: Any,
+    prompts: list[tuple[int, ...]],
+    n: int,
+    drafter: Any,
+    depth: int,
+    sampling: SamplingParams,
+    ahead: bool = False,
 ) -> tuple[list[list[int]], list[Any], float]:
     """Every prompt as one batch of rows: each row's tokens and result, and
     the run's seconds."""
     sinks = [Sink() for _ in prompts]
     start = time.perf_counter()
     results = generate_rows(
-        model, [RowRequest(p, sampling, n, sink) for p, sink in zip(prompts, sinks, strict=True)],
-        (), drafter, RoundOptions(depth=depth, draft_ahead=ahead),
+        model,
+        [
+            RowRequest(p, sampling, n, sink)
+            for p, sink in zip(prompts, sinks, strict=True)
+        ],
+        (),
+        drafter,
+        RoundOptions(depth=depth, draft_ahead=ahead),
     )
     mx.synchronize()
     return [sink.tokens for sink in sinks], results, time.perf_counter() - start
@@ -188,8 +218,14 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 
 def ahead_pairs(
-    model: Any, prompt: tuple[int, ...], n: int, drafter: Any, depth: int,
-    sampling: SamplingParams, repeats: int, rows: int = 1,
+    model: Any,
+    prompt: tuple[int, ...],
+    n: int,
+    drafter: Any,
+    depth: int,
+    sampling: SamplingParams,
+    repeats: int,
+    rows: int = 1,
 ) -> dict[str, Any]:
     """MTP decoding of `rows` rows (row b's prompt rotated by b) with the next
     round's drafts launched before the host read (`RoundOptions.draft_ahead`)
@@ -203,8 +239,12 @@ def ahead_pairs(
     generate_rows_of(model, prompts, 4, drafter, depth, sampling, True)  # warm-up
     for _ in range(repeats):
         for ahead in (False, True):
-            tokens, results, _ = generate_rows_of(model, prompts, n, drafter, depth, sampling, ahead)
-            rounds[ahead].extend(results[0].round_ms[1:])  # (the first: the prompt's tail)
+            tokens, results, _ = generate_rows_of(
+                model, prompts, n, drafter, depth, sampling, ahead
+            )
+            rounds[ahead].extend(
+                results[0].round_ms[1:]
+            )  # (the first: the prompt's tail)
             outputs.setdefault(ahead, tokens)
             if outputs[ahead] != tokens:
                 outputs[ahead] = []  # not reproducible run to run
@@ -226,7 +266,12 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def opened_rows(
-    drafter: Any, model: Any, prompt: tuple[int, ...], depth: int, sampling: Any, batch: int,
+    drafter: Any,
+    model: Any,
+    prompt: tuple[int, ...],
+    depth: int,
+    sampling: Any,
+    batch: int,
     craft: bool = False,
 ) -> tuple[Any, list[Any]]:
     """`batch` rows (row b's prompt rotated by b) after a prefill and two real
@@ -251,7 +296,9 @@ def opened_rows(
             # one row: every draft accepted; more: 1, 0, 1, ... (tails of 2
             # positions at most, in the kernel's 8 window positions)
             k = [depth] if batch == 1 else [(b + 1) % 2 for b in range(batch)]
-            keep = mx.array([[i < k[b] for i in range(depth + 1)] for b in range(batch)])
+            keep = mx.array(
+                [[i < k[b] for i in range(depth + 1)] for b in range(batch)]
+            )
             padded = mx.pad(proposal.device, [(0, 0), (0, 1)])
             draws = mx.where(keep, padded, draws)
         host = draws.tolist()
@@ -266,7 +313,10 @@ def opened_rows(
         ).commit()
         if verified.delta is not None:
             verified.delta.commit([a + 1 for a in accepted])
-        rows = [row.advanced(tuple(t[: a + 1])) for row, t, a in zip(rows, host, accepted, strict=True)]
+        rows = [
+            row.advanced(tuple(t[: a + 1]))
+            for row, t, a in zip(rows, host, accepted, strict=True)
+        ]
     return opened, rows
 
 
@@ -281,8 +331,13 @@ def propose_ms(opened: Any, rows: list[RowState], depth: int) -> float:
 
 
 def draft_chain_ms(
-    drafter: MtpDrafter, model: Any, prompt: tuple[int, ...], depth: int, repeats: int,
-    sampling: SamplingParams = SAMPLINGS["greedy"], batch: int = 1,
+    drafter: MtpDrafter,
+    model: Any,
+    prompt: tuple[int, ...],
+    depth: int,
+    repeats: int,
+    sampling: SamplingParams = SAMPLINGS["greedy"],
+    batch: int = 1,
 ) -> float:
     """The draft chain alone for `batch` rows (`opened_rows`), median ms of
     `propose` + evaluation over `repeats` after one untimed."""
@@ -292,20 +347,30 @@ def draft_chain_ms(
 
 
 def interleaved_cuts(
-    drafters: dict[str, MtpDrafter], model: Any, prompt: tuple[int, ...], depths: list[int],
-    repeats: int, sampling: SamplingParams, batch: int,
+    drafters: dict[str, MtpDrafter],
+    model: Any,
+    prompt: tuple[int, ...],
+    depths: list[int],
+    repeats: int,
+    sampling: SamplingParams,
+    batch: int,
 ) -> list[dict[str, Any]]:
     """The draft chains of `drafters` ("full" and an FR-Spec one) timed in
     alternation, each repeat every depth and both drafters in a shuffled
     order, so that drifts of the machine (clocks, other load) fall on both
     alike: per depth the median ms of each, the cut (ratio of the medians)
     and the median of the per-repeat ratios."""
-    opened = {n: opened_rows(d, model, prompt, max(depths), sampling, batch) for n, d in drafters.items()}
+    opened = {
+        n: opened_rows(d, model, prompt, max(depths), sampling, batch)
+        for n, d in drafters.items()
+    }
     for (o, rows), depth in ((o, d) for o in opened.values() for d in depths):
         propose_ms(o, rows, depth)  # compiles and first launches
         propose_ms(o, rows, depth)
     order = random.Random(0)
-    times: dict[tuple[str, int], list[float]] = {(n, d): [] for n in drafters for d in depths}
+    times: dict[tuple[str, int], list[float]] = {
+        (n, d): [] for n in drafters for d in depths
+    }
     for _ in range(repeats):
         for depth in depths:
             names = list(drafters)
@@ -327,9 +392,11 @@ def interleaved_cuts(
             "repeats": repeats,
             "full_ms": statistics.median(times[("full", depth)]),
             "fr_ms": statistics.median(times[(fr, depth)]),
-            "cut": statistics.median(times[("full", depth)]) / statistics.median(times[(fr, depth)]),
+            "cut": statistics.median(times[("full", depth)])
+            / statistics.median(times[(fr, depth)]),
             "paired_cut_median": statistics.median(
-                a / b for a, b in zip(times[("full", depth)], times[(fr, depth)], strict=True)
+                a / b
+                for a, b in zip(times[("full", depth)], times[(fr, depth)], strict=True)
             ),
             "full_ms_quartiles": statistics.quantiles(times[("full", depth)], n=4),
             "fr_ms_quartiles": statistics.quantiles(times[(fr, depth)], n=4),
@@ -348,7 +415,9 @@ def round_fit(entries: list[dict[str, Any]]) -> dict[str, float]:
     depths = [e["depth"] for e in entries]
     fit = {}
     for head in ("full", "fr"):
-        slope, fixed = statistics.linear_regression(depths, [e[f"{head}_ms"] for e in entries])
+        slope, fixed = statistics.linear_regression(
+            depths, [e[f"{head}_ms"] for e in entries]
+        )
         fit[f"{head}_step_ms"], fit[f"{head}_fixed_ms"] = slope, fixed
     fit["step_cut"] = fit["full_step_ms"] / fit["fr_step_ms"]
     # full(d) >= 2 fr(d)  <=>  d (s_full - 2 s_fr) >= 2 F_fr - F_full
@@ -388,7 +457,9 @@ def apply_switches(text: str) -> None:
             setattr(models.mtp_cuda, name, int(value))
             continue
         name = switch.lstrip("-")
-        assert isinstance(getattr(models.mtp_cuda, name, None), bool), f"no switch {name}"
+        assert isinstance(getattr(models.mtp_cuda, name, None), bool), (
+            f"no switch {name}"
+        )
         setattr(models.mtp_cuda, name, not switch.startswith("-"))
 
 
@@ -397,51 +468,94 @@ def main() -> None:
     # unless the environment chose (README "Exactness", specpipe/precision.py)
     prefer_exact_float32()
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-next",
-                        help="qwen3-next: 64-expert MoE layers and MTP layer; qwen3.5-27b: "
-                             "Qwen3.5-27B's dense layers and MTP layer (hidden 5120)")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-next",
+        help="qwen3-next: 64-expert MoE layers and MTP layer; qwen3.5-27b: "
+        "Qwen3.5-27B's dense layers and MTP layer (hidden 5120)",
+    )
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--quantize", type=int, default=0, help="4 or 8 to quantize the target")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"]
+    )
+    parser.add_argument(
+        "--quantize", type=int, default=0, help="4 or 8 to quantize the target"
+    )
     parser.add_argument("--depths", default="1,2,3")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--fr-size", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy")
-    parser.add_argument("--no-fuse", action="store_true",
-                        help="keep q/k/v and gate/up as separate products (as before models/fuse.py)")
-    parser.add_argument("--rows", default="1", help="batch sizes for the draft-chain timing, e.g. 1,8,32")
-    parser.add_argument("--eager-sampling", action="store_true",
-                        help="sample without compiling the draw (specpipe.sampling.COMPILE_ON_GPU)")
-    parser.add_argument("--top-k-stages", choices=("auto", "one"), default="auto",
-                        help="one: top-k by one partition of the whole row (before blockwise "
-                             "top-k; specpipe.sampling.top_k_ids)")
-    parser.add_argument("--steps", default="eager,compiled",
-                        help="draft step modes to compare: eager (op by op), compiled "
-                             "(specpipe.drafts.mtp.HeadStep's MLX step) and/or fused (the "
-                             "one-kernel step of models/mtp_cuda.py where in scope, the CUDA default)")
-    parser.add_argument("--whole-round", action="store_true",
-                        help="fused steps: a round's first and chained steps in one launch "
-                             "(models.mtp_cuda.WHOLE_ROUND, now the default; -WHOLE_ROUND in "
-                             "--kernel-switches turns it off)")
-    parser.add_argument("--kernel-switches", default="",
-                        help="comma-separated models.mtp_cuda switches to turn on (NAME) or "
-                             "off (-NAME), e.g. PAIR_ROWS,-ATT_PIPE")
-    parser.add_argument("--interleave", action="store_true",
-                        help="time only the draft chains, the full and the FR-Spec head in "
-                             "alternation (`interleaved_cuts`), per --steps mode and --rows")
-    parser.add_argument("--no-generate", action="store_true",
-                        help="time the draft chains only (skip the MTP generations)")
-    parser.add_argument("--no-window-kernel", action="store_true",
-                        help="run the hybrid layers' recurrence as MLX operations on a GPU "
-                             "(models.gated_delta.WINDOW_KERNEL_ON_GPU)")
-    parser.add_argument("--draft-ahead", action="store_true",
-                        help="only MTP rounds with the next round's drafts launched before the host "
-                             "read and without, in alternation (RoundOptions.draft_ahead), at each "
-                             "of --rows")
+    parser.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="keep q/k/v and gate/up as separate products (as before models/fuse.py)",
+    )
+    parser.add_argument(
+        "--rows",
+        default="1",
+        help="batch sizes for the draft-chain timing, e.g. 1,8,32",
+    )
+    parser.add_argument(
+        "--eager-sampling",
+        action="store_true",
+        help="sample without compiling the draw (specpipe.sampling.COMPILE_ON_GPU)",
+    )
+    parser.add_argument(
+        "--top-k-stages",
+        choices=("auto", "one"),
+        default="auto",
+        help="one: top-k by one partition of the whole row (before blockwise "
+        "top-k; specpipe.sampling.top_k_ids)",
+    )
+    parser.add_argument(
+        "--steps",
+        default="eager,compiled",
+        help="draft step modes to compare: eager (op by op), compiled "
+        "(specpipe.drafts.mtp.HeadStep's MLX step) and/or fused (the "
+        "one-kernel step of models/mtp_cuda.py where in scope, the CUDA default)",
+    )
+    parser.add_argument(
+        "--whole-round",
+        action="store_true",
+        help="fused steps: a round's first and chained steps in one launch "
+        "(models.mtp_cuda.WHOLE_ROUND, now the default; -WHOLE_ROUND in "
+        "--kernel-switches turns it off)",
+    )
+    parser.add_argument(
+        "--kernel-switches",
+        default="",
+        help="comma-separated models.mtp_cuda switches to turn on (NAME) or "
+        "off (-NAME), e.g. PAIR_ROWS,-ATT_PIPE",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time only the draft chains, the full and the FR-Spec head in "
+        "alternation (`interleaved_cuts`), per --steps mode and --rows",
+    )
+    parser.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="time the draft chains only (skip the MTP generations)",
+    )
+    parser.add_argument(
+        "--no-window-kernel",
+        action="store_true",
+        help="run the hybrid layers' recurrence as MLX operations on a GPU "
+        "(models.gated_delta.WINDOW_KERNEL_ON_GPU)",
+    )
+    parser.add_argument(
+        "--draft-ahead",
+        action="store_true",
+        help="only MTP rounds with the next round's drafts launched before the host "
+        "read and without, in alternation (RoundOptions.draft_ahead), at each "
+        "of --rows",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.top_k_stages == "one":
@@ -458,8 +572,14 @@ def main() -> None:
         specpipe.sampling.COMPILE_ON_GPU = False
 
     config, model, head = random_target_and_head(
-        args.shape, args.layers, args.experts, args.hidden, args.vocab,
-        getattr(mx, args.dtype), args.quantize, fuse=not args.no_fuse,
+        args.shape,
+        args.layers,
+        args.experts,
+        args.hidden,
+        args.vocab,
+        getattr(mx, args.dtype),
+        args.quantize,
+        fuse=not args.no_fuse,
     )
     prompt = bench_prompt(args.vocab)
 
@@ -495,7 +615,9 @@ def main() -> None:
             models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
             set_switches(args)
             for name, listed in (("full", None), (f"fr{args.fr_size}", vocab)):
-                drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
+                drafter = MtpDrafter(
+                    model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed
+                )
                 for depth in [int(d) for d in args.depths.split(",")]:
                     for batch in [int(b) for b in args.rows.split(",")]:
                         entry = ahead_pairs(model, prompt, args.tokens, drafter, depth, sampling,
@@ -512,16 +634,30 @@ def main() -> None:
             models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
             set_switches(args)
             drafters = {
-                name: MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
+                name: MtpDrafter(
+                    model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed
+                )
                 for name, listed in (("full", None), (f"fr{args.fr_size}", vocab))
             }
             for batch in [int(b) for b in args.rows.split(",")]:
-                for entry in interleaved_cuts(drafters, model, prompt,
-                                              [int(d) for d in args.depths.split(",")],
-                                              args.repeats, sampling, batch):
+                for entry in interleaved_cuts(
+                    drafters,
+                    model,
+                    prompt,
+                    [int(d) for d in args.depths.split(",")],
+                    args.repeats,
+                    sampling,
+                    batch,
+                ):
                     report["interleaved"].append({"steps": mode, **entry})
-                    print("INTERLEAVED", json.dumps(report["interleaved"][-1]), flush=True)
-                entries = [e for e in report["interleaved"] if e["steps"] == mode and e["rows"] == batch]
+                    print(
+                        "INTERLEAVED", json.dumps(report["interleaved"][-1]), flush=True
+                    )
+                entries = [
+                    e
+                    for e in report["interleaved"]
+                    if e["steps"] == mode and e["rows"] == batch
+                ]
                 if len(entries) > 1:
                     report.setdefault("interleaved_fits", []).append(
                         {"steps": mode, "rows": batch, **round_fit(entries)}
@@ -539,14 +675,23 @@ def main() -> None:
 
         models.mtp_cuda.FUSED_ON_GPU = mode == "fused"
         set_switches(args)
-        drafter = MtpDrafter(model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed)
+        drafter = MtpDrafter(
+            model, head, DraftPolicy(compiled=mode != "eager"), vocab=listed
+        )
         if not args.no_generate:
-            tokens, result, _ = generate(model, prompt, args.tokens, drafter, depth, sampling)
+            tokens, result, _ = generate(
+                model, prompt, args.tokens, drafter, depth, sampling
+            )
             # bf16 on a GPU: a window's logits may differ from single-token
             # logits in the last bits, which flips near-tied argmaxes of random
             # weights; recorded, not hidden (see DESIGN, losslessness caveat)
             first_diff = next(
-                (i for i, (a, b) in enumerate(zip(tokens, plain, strict=True)) if a != b), None
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(tokens, plain, strict=True))
+                    if a != b
+                ),
+                None,
             )
             m = result.metrics
             report["mtp"].append(
@@ -576,14 +721,23 @@ def main() -> None:
             )
         if not args.no_generate:
             print(json.dumps(report["mtp"][-1]), flush=True)
-        for entry in report["draft_chain"][-len(args.rows.split(",")):]:
+        for entry in report["draft_chain"][-len(args.rows.split(",")) :]:
             print(json.dumps(entry), flush=True)
     # the FR-Spec cut of the draft chain per step mode, depth and batch
-    chains = {(e["steps"], e["depth"], e["rows"], e["vocab"]): e["ms"] for e in report["draft_chain"]
-              if isinstance(e["ms"], float)}
+    chains = {
+        (e["steps"], e["depth"], e["rows"], e["vocab"]): e["ms"]
+        for e in report["draft_chain"]
+        if isinstance(e["ms"], float)
+    }
     report["cuts"] = [
-        {"steps": st, "depth": d, "rows": r, "full_ms": full, "fr_ms": chains[(st, d, r, f"fr{args.fr_size}")],
-         "cut": full / chains[(st, d, r, f"fr{args.fr_size}")]}
+        {
+            "steps": st,
+            "depth": d,
+            "rows": r,
+            "full_ms": full,
+            "fr_ms": chains[(st, d, r, f"fr{args.fr_size}")],
+            "cut": full / chains[(st, d, r, f"fr{args.fr_size}")],
+        }
         for (st, d, r, v), full in chains.items()
         if v == "full" and (st, d, r, f"fr{args.fr_size}") in chains
     ]

@@ -32,7 +32,12 @@ from common import recorded_decode
 
 
 def replay(
-    prompt: list[int], output: list[int], width: int, cursor: bool, min_n: int, max_n: int
+    prompt: list[int],
+    output: list[int],
+    width: int,
+    cursor: bool,
+    min_n: int,
+    max_n: int,
 ) -> dict[str, float]:
     """Rounds and tokens per round of lookup drafting `width` deep over `output`."""
     row = RowState.start(tuple(prompt), len(output), SamplingParams())
@@ -47,7 +52,11 @@ def replay(
         emitted = tuple(output[done : done + kept + 1])
         if cursor:
             state = state.prepare_commit(  # type: ignore[assignment]
-                [row], proposal, (drafts,), [kept], None  # type: ignore[arg-type]
+                [row],
+                proposal,
+                (drafts,),
+                [kept],
+                None,  # type: ignore[arg-type]
             ).commit()
         row = row.advanced(emitted)
         done += len(emitted)
@@ -64,12 +73,18 @@ def replay(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", type=Path, required=True, help="a speculative.py result file")
+    parser.add_argument(
+        "--json", type=Path, required=True, help="a speculative.py result file"
+    )
     parser.add_argument("--prompts", default="edit,code,chat")
     parser.add_argument("--widths", default="2,4,6,8,10,12")
-    parser.add_argument("--ngram-min", type=int, default=2, help="as the ngram kind's default")
+    parser.add_argument(
+        "--ngram-min", type=int, default=2, help="as the ngram kind's default"
+    )
     parser.add_argument("--ngram-max", type=int, default=4)
-    parser.add_argument("--tokenizer", type=Path, help="the target folder, if not the recorded one")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="the target folder, if not the recorded one"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -81,7 +96,9 @@ def main() -> None:
         rows = []
         for width in [int(w) for w in args.widths.split(",")]:
             for cursor in (False, True):
-                result = replay(prompt, output, width, cursor, args.ngram_min, args.ngram_max)
+                result = replay(
+                    prompt, output, width, cursor, args.ngram_min, args.ngram_max
+                )
                 rows.append({"width": width, "cursor": cursor, **result})
                 print(
                     f"{name:5s} k={width:2d} {'cursor' if cursor else 'plain '}: "

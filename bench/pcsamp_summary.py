@@ -26,7 +26,7 @@ def rows_of(path: Path) -> tuple[list[str], list[list[str]]]:
     name on a line before the header; the reduced copies do not)."""
     rows = list(csv.reader(path.open()))
     at = next(i for i, row in enumerate(rows) if SAMPLES in row)
-    return rows[at], [row for row in rows[at + 1:] if len(row) >= len(rows[at]) - 1]
+    return rows[at], [row for row in rows[at + 1 :] if len(row) >= len(rows[at]) - 1]
 
 
 def main() -> None:
@@ -40,10 +40,18 @@ def main() -> None:
     total = sum(number(row[at[SAMPLES]]) for row in rows) or 1.0
     shares = {r: sum(number(row[at[r]]) for row in rows) / total for r in reasons}
     print(f"{len(rows)} instructions, {total:.0f} samples")
-    print("  ".join(f"{r[6:]} {100 * s:.1f}%" for r, s in sorted(shares.items(), key=lambda x: -x[1]) if s >= 0.005))
+    print(
+        "  ".join(
+            f"{r[6:]} {100 * s:.1f}%"
+            for r, s in sorted(shares.items(), key=lambda x: -x[1])
+            if s >= 0.005
+        )
+    )
     for row in sorted(rows, key=lambda row: -number(row[at[SAMPLES]]))[: args.top]:
         worst = max(reasons, key=lambda r: number(row[at[r]]))
-        print(f"{row[at['Address']]:>16s} {100 * number(row[at[SAMPLES]]) / total:5.2f}%  {worst[6:]:<10s} {row[at['Source']].strip()}")
+        print(
+            f"{row[at['Address']]:>16s} {100 * number(row[at[SAMPLES]]) / total:5.2f}%  {worst[6:]:<10s} {row[at['Source']].strip()}"
+        )
 
 
 if __name__ == "__main__":

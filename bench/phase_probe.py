@@ -45,13 +45,20 @@ def main() -> None:
     parser.add_argument("--sets", default="none", help="switch sets, ';' between sets")
     parser.add_argument("--samplings", default="greedy", help="of greedy, qwen")
     parser.add_argument("--heads", default="fr", help="of full, fr")
-    parser.add_argument("--launches", type=int, default=7, help="profiled launches per figure")
+    parser.add_argument(
+        "--launches", type=int, default=7, help="profiled launches per figure"
+    )
     args = parser.parse_args()
     if mx.default_device() != mx.gpu:
-        sys.exit("phase_probe.py needs the CUDA backend (the fused kernel runs on a GPU only)")
+        sys.exit(
+            "phase_probe.py needs the CUDA backend (the fused kernel runs on a GPU only)"
+        )
     # every set starts from the module's defaults
-    defaults = {k: v for k, v in vars(models.mtp_cuda).items()
-                if k.isupper() and type(v) in (bool, int)}
+    defaults = {
+        k: v
+        for k, v in vars(models.mtp_cuda).items()
+        if k.isupper() and type(v) in (bool, int)
+    }
     config, hybrid, target, head, subset = probe_head(args)
     weights = fused_weights(target, head, 0)
     assert weights is not None, "this head is outside the fused kernel's scope"
@@ -63,8 +70,14 @@ def main() -> None:
         )
         for name in args.heads.split(",")
     }
-    report: dict[str, Any] = {"machine": machine_info(), "shape": args.shape, "config": config,
-                              "vocab": args.vocab, "fr_size": args.fr_size, "runs": []}
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "shape": args.shape,
+        "config": config,
+        "vocab": args.vocab,
+        "fr_size": args.fr_size,
+        "runs": [],
+    }
     rows = int(args.rows)
     for text in args.sets.split(";"):
         for name, value in defaults.items():
@@ -73,10 +86,14 @@ def main() -> None:
         for context in (int(c) for c in args.contexts.split(",")):
             cache = head.make_cache(rows)
             cache.reserve(context + 8)
-            keys = (mx.random.normal(cache.keys[0].shape) * 0.5).astype(cache.keys[0].dtype)
+            keys = (mx.random.normal(cache.keys[0].shape) * 0.5).astype(
+                cache.keys[0].dtype
+            )
             values = (mx.random.normal(cache.values[0].shape) * 0.5).astype(keys.dtype)
             token = mx.random.randint(0, args.vocab, (rows, 1)).astype(mx.int32)
-            normed = (mx.random.normal((rows, 1, hybrid.hidden_size)) * 0.5).astype(keys.dtype)
+            normed = (mx.random.normal((rows, 1, hybrid.hidden_size)) * 0.5).astype(
+                keys.dtype
+            )
             zeros = mx.zeros((rows,), dtype=mx.int32)
             starts = mx.array([context - 3 * b for b in range(rows)], dtype=mx.int32)
             seeds = mx.arange(rows, dtype=mx.uint32) * 7 + 1
@@ -87,15 +104,32 @@ def main() -> None:
                 for label in args.samplings.split(","):
                     params = SAMPLINGS[label]
                     top_k = 0 if params.greedy else params.top_k
-                    dist = draw_params(step.weights.eps, params.temperature, params.top_p,
-                                       params.min_p)
-                    call = (False, params.greedy, top_k, dist, token, normed, zeros, starts,
-                            keys, values, seeds, steps)
+                    dist = draw_params(
+                        step.weights.eps, params.temperature, params.top_p, params.min_p
+                    )
+                    call = (
+                        False,
+                        params.greedy,
+                        top_k,
+                        dist,
+                        token,
+                        normed,
+                        zeros,
+                        starts,
+                        keys,
+                        values,
+                        seeds,
+                        steps,
+                    )
                     step.stamp_table(*call, count=2)  # compiles; its pages settle
-                    tables = [step.stamp_table(*call, count=2) for _ in range(args.launches)]
+                    tables = [
+                        step.stamp_table(*call, count=2) for _ in range(args.launches)
+                    ]
                     phased = [phases_of(t, step.barriers) for t in tables]
                     run = {
-                        "set": text.strip(), "context": context, "head": head_name,
+                        "set": text.strip(),
+                        "context": context,
+                        "head": head_name,
                         "sampling": label,
                         # the draw's end, us from the first block's start
                         "step": round(statistics.median(p[-1][2] for p in phased), 2),
@@ -103,8 +137,10 @@ def main() -> None:
                         # per grid barrier then the draw's end: (first arrival,
                         # last arrival, last departure) us, medians over launches
                         "phases": [
-                            [round(statistics.median(p[i][j] for p in phased), 2)
-                             for j in range(3)]
+                            [
+                                round(statistics.median(p[i][j] for p in phased), 2)
+                                for j in range(3)
+                            ]
                             for i in range(len(phased[0]))
                         ],
                         "barrier_failures": step.failures(),

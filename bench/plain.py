@@ -43,14 +43,20 @@ from common import (
 )
 
 
-def bench_one(ref: str, dtype: str, prompt_name: str, tokens: int, repeats: int) -> dict[str, Any]:
+def bench_one(
+    ref: str, dtype: str, prompt_name: str, tokens: int, repeats: int
+) -> dict[str, Any]:
     import mlx_lm
 
     import specpipe
 
     folder = model_folder(ref, dtype)
     stored = stored_dtype(folder)
-    print(f"== {ref} [{dtype}] folder {folder} (stored {stored})", file=sys.stderr, flush=True)
+    print(
+        f"== {ref} [{dtype}] folder {folder} (stored {stored})",
+        file=sys.stderr,
+        flush=True,
+    )
     pipeline = specpipe.load(str(folder), dtype=dtype).unwrap()
     peer, _peer_tok = mlx_lm.load(str(folder))
     text, chat = PROMPTS[prompt_name]
@@ -73,7 +79,8 @@ def bench_one(ref: str, dtype: str, prompt_name: str, tokens: int, repeats: int)
                 theirs.append(mlxlm_plain(peer, ids, tokens, eos))
         print(
             f"  repeat {r}: specpipe {ours[-1].decode_tps:.2f} tok/s, mlx-lm {theirs[-1].decode_tps:.2f} tok/s",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
 
     # identical streams: across the two libraries, and across repeats
@@ -122,7 +129,10 @@ def bench_one(ref: str, dtype: str, prompt_name: str, tokens: int, repeats: int)
         "difference": detail,
         "deterministic_specpipe": stable_ours,
         "deterministic_mlx_lm": stable_theirs,
-        "runs": {"specpipe": [o.summary() for o in ours], "mlx-lm": [t.summary() for t in theirs]},
+        "runs": {
+            "specpipe": [o.summary() for o in ours],
+            "mlx-lm": [t.summary() for t in theirs],
+        },
     }
     del pipeline, peer
     gc.collect()
@@ -132,20 +142,26 @@ def bench_one(ref: str, dtype: str, prompt_name: str, tokens: int, repeats: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
+    parser.add_argument(
+        "--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct"
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--prompt", default="code", choices=sorted(PROMPTS))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS / "plain.json"))
-    parser.add_argument("--no-assert", action="store_true", help="report differences without failing")
+    parser.add_argument(
+        "--no-assert", action="store_true", help="report differences without failing"
+    )
     args = parser.parse_args()
 
     machine = machine_info()
     results = []
     for ref in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            results.append(bench_one(ref, dtype, args.prompt, args.tokens, args.repeats))
+            results.append(
+                bench_one(ref, dtype, args.prompt, args.tokens, args.repeats)
+            )
             write_json(Path(args.out), {"machine": machine, "results": results})
 
     for r in results:
@@ -154,19 +170,41 @@ def main() -> None:
     write_json(Path(args.out), {"machine": machine, "results": results})
     rows = [
         [
-            Path(r["model"]).name, r["dtype"], r["generated"],
-            r["specpipe_decode_tps"], r["mlx_lm_decode_tps"], r["ratio_decode"],
-            r["ratio_best"], r["ratio_cpu"], r["ratio_wall_speed"], r["load_avg"],
+            Path(r["model"]).name,
+            r["dtype"],
+            r["generated"],
+            r["specpipe_decode_tps"],
+            r["mlx_lm_decode_tps"],
+            r["ratio_decode"],
+            r["ratio_best"],
+            r["ratio_cpu"],
+            r["ratio_wall_speed"],
+            r["load_avg"],
             "yes" if r["identical"] else f"NO @{r['difference']['first_difference']}",
         ]
         for r in results
     ]
-    print(f"\nplain greedy decode, prompt '{args.prompt}', median of {args.repeats}, {machine['device']} ({machine['cpu']})")
-    print(table(
-        ["model", "dtype", "tokens", "specpipe tok/s", "mlx-lm tok/s", "ratio (median)",
-         "ratio (best)", "ratio (CPU time)", "ratio (wall)", "load", "identical"],
-        rows,
-    ))
+    print(
+        f"\nplain greedy decode, prompt '{args.prompt}', median of {args.repeats}, {machine['device']} ({machine['cpu']})"
+    )
+    print(
+        table(
+            [
+                "model",
+                "dtype",
+                "tokens",
+                "specpipe tok/s",
+                "mlx-lm tok/s",
+                "ratio (median)",
+                "ratio (best)",
+                "ratio (CPU time)",
+                "ratio (wall)",
+                "load",
+                "identical",
+            ],
+            rows,
+        )
+    )
     bad = [r for r in results if not r["identical"]]
     for r in bad:
         print(f"DIFFERENCE {r['model']} [{r['dtype']}]: {r['difference']}")

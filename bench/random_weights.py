@@ -46,13 +46,34 @@ _QWEN = {
 
 # config.json values of the released checkpoints (Qwen2.5 / Qwen2.5-Coder)
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": {**_QWEN, "hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864,
-                     "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True},
-    "qwen2.5-1.5b": {**_QWEN, "hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960,
-                     "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": True},
-    "qwen2.5-7b": {**_QWEN, "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,
-                   "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
-                   "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {
+        **_QWEN,
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "intermediate_size": 4864,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        **_QWEN,
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        **_QWEN,
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -72,7 +93,9 @@ def tokenizer_folder(source: Path) -> Path:
     return tmp
 
 
-def write_random(shape: str, dtype: str, tokenizer: Path, out: Path, quantize: int | None, seed: int) -> Path:
+def write_random(
+    shape: str, dtype: str, tokenizer: Path, out: Path, quantize: int | None, seed: int
+) -> Path:
     from models.build import build_model
     from models.tokenizer import Tokenizer
     from specpipe.load import LoadedModel, args_from_config, save_folder
@@ -81,17 +104,26 @@ def write_random(shape: str, dtype: str, tokenizer: Path, out: Path, quantize: i
     args = args_from_config(config, f"random {shape}").unwrap()
     mx.random.seed(seed)
     model: Any = build_model(args).unwrap()
-    target = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
+    target = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[
+        dtype
+    ]
     # MLX's default initialisers (uniform +-1/sqrt(fan_in), N(0,1) embeddings) in the target dtype
-    model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
+    model.update(
+        tree_map(
+            lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        )
+    )
     mx.eval(model.parameters())
     tok = Tokenizer.from_folder(tokenizer_folder(tokenizer)).unwrap()
     loaded = LoadedModel(model, tok, args, f"random:{shape}", None)
     path = save_folder(loaded, out, quantize).unwrap()
     count = sum(v.size for _, v in tree_flatten(model.parameters()))
-    print(f"wrote {path}: {shape} random weights, {count / 1e6:.0f}M values, {dtype}"
-          + (f", {quantize}-bit" if quantize else ""), file=sys.stderr)
+    print(
+        f"wrote {path}: {shape} random weights, {count / 1e6:.0f}M values, {dtype}"
+        + (f", {quantize}-bit" if quantize else ""),
+        file=sys.stderr,
+    )
     return path
 
 
@@ -99,13 +131,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    parser.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16"
+    )
     parser.add_argument("--quantize", type=int, choices=[4, 8], default=None)
-    parser.add_argument("--tokenizer", required=True, help="folder with the family's tokenizer files")
+    parser.add_argument(
+        "--tokenizer", required=True, help="folder with the family's tokenizer files"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    write_random(args.shape, args.dtype, Path(args.tokenizer).expanduser(), Path(args.out),
-                 args.quantize, args.seed)
+    write_random(
+        args.shape,
+        args.dtype,
+        Path(args.tokenizer).expanduser(),
+        Path(args.out),
+        args.quantize,
+        args.seed,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Markdown tables from the benchmark JSON files (for bench/RESULTS.md).
 
-    python bench/report.py bench/results/plain-cpu-*.json bench/results/speculative-cpu.json
+python bench/report.py bench/results/plain-cpu-*.json bench/results/speculative-cpu.json
 """
 
 from __future__ import annotations
@@ -17,25 +17,53 @@ from common import table
 
 def machine_line(m: dict[str, Any]) -> str:
     where = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
-    return (f"{m['date']}; {m['device']} ({where}); mlx {m['mlx']}, mlx-lm {m['mlx-lm']}"
-            + (f", mlx-cuda {m['mlx-cuda']}" if m.get("mlx-cuda") else "")
-            + (f"; library sha256 {m['library_sha256']}" if m.get("library_sha256") else "")
-            + f"\n`{m['command']}`")
+    return (
+        f"{m['date']}; {m['device']} ({where}); mlx {m['mlx']}, mlx-lm {m['mlx-lm']}"
+        + (f", mlx-cuda {m['mlx-cuda']}" if m.get("mlx-cuda") else "")
+        + (f"; library sha256 {m['library_sha256']}" if m.get("library_sha256") else "")
+        + f"\n`{m['command']}`"
+    )
 
 
 def plain(d: dict[str, Any]) -> str:
     rows = [
-        [Path(r["model"]).name, r["dtype"], r["prompt_tokens"], r["generated"], r["repeats"],
-         r["specpipe_decode_tps"], r["mlx_lm_decode_tps"], r["ratio_decode"],
-         r.get("ratio_best", 0.0), r.get("ratio_cpu", 0.0), r["ratio_wall_speed"],
-         r["specpipe_ms_per_token"], r["mlx_lm_ms_per_token"], r["load_avg"],
-         "yes" if r["identical"] else f"NO @{r['difference']['first_difference']}"]
+        [
+            Path(r["model"]).name,
+            r["dtype"],
+            r["prompt_tokens"],
+            r["generated"],
+            r["repeats"],
+            r["specpipe_decode_tps"],
+            r["mlx_lm_decode_tps"],
+            r["ratio_decode"],
+            r.get("ratio_best", 0.0),
+            r.get("ratio_cpu", 0.0),
+            r["ratio_wall_speed"],
+            r["specpipe_ms_per_token"],
+            r["mlx_lm_ms_per_token"],
+            r["load_avg"],
+            "yes" if r["identical"] else f"NO @{r['difference']['first_difference']}",
+        ]
         for r in d["results"]
     ]
     return table(
-        ["model", "dtype", "prompt tok", "tokens", "repeats", "specpipe tok/s", "mlx-lm tok/s",
-         "ratio sp/lm (median)", "ratio (best)", "ratio (CPU time)", "ratio (wall)",
-         "specpipe ms/tok", "mlx-lm ms/tok", "load avg", "identical"],
+        [
+            "model",
+            "dtype",
+            "prompt tok",
+            "tokens",
+            "repeats",
+            "specpipe tok/s",
+            "mlx-lm tok/s",
+            "ratio sp/lm (median)",
+            "ratio (best)",
+            "ratio (CPU time)",
+            "ratio (wall)",
+            "specpipe ms/tok",
+            "mlx-lm ms/tok",
+            "load avg",
+            "identical",
+        ],
         rows,
     )
 
@@ -45,16 +73,41 @@ def speculative(d: dict[str, Any]) -> str:
     for prompt, block in d["prompts"].items():
         out.append(f"\nprompt `{prompt}` ({block['prompt_tokens']} prompt tokens)\n")
         rows = [
-            [r["library"], r["method"], r["width"], r["n_tokens"], r["decode_tps"], r["speedup"],
-             r.get("cpu_speedup", 0.0), r["acceptance_length"], r["ms_per_round"], r["rounds"],
-             r["cpu_per_wall"], "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}"]
+            [
+                r["library"],
+                r["method"],
+                r["width"],
+                r["n_tokens"],
+                r["decode_tps"],
+                r["speedup"],
+                r.get("cpu_speedup", 0.0),
+                r["acceptance_length"],
+                r["ms_per_round"],
+                r["rounds"],
+                r["cpu_per_wall"],
+                "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
+            ]
             for r in block["runs"]
         ]
-        out.append(table(
-            ["library", "method", "k", "tokens", "tok/s", "speedup", "speedup (CPU time)",
-             "tokens/round", "ms/round", "rounds", "cpu/wall", "== specpipe plain"],
-            rows,
-        ))
+        out.append(
+            table(
+                [
+                    "library",
+                    "method",
+                    "k",
+                    "tokens",
+                    "tok/s",
+                    "speedup",
+                    "speedup (CPU time)",
+                    "tokens/round",
+                    "ms/round",
+                    "rounds",
+                    "cpu/wall",
+                    "== specpipe plain",
+                ],
+                rows,
+            )
+        )
     return "\n".join(out)
 
 
@@ -65,12 +118,34 @@ def window(d: dict[str, Any]) -> str:
         spb, lmb = r.get("specpipe_build_ms", {}), r.get("mlx_lm_build_ms", {})
         widths = list(sp)
         first = widths[0]
-        out.append(f"\n{Path(r['model']).name} [{r['dtype']}], context {r['context']}\n")
-        out.append(table(
-            ["width", "specpipe ms", "x width 1", "mlx-lm ms", "x width 1", "specpipe build ms", "mlx-lm build ms"],
-            [[w, sp[w], sp[w] / sp[first], lm[w], lm[w] / lm[first], spb.get(w, 0.0), lmb.get(w, 0.0)]
-             for w in widths],
-        ))
+        out.append(
+            f"\n{Path(r['model']).name} [{r['dtype']}], context {r['context']}\n"
+        )
+        out.append(
+            table(
+                [
+                    "width",
+                    "specpipe ms",
+                    "x width 1",
+                    "mlx-lm ms",
+                    "x width 1",
+                    "specpipe build ms",
+                    "mlx-lm build ms",
+                ],
+                [
+                    [
+                        w,
+                        sp[w],
+                        sp[w] / sp[first],
+                        lm[w],
+                        lm[w] / lm[first],
+                        spb.get(w, 0.0),
+                        lmb.get(w, 0.0),
+                    ]
+                    for w in widths
+                ],
+            )
+        )
     return "\n".join(out)
 
 

@@ -54,24 +54,39 @@ def main() -> None:
     # weights): a draft that differs from the bf16 steps' but not from these
     # is a near-tie the bf16 rounding moved
     target32, head32 = float32_copy(target), float32_copy(head)
-    sub32 = None if sub is None else SubsetHead(sub.ids, target32.head_weights().take(sub.ids))
+    sub32 = (
+        None
+        if sub is None
+        else SubsetHead(sub.ids, target32.head_weights().take(sub.ids))
+    )
     step32 = HeadStep(target32, head32, sub32)
     exact = step32.round(params, args.depth)
     assert exact is not None
     top_k = 0 if params.greedy else params.top_k
     temperature = 0.0 if params.greedy else params.temperature
-    whole = fused.launch(True, args.depth, temperature, params.top_p, params.min_p, top_k,
-                         kv_out=True)  # as HeadStep.round launches it
+    whole = fused.launch(
+        True, args.depth, temperature, params.top_p, params.min_p, top_k, kv_out=True
+    )  # as HeadStep.round launches it
     first = fused.launch(True, 1, temperature, params.top_p, params.min_p, top_k)
-    rest = fused.launch(False, args.depth - 1, temperature, params.top_p, params.min_p, top_k)
-    report: dict[str, Any] = {"machine": machine_info(), "shape": args.shape, "head": args.head,
-                              "depth": args.depth, "sampling": args.sampling, "rows": []}
+    rest = fused.launch(
+        False, args.depth - 1, temperature, params.top_p, params.min_p, top_k
+    )
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "shape": args.shape,
+        "head": args.head,
+        "depth": args.depth,
+        "sampling": args.sampling,
+        "rows": [],
+    }
     hidden_size = hybrid.hidden_size
     for rows in [int(r) for r in args.rows.split(",")]:
         cache = head.make_cache(rows)
         cache.reserve(args.context + 8 + args.depth)
         keys = (mx.random.normal(cache.keys[0].shape) * 0.5).astype(cache.keys[0].dtype)
-        values = (mx.random.normal(cache.values[0].shape) * 0.5).astype(cache.values[0].dtype)
+        values = (mx.random.normal(cache.values[0].shape) * 0.5).astype(
+            cache.values[0].dtype
+        )
         ids = mx.random.randint(0, args.vocab, (rows, 2)).astype(mx.int32)
         raw = (mx.random.normal((rows, 2, hidden_size)) * 2.0).astype(keys.dtype)
         last = mx.ones((rows,), dtype=mx.int32)
@@ -98,8 +113,14 @@ def main() -> None:
             "tokens_equal": f"{int(mx.sum(r_out[0] == f_out[0]).item())}/{rows * args.depth}",
             "ref_tokens": r_out[0].tolist(),
             "fused_tokens": f_out[0].tolist(),
-            **{f"{what}_max_diff": float(mx.max(mx.abs(r.astype(mx.float32) - f.astype(mx.float32))))
-               for what, r, f in zip(("normed", "keys", "values"), r_out[1:], f_out[1:], strict=True)},
+            **{
+                f"{what}_max_diff": float(
+                    mx.max(mx.abs(r.astype(mx.float32) - f.astype(mx.float32)))
+                )
+                for what, r, f in zip(
+                    ("normed", "keys", "values"), r_out[1:], f_out[1:], strict=True
+                )
+            },
             "mlx_ms": median_ms(lambda: reference(*inputs)[0], args.repeats),
             "one_launch_ms": median_ms(lambda: whole(*inputs)[0], args.repeats),
             "two_launches_ms": median_ms(two_launches, args.repeats),

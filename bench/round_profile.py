@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument("--prompt", default="code")
     parser.add_argument("--width", type=int, default=6)
     parser.add_argument("--staged", choices=("on", "off"), default="on")
-    parser.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
+    parser.add_argument(
+        "--draft-dtype", default=None, help="the draft's dtype (default: --dtype)"
+    )
     parser.add_argument("--draft-vocab", help="an FR-Spec list for the draft")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -73,8 +75,11 @@ def main() -> None:
     loaded = base.registry.load(
         "two-model",
         DraftLoadRequest(
-            target=base.target, source=str(draft_folder), width=args.width,
-            draft_vocab=args.draft_vocab, dtype=args.draft_dtype or args.dtype,
+            target=base.target,
+            source=str(draft_folder),
+            width=args.width,
+            draft_vocab=args.draft_vocab,
+            dtype=args.draft_dtype or args.dtype,
             policy=DraftPolicy(staged=args.staged == "on"),
         ),
     ).unwrap()
@@ -92,7 +97,9 @@ def main() -> None:
         ids, SamplingParams(), GenerationLimits(max_tokens=args.tokens)
     ).unwrap()
     run = result.stats
-    assert list(result.tokens) == plain.tokens, "two-model output differs from plain decoding"
+    assert list(result.tokens) == plain.tokens, (
+        "two-model output differs from plain decoding"
+    )
     rounds = run.rounds
     phases = dict(run.phase_ms)
     plain_ms = 1000.0 / plain.decode_tps
@@ -109,7 +116,8 @@ def main() -> None:
         "phase_ms_per_round": {k: v / rounds for k, v in phases.items()},
         "draft_forwards_per_round": len(timed.times) / rounds,
         "draft_forward_ms_by_width": {
-            w: {"count": len(t), "median": statistics.median(t)} for w, t in sorted(by_width.items())
+            w: {"count": len(t), "median": statistics.median(t)}
+            for w, t in sorted(by_width.items())
         },
         "draft_forward_ms_per_round": sum(ms for _, ms in timed.times) / rounds,
         "round_in_plain_steps": run.ms_per_round / plain_ms,

@@ -63,8 +63,11 @@ def main() -> None:
         return sample(x, params, seeds, steps)
 
     compiled = mx.compile(sampler)
-    report: dict[str, Any] = {"machine": machine_info(), "args": vars(args) | {"out": str(args.out)},
-                              "rows": []}
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "args": vars(args) | {"out": str(args.out)},
+        "rows": [],
+    }
     for rows in [int(r) for r in args.rows.split(",")]:
         x = mx.random.normal((rows, args.hidden)).astype(mx.bfloat16)
         seeds = mx.zeros((rows,), dtype=mx.uint32)
@@ -76,21 +79,33 @@ def main() -> None:
             entry[f"{name}_head_ms"] = timed(project(weights), x)
             entry[f"{name}_sample_ms"] = timed(sampler, logits, seeds, steps)
             entry[f"{name}_sample_compiled_ms"] = timed(compiled, logits, seeds, steps)
-            same = mx.array_equal(sampler(logits, seeds, steps), compiled(logits, seeds, steps))
+            same = mx.array_equal(
+                sampler(logits, seeds, steps), compiled(logits, seeds, steps)
+            )
             entry[f"{name}_compiled_equal"] = bool(same.item())
             entry[f"{name}_head_and_sample_ms"] = timed(
-                lambda v, w=weights: sampler((v @ w.T).astype(mx.float32), seeds, steps), x
+                lambda v, w=weights: sampler(
+                    (v @ w.T).astype(mx.float32), seeds, steps
+                ),
+                x,
             )
             # top-k by one partition of the row vs blockwise (specpipe.sampling.top_k_ids)
             drawn = {}
             for stages, threshold in (("one", 1 << 30), ("blockwise", 0)):
                 sampling.TWO_STAGE_TOP_K_FROM = threshold
                 sampling.compiled_draw.cache_clear()
-                entry[f"{name}_sample_topk_{stages}_ms"] = timed(sampler, logits, seeds, steps)
+                entry[f"{name}_sample_topk_{stages}_ms"] = timed(
+                    sampler, logits, seeds, steps
+                )
                 drawn[stages] = sampler(logits, seeds, steps)
-            entry[f"{name}_topk_stages_equal"] = bool(mx.array_equal(drawn["one"], drawn["blockwise"]).item())
+            entry[f"{name}_topk_stages_equal"] = bool(
+                mx.array_equal(drawn["one"], drawn["blockwise"]).item()
+            )
         report["rows"].append(entry)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}, flush=True)
+        print(
+            {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()},
+            flush=True,
+        )
         write_json(args.out, report)
 
 

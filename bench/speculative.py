@@ -56,27 +56,57 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--prompts", default="code,chat,edit")
-    parser.add_argument("--widths", default="1,2,3,4,5,6", help="specpipe two-model widths (sweep prompts)")
-    parser.add_argument("--mlxlm-widths", default="1,2,3,4,5,6", help="mlx-lm speculative widths (sweep prompts)")
-    parser.add_argument("--sweep-prompts", default="code", help="prompts that run every width")
-    parser.add_argument("--short-widths", default="2,4,6", help="widths for the other prompts (both libraries)")
+    parser.add_argument(
+        "--widths",
+        default="1,2,3,4,5,6",
+        help="specpipe two-model widths (sweep prompts)",
+    )
+    parser.add_argument(
+        "--mlxlm-widths",
+        default="1,2,3,4,5,6",
+        help="mlx-lm speculative widths (sweep prompts)",
+    )
+    parser.add_argument(
+        "--sweep-prompts", default="code", help="prompts that run every width"
+    )
+    parser.add_argument(
+        "--short-widths",
+        default="2,4,6",
+        help="widths for the other prompts (both libraries)",
+    )
     parser.add_argument("--ngram-widths", default="2,4,6")
     parser.add_argument("--ngram-prompts", default="edit,code,chat")
     parser.add_argument("--two-model-prompts", default="code,chat,edit")
-    parser.add_argument("--draft-vocab", help="an FR-Spec list (draft_vocab.json): also run two-model "
-                        "with the draft projecting onto it (method 'two-model-fr', same widths)")
-    parser.add_argument("--draft-dtype", default=None,
-                        help="dtype of the FR-Spec drafts (--draft-vocab), e.g. bfloat16 on a CPU "
-                             "(models/cpu_kernel.py); the full-vocabulary draft and mlx-lm's keep --dtype")
-    parser.add_argument("--compare-unstaged", action="store_true",
-                        help="also run the FR-Spec two-model draft unstaged (DraftPolicy.staged=False)")
+    parser.add_argument(
+        "--draft-vocab",
+        help="an FR-Spec list (draft_vocab.json): also run two-model "
+        "with the draft projecting onto it (method 'two-model-fr', same widths)",
+    )
+    parser.add_argument(
+        "--draft-dtype",
+        default=None,
+        help="dtype of the FR-Spec drafts (--draft-vocab), e.g. bfloat16 on a CPU "
+        "(models/cpu_kernel.py); the full-vocabulary draft and mlx-lm's keep --dtype",
+    )
+    parser.add_argument(
+        "--compare-unstaged",
+        action="store_true",
+        help="also run the FR-Spec two-model draft unstaged (DraftPolicy.staged=False)",
+    )
     parser.add_argument("--no-mlxlm", action="store_true")
-    parser.add_argument("--own-weights", action="store_true",
-                        help="let mlx-lm load its own copy of the weights (default: share specpipe's buffers)")
+    parser.add_argument(
+        "--own-weights",
+        action="store_true",
+        help="let mlx-lm load its own copy of the weights (default: share specpipe's buffers)",
+    )
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
     parser.add_argument("--plot", default=str(RESULTS / "speculative.png"))
     parser.add_argument("--no-assert", action="store_true")
-    parser.add_argument("--replot", metavar="JSON", help="only redraw --plot (and print the tables) from a result file")
+    parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="only redraw --plot (and print the tables) from a result file",
+    )
     args = parser.parse_args()
     if args.replot:
         import json
@@ -97,36 +127,67 @@ def main() -> None:
     target_folder = model_folder(args.target, args.dtype)
     draft_folder = model_folder(args.draft, args.dtype)
     fr_dtype = args.draft_dtype or args.dtype
-    fr_folder = model_folder(args.draft, fr_dtype) if fr_dtype != args.dtype else draft_folder
+    fr_folder = (
+        model_folder(args.draft, fr_dtype) if fr_dtype != args.dtype else draft_folder
+    )
     print(f"target {target_folder}\ndraft  {draft_folder}", file=sys.stderr, flush=True)
 
     two = specpipe.load(
-        str(target_folder), draft=str(draft_folder), num_draft_tokens=1, dtype=args.dtype, adaptive=False
+        str(target_folder),
+        draft=str(draft_folder),
+        num_draft_tokens=1,
+        dtype=args.dtype,
+        adaptive=False,
     ).unwrap()
     assert two.draft is not None
     plain = evolve(two, draft=None)
     registry = two.registry
-    widths, lm_widths, ng_widths = ints(args.widths), ints(args.mlxlm_widths), ints(args.ngram_widths)
+    widths, lm_widths, ng_widths = (
+        ints(args.widths),
+        ints(args.mlxlm_widths),
+        ints(args.ngram_widths),
+    )
     short = ints(args.short_widths)
     widths = sorted(set(widths) | set(short))
     two_model = {k: evolve(two, draft=evolve(two.draft, width=k)) for k in widths}
     two_model_fr: dict[int, Any] = {}
     if args.draft_vocab:
-        fr = registry.load("two-model", DraftLoadRequest(
-            target=two.target, source=str(fr_folder), width=1, draft_vocab=args.draft_vocab,
-            dtype=fr_dtype)).unwrap()
+        fr = registry.load(
+            "two-model",
+            DraftLoadRequest(
+                target=two.target,
+                source=str(fr_folder),
+                width=1,
+                draft_vocab=args.draft_vocab,
+                dtype=fr_dtype,
+            ),
+        ).unwrap()
         two_model_fr = {k: evolve(two, draft=evolve(fr, width=k)) for k in widths}
     two_model_unstaged: dict[int, Any] = {}
     if args.compare_unstaged:
-        assert args.draft_vocab, "--compare-unstaged compares the FR-Spec draft: give --draft-vocab"
-        chain = registry.load("two-model", DraftLoadRequest(
-            target=two.target, source=str(fr_folder), width=1, draft_vocab=args.draft_vocab,
-            dtype=fr_dtype, policy=DraftPolicy(staged=False))).unwrap()
-        two_model_unstaged = {k: evolve(two, draft=evolve(chain, width=k)) for k in widths}
+        assert args.draft_vocab, (
+            "--compare-unstaged compares the FR-Spec draft: give --draft-vocab"
+        )
+        chain = registry.load(
+            "two-model",
+            DraftLoadRequest(
+                target=two.target,
+                source=str(fr_folder),
+                width=1,
+                draft_vocab=args.draft_vocab,
+                dtype=fr_dtype,
+                policy=DraftPolicy(staged=False),
+            ),
+        ).unwrap()
+        two_model_unstaged = {
+            k: evolve(two, draft=evolve(chain, width=k)) for k in widths
+        }
     ngram = {
         k: evolve(
             plain,
-            draft=registry.load("ngram", DraftLoadRequest(target=plain.target, width=k)).unwrap(),
+            draft=registry.load(
+                "ngram", DraftLoadRequest(target=plain.target, width=k)
+            ).unwrap(),
         )
         for k in ng_widths
     }
@@ -140,7 +201,9 @@ def main() -> None:
     }
     peer = peer_draft = None
     if not args.no_mlxlm:
-        peer = mlxlm_load(target_folder, None if args.own_weights else plain.target.model)
+        peer = mlxlm_load(
+            target_folder, None if args.own_weights else plain.target.model
+        )
         peer_draft = mlxlm_load(draft_folder, None if args.own_weights else draft_model)
     eos = frozenset(plain.target.tokenizer.eos_token_ids)
 
@@ -151,7 +214,9 @@ def main() -> None:
     if two_model_fr:
         specpipe_run(two_model_fr[widths[0]], warm_ids, 4, "two-model-fr")
     if two_model_unstaged:
-        specpipe_run(two_model_unstaged[widths[0]], warm_ids, 4, "two-model-fr-unstaged")
+        specpipe_run(
+            two_model_unstaged[widths[0]], warm_ids, 4, "two-model-fr-unstaged"
+        )
     if ng_widths:
         specpipe_run(ngram[ng_widths[0]], warm_ids, 4, "ngram")
     if peer is not None:
@@ -165,7 +230,9 @@ def main() -> None:
         "draft": str(draft_folder),
         "dtype": args.dtype,
         "model_dtypes": dtypes,
-        "mlx_lm_weights": "own copy" if args.own_weights else "shared with specpipe (same buffers)",
+        "mlx_lm_weights": "own copy"
+        if args.own_weights
+        else "shared with specpipe (same buffers)",
         "max_tokens": args.tokens,
         "draft_vocab": args.draft_vocab,
         "prompts": {},
@@ -185,21 +252,28 @@ def main() -> None:
         entry["cpu_speedup"] = entry["cpu_tps"] / base["cpu_tps"] if base else 1.0
         block["runs"].append(entry)
         if diff is not None and run.library == "specpipe":
-            failures.append(f"{prompt}: specpipe {run.method} k={run.width} differs at token {diff}")
+            failures.append(
+                f"{prompt}: specpipe {run.method} k={run.width} differs at token {diff}"
+            )
         write_json(Path(args.out), payload)
         print(
             f"  {prompt:5s} {run.library:8s} {run.method:11s} k={run.width}: {run.decode_tps:.3f} tok/s "
             f"x{entry['speedup']:.2f} (cpu x{entry['cpu_speedup']:.2f})  acc.len {run.acceptance_length:.2f}  {run.ms_per_round:.0f} ms/round  "
             f"cpu/wall {entry['cpu_per_wall']:.2f}  {'==' if diff is None else f'DIFF@{diff}'}  "
             f"[{time.perf_counter() - started:.0f}s]",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
         return entry
 
     for prompt in args.prompts.split(","):
         text, chat = PROMPTS[prompt]
         ids = list(plain.encode(text, chat).unwrap())
-        payload["prompts"][prompt] = {"prompt_tokens": len(ids), "plain": {}, "runs": []}
+        payload["prompts"][prompt] = {
+            "prompt_tokens": len(ids),
+            "plain": {},
+            "runs": [],
+        }
         block = payload["prompts"][prompt]
         ref_run = specpipe_run(plain, ids, args.tokens, "plain")
         reference = ref_run.tokens
@@ -212,7 +286,9 @@ def main() -> None:
             record(prompt, lm_plain, reference)
         if prompt in args.ngram_prompts.split(","):
             for k in ng_widths:
-                record(prompt, specpipe_run(ngram[k], ids, args.tokens, "ngram"), reference)
+                record(
+                    prompt, specpipe_run(ngram[k], ids, args.tokens, "ngram"), reference
+                )
         if prompt in args.two_model_prompts.split(","):
             sweep = prompt in args.sweep_prompts.split(",")
             sp_k = ints(args.widths) if sweep else short
@@ -221,14 +297,34 @@ def main() -> None:
             # machine load hit both alike
             for k in sorted(set(sp_k) | set(lm_k)):
                 if k in sp_k:
-                    record(prompt, specpipe_run(two_model[k], ids, args.tokens, "two-model"), reference)
+                    record(
+                        prompt,
+                        specpipe_run(two_model[k], ids, args.tokens, "two-model"),
+                        reference,
+                    )
                 if k in sp_k and k in two_model_fr:
-                    record(prompt, specpipe_run(two_model_fr[k], ids, args.tokens, "two-model-fr"), reference)
+                    record(
+                        prompt,
+                        specpipe_run(two_model_fr[k], ids, args.tokens, "two-model-fr"),
+                        reference,
+                    )
                 if k in sp_k and k in two_model_unstaged:
-                    record(prompt, specpipe_run(
-                        two_model_unstaged[k], ids, args.tokens, "two-model-fr-unstaged"), reference)
+                    record(
+                        prompt,
+                        specpipe_run(
+                            two_model_unstaged[k],
+                            ids,
+                            args.tokens,
+                            "two-model-fr-unstaged",
+                        ),
+                        reference,
+                    )
                 if peer is not None and k in lm_k:
-                    record(prompt, mlxlm_speculative(peer, peer_draft, ids, args.tokens, k, eos), reference)
+                    record(
+                        prompt,
+                        mlxlm_speculative(peer, peer_draft, ids, args.tokens, k, eos),
+                        reference,
+                    )
 
     payload["elapsed_s"] = time.perf_counter() - started
     write_json(Path(args.out), payload)
@@ -251,18 +347,38 @@ def report(payload: dict[str, Any]) -> None:
         print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
         rows = [
             [
-                r["library"], r["method"], r["width"], r["n_tokens"], r["decode_tps"], r["speedup"],
+                r["library"],
+                r["method"],
+                r["width"],
+                r["n_tokens"],
+                r["decode_tps"],
+                r["speedup"],
                 r["cpu_speedup"],
-                r["acceptance_length"], r["ms_per_round"], r["wall_s"],
+                r["acceptance_length"],
+                r["ms_per_round"],
+                r["wall_s"],
                 "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
             ]
             for r in block["runs"]
         ]
-        print(table(
-            ["library", "method", "k", "tokens", "tok/s", "speedup", "speedup (CPU time)", "tokens/round", "ms/round",
-             "wall s", "== specpipe plain"],
-            rows,
-        ))
+        print(
+            table(
+                [
+                    "library",
+                    "method",
+                    "k",
+                    "tokens",
+                    "tok/s",
+                    "speedup",
+                    "speedup (CPU time)",
+                    "tokens/round",
+                    "ms/round",
+                    "wall s",
+                    "== specpipe plain",
+                ],
+                rows,
+            )
+        )
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
@@ -272,20 +388,36 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     prompts = list(payload["prompts"])
-    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True
+    )
     styles = {
         ("specpipe", "two-model"): ("C0", "o-", "specpipe two-model"),
         ("specpipe", "two-model-fr"): ("C3", "D-", "specpipe two-model, FR-Spec draft"),
-        ("specpipe", "two-model-fr-unstaged"): ("C4", "v:", "specpipe two-model, FR-Spec, unstaged"),
+        ("specpipe", "two-model-fr-unstaged"): (
+            "C4",
+            "v:",
+            "specpipe two-model, FR-Spec, unstaged",
+        ),
         ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
         ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
     }
     for ax, prompt in zip(axes[0], prompts, strict=True):
         runs = payload["prompts"][prompt]["runs"]
         for (lib, method), (color, style, label) in styles.items():
-            pts = sorted((r["width"], r["speedup"]) for r in runs if r["library"] == lib and r["method"] == method)
+            pts = sorted(
+                (r["width"], r["speedup"])
+                for r in runs
+                if r["library"] == lib and r["method"] == method
+            )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    color=color,
+                    label=label,
+                )
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"prompt '{prompt}'")
         ax.set_xlabel("draft width k (draft tokens per round)")

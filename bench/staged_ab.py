@@ -61,11 +61,16 @@ def main() -> None:
     parser.add_argument("--prompts", default="code,chat,edit")
     parser.add_argument("--widths", default="4,6,8")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--plain-each-repeat", action="store_true",
-                        help="decode plainly again in every repeat (interleaved); speedups "
-                             "then divide by the median of all plain runs")
+    parser.add_argument(
+        "--plain-each-repeat",
+        action="store_true",
+        help="decode plainly again in every repeat (interleaved); speedups "
+        "then divide by the median of all plain runs",
+    )
     parser.add_argument("--draft-vocab", help="an FR-Spec list for the draft")
-    parser.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: --dtype)")
+    parser.add_argument(
+        "--draft-dtype", default=None, help="the draft's dtype (default: --dtype)"
+    )
     parser.add_argument("--out", default=str(RESULTS / "staged-ab.json"))
     args = parser.parse_args()
 
@@ -85,8 +90,11 @@ def main() -> None:
         loaded = base.registry.load(
             "two-model",
             DraftLoadRequest(
-                target=base.target, source=str(draft_folder), width=1,
-                draft_vocab=args.draft_vocab, dtype=draft_dtype,
+                target=base.target,
+                source=str(draft_folder),
+                width=1,
+                draft_vocab=args.draft_vocab,
+                dtype=draft_dtype,
                 policy=DraftPolicy(staged=staged),
             ),
         ).unwrap()
@@ -99,9 +107,15 @@ def main() -> None:
         specpipe_run(evolve(base, draft=evolve(drafts[name], width=4)), warm, 4, name)
 
     payload: dict[str, Any] = {
-        "machine": machine_info(), "target": str(target_folder), "draft": str(draft_folder),
-        "dtype": args.dtype, "draft_dtype": draft_dtype, "max_tokens": args.tokens, "draft_vocab": args.draft_vocab,
-        "repeats": args.repeats, "prompts": {},
+        "machine": machine_info(),
+        "target": str(target_folder),
+        "draft": str(draft_folder),
+        "dtype": args.dtype,
+        "draft_dtype": draft_dtype,
+        "max_tokens": args.tokens,
+        "draft_vocab": args.draft_vocab,
+        "repeats": args.repeats,
+        "prompts": {},
     }
     for prompt in args.prompts.split(","):
         text, chat = PROMPTS[prompt]
@@ -111,7 +125,9 @@ def main() -> None:
         block: dict[str, Any] = {"plain_tps": reference.decode_tps, "widths": {}}
         payload["prompts"][prompt] = block
         for k in [int(w) for w in args.widths.split(",")]:
-            seen: dict[str, dict[str, Any]] = {n: {"tps": [], "forwards": []} for n in drafts}
+            seen: dict[str, dict[str, Any]] = {
+                n: {"tps": [], "forwards": []} for n in drafts
+            }
             for _ in range(args.repeats):
                 if args.plain_each_repeat:
                     again = specpipe_run(base, ids, args.tokens, "plain")
@@ -119,10 +135,19 @@ def main() -> None:
                     plain_tps.append(again.decode_tps)
                 for name, draft in drafts.items():
                     counters[name].forwards = 0
-                    run = specpipe_run(evolve(base, draft=evolve(draft, width=k)), ids, args.tokens, name)
-                    assert run.tokens == reference.tokens, f"{prompt} k={k} {name}: differs from plain"
+                    run = specpipe_run(
+                        evolve(base, draft=evolve(draft, width=k)),
+                        ids,
+                        args.tokens,
+                        name,
+                    )
+                    assert run.tokens == reference.tokens, (
+                        f"{prompt} k={k} {name}: differs from plain"
+                    )
                     seen[name]["tps"].append(run.decode_tps)
-                    seen[name]["forwards"].append(counters[name].forwards - 1)  # minus the prompt
+                    seen[name]["forwards"].append(
+                        counters[name].forwards - 1
+                    )  # minus the prompt
                     seen[name]["rounds"] = run.rounds
                     seen[name]["tokens_per_round"] = run.acceptance_length
             plain_median = statistics.median(plain_tps)
@@ -133,12 +158,15 @@ def main() -> None:
                     "tps": s["tps"],
                     "median_tps": statistics.median(s["tps"]),
                     "speedup": statistics.median(s["tps"]) / plain_median,
-                    "draft_forwards_per_round": statistics.median(s["forwards"]) / s["rounds"],
+                    "draft_forwards_per_round": statistics.median(s["forwards"])
+                    / s["rounds"],
                     "tokens_per_round": s["tokens_per_round"],
                 }
                 for name, s in seen.items()
             }
-            entry["staged_over_unstaged"] = entry["staged"]["median_tps"] / entry["unstaged"]["median_tps"]
+            entry["staged_over_unstaged"] = (
+                entry["staged"]["median_tps"] / entry["unstaged"]["median_tps"]
+            )
             block["widths"][str(k)] = entry
             write_json(Path(args.out), payload)
             print(

@@ -60,7 +60,9 @@ def probe_arguments(doc: str | None, shape: str, rows: str) -> argparse.Argument
     return parser
 
 
-def probe_head(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any, MtpHead, SubsetHead]:
+def probe_head(
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], Any, Any, MtpHead, SubsetHead]:
     """(config, hybrid args, one-layer target, head, FR-Spec subset) of
     `args.shape` / `experts` / `vocab` / `fr_size` / `dtype`, random weights,
     projections fused as the loader fuses them."""
@@ -74,7 +76,9 @@ def probe_head(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any, MtpH
     fuse_projections(target)
     fuse_projections(head)
     mx.eval(target.parameters(), head.parameters())
-    ids = sorted(mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist())
+    ids = sorted(
+        mx.random.permutation(args.vocab, key=mx.random.key(2))[: args.fr_size].tolist()
+    )
     subset = SubsetHead.of(target, DraftVocabulary.create(ids, args.vocab).unwrap())
     return config, hybrid, target, head, subset
 
@@ -84,7 +88,10 @@ def main() -> None:
     args = parser.parse_args()
 
     config, hybrid, target, head, subset = probe_head(args)
-    steps_of = {"full": HeadStep(target, head, None), "fr": HeadStep(target, head, subset)}
+    steps_of = {
+        "full": HeadStep(target, head, None),
+        "fr": HeadStep(target, head, subset),
+    }
     report: dict[str, Any] = {
         "machine": machine_info(),
         "shape": args.shape,
@@ -96,12 +103,15 @@ def main() -> None:
     }
     hidden_size = hybrid.hidden_size
     greedy, qwen = SAMPLINGS["greedy"], SAMPLINGS["qwen"]
+
     def measure(rows: int) -> dict[str, Any]:
         cache = head.make_cache(rows)
         cache.reserve(args.context + 8)
         keys, values = cache.keys[0], cache.values[0]
         token = mx.zeros((rows, 1), dtype=mx.int32)
-        normed = (mx.random.normal((rows, 1, hidden_size)) * 0.5).astype(head.fc.weight.dtype)
+        normed = (mx.random.normal((rows, 1, hidden_size)) * 0.5).astype(
+            head.fc.weight.dtype
+        )
         first = mx.zeros((rows,), dtype=mx.int32)
         starts = mx.full((rows,), args.context, dtype=mx.int32)
         seeds = mx.zeros((rows,), dtype=mx.uint32)
@@ -115,26 +125,44 @@ def main() -> None:
             )
         )
         entry: dict[str, Any] = {"rows": rows}
-        entry["layer"] = median_ms(lambda: layer(token, normed, keys, values, starts), args.repeats)
+        entry["layer"] = median_ms(
+            lambda: layer(token, normed, keys, values, starts), args.repeats
+        )
         for name, step in steps_of.items():
             argmax = mx.compile(lambda x, step=step: step.draw(x, greedy, seeds, steps))
             sampled = mx.compile(lambda x, step=step: step.draw(x, qwen, seeds, steps))
-            entry[f"head_{name}"] = median_ms(lambda argmax=argmax: argmax(flat), args.repeats)
-            entry[f"draw_{name}"] = median_ms(lambda sampled=sampled: sampled(flat), args.repeats)
-            if name == "fr":  # top-k in two stages over the list too (specpipe.sampling.top_k_ids)
-                saved, sampling.TWO_STAGE_TOP_K_FROM = sampling.TWO_STAGE_TOP_K_FROM, 8192
-                blockwise = mx.compile(lambda x, step=step: step.draw(x, qwen, seeds, steps))
-                entry["draw_fr_blockwise"] = median_ms(lambda b=blockwise: b(flat), args.repeats)
+            entry[f"head_{name}"] = median_ms(
+                lambda argmax=argmax: argmax(flat), args.repeats
+            )
+            entry[f"draw_{name}"] = median_ms(
+                lambda sampled=sampled: sampled(flat), args.repeats
+            )
+            if (
+                name == "fr"
+            ):  # top-k in two stages over the list too (specpipe.sampling.top_k_ids)
+                saved, sampling.TWO_STAGE_TOP_K_FROM = (
+                    sampling.TWO_STAGE_TOP_K_FROM,
+                    8192,
+                )
+                blockwise = mx.compile(
+                    lambda x, step=step: step.draw(x, qwen, seeds, steps)
+                )
+                entry["draw_fr_blockwise"] = median_ms(
+                    lambda b=blockwise: b(flat), args.repeats
+                )
                 sampling.TWO_STAGE_TOP_K_FROM = saved
             for label, params in (("greedy", greedy), ("qwen", qwen)):
                 fn = step(False, 1, params)
 
                 def call(fn: Any = fn) -> Any:
-                    return fn(token, normed, first, starts, keys, values, seeds, steps)[0]
+                    return fn(token, normed, first, starts, keys, values, seeds, steps)[
+                        0
+                    ]
 
                 entry[f"step_{name}_{label}"] = median_ms(call, args.repeats)
                 entry[f"split_{name}_{label}"] = split_ms(call, args.repeats)
         return entry
+
     for rows in [int(r) for r in args.rows.split(",")]:
         entry = measure(rows)
         report["rows"].append(entry)

@@ -34,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine_info, model_folder, table, write_json
 
 
-def time_specpipe(model: Any, context: int, widths: list[int], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+def time_specpipe(
+    model: Any, context: int, widths: list[int], repeats: int
+) -> tuple[dict[int, float], dict[int, float]]:
     cache = model.make_cache(1)
     prompt = mx.array([[(7 * i + 3) % 1000 for i in range(context)]], dtype=mx.int32)
     cache.reserve(context + max(widths) + 1)
@@ -58,7 +60,9 @@ def time_specpipe(model: Any, context: int, widths: list[int], repeats: int) -> 
     return out, build
 
 
-def time_mlxlm(model: Any, context: int, widths: list[int], repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+def time_mlxlm(
+    model: Any, context: int, widths: list[int], repeats: int
+) -> tuple[dict[int, float], dict[int, float]]:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -104,7 +108,9 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             folder = model_folder(ref, dtype)
             ours = specpipe.load(str(folder), dtype=dtype).unwrap()
-            sp, sp_build = time_specpipe(ours.target.model, args.context, widths, args.repeats)
+            sp, sp_build = time_specpipe(
+                ours.target.model, args.context, widths, args.repeats
+            )
             del ours
             gc.collect()
             mx.clear_cache()
@@ -113,17 +119,48 @@ def main() -> None:
             del peer
             gc.collect()
             mx.clear_cache()
-            results.append({"model": ref, "dtype": dtype, "context": args.context,
-                            "specpipe_ms": sp, "mlx_lm_ms": lm,
-                            "specpipe_build_ms": sp_build, "mlx_lm_build_ms": lm_build})
+            results.append(
+                {
+                    "model": ref,
+                    "dtype": dtype,
+                    "context": args.context,
+                    "specpipe_ms": sp,
+                    "mlx_lm_ms": lm,
+                    "specpipe_build_ms": sp_build,
+                    "mlx_lm_build_ms": lm_build,
+                }
+            )
             write_json(Path(args.out), {"machine": machine, "results": results})
-            print(f"\n{Path(ref).name} [{dtype}] forward ms by window width (context {args.context}), {machine['device']}")
-            print(table(
-                ["width", "specpipe ms", "x width 1", "mlx-lm ms", "x width 1", "sp/lm time",
-                 "specpipe build ms", "mlx-lm build ms"],
-                [[w, sp[w], sp[w] / sp[widths[0]], lm[w], lm[w] / lm[widths[0]], sp[w] / lm[w],
-                  sp_build[w], lm_build[w]] for w in widths],
-            ))
+            print(
+                f"\n{Path(ref).name} [{dtype}] forward ms by window width (context {args.context}), {machine['device']}"
+            )
+            print(
+                table(
+                    [
+                        "width",
+                        "specpipe ms",
+                        "x width 1",
+                        "mlx-lm ms",
+                        "x width 1",
+                        "sp/lm time",
+                        "specpipe build ms",
+                        "mlx-lm build ms",
+                    ],
+                    [
+                        [
+                            w,
+                            sp[w],
+                            sp[w] / sp[widths[0]],
+                            lm[w],
+                            lm[w] / lm[widths[0]],
+                            sp[w] / lm[w],
+                            sp_build[w],
+                            lm_build[w],
+                        ]
+                        for w in widths
+                    ],
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,10 @@ def probe(dtype: mx.Dtype, rows: int, k: int, n: int, seed: int) -> dict[str, An
     window = x @ w.T
     single = x[:1] @ w.T
     mx.eval(window, single)
-    reference = np.asarray(x.astype(mx.float32), dtype=np.float64) @ np.asarray(
-        w.astype(mx.float32), dtype=np.float64
-    ).T
+    reference = (
+        np.asarray(x.astype(mx.float32), dtype=np.float64)
+        @ np.asarray(w.astype(mx.float32), dtype=np.float64).T
+    )
     scale = float(np.abs(reference).max())
     first = np.asarray(window[:1].astype(mx.float32), dtype=np.float64)
     alone = np.asarray(single.astype(mx.float32), dtype=np.float64)
@@ -57,15 +58,22 @@ def probe(dtype: mx.Dtype, rows: int, k: int, n: int, seed: int) -> dict[str, An
         "row0_bit_equal_to_one_row": bool(np.array_equal(first, alone)),
         "row0_max_abs_diff_to_one_row": float(np.abs(first - alone).max()),
         "window_max_rel_error_vs_f64": float(np.abs(whole - reference).max()) / scale,
-        "one_row_max_rel_error_vs_f64": float(np.abs(alone - reference[:1]).max()) / scale,
+        "one_row_max_rel_error_vs_f64": float(np.abs(alone - reference[:1]).max())
+        / scale,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", default="1,2,3,4,8,9,16", help="window sizes M")
-    parser.add_argument("--k", type=int, default=2048, help="inputs per row (the hidden size)")
-    parser.add_argument("--n", type=int, default=8192, help="outputs (a q/k/v-sized product)")
+    parser.add_argument(
+        "--k", type=int, default=2048, help="inputs per row (the hidden size)"
+    )
+    parser.add_argument(
+        "--n", type=int, default=8192, help="outputs (a q/k/v-sized product)"
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
@@ -73,7 +81,10 @@ def main() -> None:
     results = []
     for name in args.dtypes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            entry = {"dtype": name, **probe(DTYPES[name], rows, args.k, args.n, args.seed)}
+            entry = {
+                "dtype": name,
+                **probe(DTYPES[name], rows, args.k, args.n, args.seed),
+            }
             results.append(entry)
             print(
                 f"PRECISION {name:8s} M={rows:2d} row0==alone {entry['row0_bit_equal_to_one_row']!s:5s} "
