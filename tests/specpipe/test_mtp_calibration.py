@@ -131,9 +131,11 @@ def test_adaptive_mtp_output_equals_plain(
     assert all(r.stats.drafted > 0 for r in eager_results)
 
 
-def test_cpu_thread_split_is_part_of_the_calibration_key() -> None:
+def test_cpu_thread_split_is_part_of_the_calibration_key(cpu_default: None) -> None:
     """A calibration taken with products split over N CPU threads does not
-    stand for another split (the costs differ by up to ~1.7x)."""
+    stand for another split (the costs differ by up to ~1.7x). The CPU's
+    settings key CPU calibrations only (pinned: a GPU build defaults to the
+    GPU)."""
     import models.parallel as parallel
 
     try:
@@ -148,7 +150,7 @@ def test_cpu_thread_split_is_part_of_the_calibration_key() -> None:
 
 
 def test_the_cpu_blas_is_part_of_the_calibration_key(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, cpu_default: None
 ) -> None:
     """Costs measured on MLX's reference BLAS do not stand for OpenBLAS (a
     verify window of 5 costs ~2.3 steps on one, ~1.1 on the other)."""

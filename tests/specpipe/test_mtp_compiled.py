@@ -232,7 +232,9 @@ def test_the_compiled_calibration_step_drafts_the_eager_token(
         assert tokens[0][0] in listed.ids
 
 
-def test_a_head_on_the_bf16_cpu_kernel_drafts_eagerly(target: Any) -> None:
+def test_a_head_on_the_bf16_cpu_kernel_drafts_eagerly(
+    target: Any, cpu_default: None
+) -> None:
     """The bf16 CPU kernel evaluates its inputs, which a trace cannot hold:
     on the CPU a bf16 head keeps the eager step even when compiling is asked
     for, and still drafts losslessly."""

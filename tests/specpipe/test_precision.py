@@ -43,6 +43,7 @@ def test_the_notice_names_tf32_for_float32_weights_on_a_gpu_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(precision.ENV, raising=False)
+    monkeypatch.setattr(precision.mx, "default_device", lambda: mx.Device(mx.cpu))
     assert precision.tf32_notice(_model(mx.float32)) is None  # the CPU
     monkeypatch.setattr(precision.mx, "default_device", lambda: mx.Device(mx.gpu))
     line = precision.tf32_notice(_model(mx.float32))
