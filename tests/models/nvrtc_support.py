@@ -143,7 +143,10 @@ def compile_source(text: str, workdir: Path, arch: str = "sm_90") -> Compiled:
     includes = [workdir, root / "include", *_cccl_dirs(root)]
     options = [
         f"--gpu-architecture={arch}".encode(),
-        b"-std=c++17",
+        # as MLX's JIT compiles (libmlx 0.32): unannotated functions, lambdas
+        # included, are device code; NVRTC 13.0 refuses the kernels' generic
+        # lambdas without it (13.5 infers it)
+        b"--device-as-default-execution-space",
         b"--ptxas-options=--verbose",
         *[f"-I{path}".encode() for path in includes],
     ]

@@ -24,6 +24,7 @@ from models.parallel import (
     QuantizedLinear,
     project,
 )
+from tests.devices import needs_cpu_build
 from tests.models.decoder_support import tiny_args
 
 
@@ -37,16 +38,6 @@ def split_everything(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(parallel.cpu_kernel, "affine_usable", lambda *_: False)
     yield
     parallel.set_cpu_threads(None)
-
-
-# The split exists where MLX is CPU-only: with its CUDA backend CPU products
-# stay whole by design (split products of GPU-made arrays went wrong on an
-# H200: models/parallel.py), so the tests that need a split to happen apply
-# to the CPU build only. CI runs them; a GPU machine checks the refusal.
-needs_cpu_build = pytest.mark.skipif(
-    parallel._cuda_backend(),
-    reason="MLX's CUDA build never splits CPU products (models/parallel.py)",
-)
 
 
 def _same(a: mx.array, b: mx.array) -> None:

@@ -23,6 +23,7 @@ from specpipe.calibrate import (
 )
 from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.mtp import MtpDrafter
+from tests.devices import needs_cpu_build
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +132,12 @@ def test_adaptive_mtp_output_equals_plain(
     assert all(r.stats.drafted > 0 for r in eager_results)
 
 
+@needs_cpu_build
 def test_cpu_thread_split_is_part_of_the_calibration_key(cpu_default: None) -> None:
     """A calibration taken with products split over N CPU threads does not
     stand for another split (the costs differ by up to ~1.7x). The CPU's
     settings key CPU calibrations only (pinned: a GPU build defaults to the
-    GPU)."""
+    GPU), and only MLX's CPU build splits."""
     import models.parallel as parallel
 
     try:
