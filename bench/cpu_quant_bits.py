@@ -3,12 +3,13 @@ affine kernel (models/kernels/affine_matmul.c) and the float32 product.
 
 Times, for the projections of Qwen2.5-Coder 0.5B and 1.5B at 1 row (a
 decode step) and 5 rows (a verify window), groups of 32, float32
-activations: `mx.quantized_matmul` at 4, 5 and 8 bits (one thread), the
+activations: `mx.quantized_matmul` at each of --bits (one thread), the
 kernel on one thread (`k<bits>_us`) and as `models.parallel.project` runs
 it (every thread specpipe uses, `p<bits>_us`), and `x @ w.T` in float32 (as
 MLX computes it, no split).
 
-    python bench/cpu_quant_bits.py [--repeats 30] [--out F.json]
+    python bench/cpu_quant_bits.py [--repeats 30] [--bits 4,5,8] [--models 0.5b,1.5b]
+        [--out F.json]
 """
 
 from __future__ import annotations
@@ -51,15 +52,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rows", default="1,5")
+    parser.add_argument("--bits", default="4,5,8", help="widths, e.g. 2,3,4,5,6,8")
+    parser.add_argument("--models", default="0.5b,1.5b")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = []
     print(mx.__version__, mx.default_device(), flush=True)
+    widths = [int(b) for b in args.bits.split(",")]
+    chosen = args.models.split(",")
     for name, inputs, outputs in SHAPES:
+        if name.split()[0] not in chosen:
+            continue
         mx.random.seed(0)
         weight = mx.random.normal((outputs, inputs)) * inputs**-0.5
         packed = {
-            bits: mx.quantize(weight, group_size=GROUP, bits=bits) for bits in (4, 5, 8)
+            bits: mx.quantize(weight, group_size=GROUP, bits=bits) for bits in widths
         }
         mx.eval(weight, packed)
         for rows in (int(r) for r in args.rows.split(",")):
@@ -91,7 +98,7 @@ def main() -> None:
                 + "  ".join(
                     f"{b}-bit mlx {row[f'q{b}_us']:6.0f} kernel {row[f'k{b}_us']:6.0f} "
                     f"project {row[f'p{b}_us']:6.0f}"
-                    for b in (4, 5, 8)
+                    for b in widths
                 ),
                 flush=True,
             )

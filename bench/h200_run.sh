@@ -120,6 +120,12 @@
 #  load. Next, on any GPU: `setup-min kernels` (the fix: `hybrid` must show 0 bad), then pytest
 #  tests/models/test_qwen3_next.py tests/models/test_qwen3_5_moe.py -k 70 by hand; first on an H200: `setup-min
 #  retime`, or the 512-expert `switches` line above alone)
+# (thirty-fourth session, two H100 leases (asked for an H200): `setup-min kernels` (hybrid 0 bad) and the -k 70
+#  tests (pass), then the suite by hand in batches (bench/RESULTS.md); a third call carried .whlC (transformers
+#  5.23, tokenizers 0.23.3, safetensors 0.8.0, regex: the suite's pins; leave the machine's huggingface_hub,
+#  2.4 needs httpx2: `rm -rf $HOME/site/huggingface_hub*` after setup). Next, first on an H200: `setup-min
+#  retime`; on any GPU, with .whlC: pytest tests/models/test_mtp_cuda.py (the NVRTC option, checked off the GPU
+#  with 13.0 only))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

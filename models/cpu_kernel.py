@@ -13,9 +13,10 @@ MLX's CPU quantized product reads the packed weights once per input row: a
 5-row verify window took ~5x a single token's time, 5-6x float32's
 (bench/RESULTS.md). `kernels/affine_matmul.c` unpacks each weight row once
 into float32 values and runs every input row over them, for MLX affine
-weights of 4, 5 or 8 bits in groups of 32, 64 or 128 (a GGUF's kept Q4_*,
-Q5_* and Q8_0 blocks, `convert --quantize 4|8` folders); other widths keep
-MLX's product.
+weights of 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or 128 (a GGUF's
+kept Q4_*, Q5_* and Q8_0 blocks, `convert --quantize N` folders, MLX
+checkpoints quantized so); other forms (MLX's microscaled mxfp4 / mxfp8 /
+nvfp4) keep MLX's product.
 
 The kernels are compiled from their C sources with the system C compiler on first
 use (`$CC`, else `cc`; `-O3 -mavx2 -mfma -ffp-contract=off`) into the cache folder
@@ -234,14 +235,14 @@ def _on_kernel(
     return mx.array(y).reshape(*lead, out_rows).astype(x.dtype)
 
 
-AFFINE_BITS = (4, 5, 8)
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
 
 
 def affine_usable(weight: mx.array, bits: int, group_size: int, mode: str) -> bool:
     """Whether a quantized `x @ weight.T` can run on the affine kernel here:
-    an MLX affine weight [O, I * bits / 32] of 4, 5 or 8 bits in groups of
-    32, 64 or 128 on the CPU (I a multiple of 32)."""
+    an MLX affine weight [O, I * bits / 32] of 2, 3, 4, 5, 6 or 8 bits in
+    groups of 32, 64 or 128 on the CPU (I a multiple of 32)."""
     return (
         mode == "affine"
         and bits in AFFINE_BITS

@@ -426,9 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out", help="output folder")
     conv.add_argument(
         "--quantize",
-        choices=["4", "8", "none", "keep"],
+        choices=["2", "3", "4", "5", "6", "8", "none", "keep"],
         default="none",
-        help="4 or 8: MLX affine in groups of --group-size; keep (a .gguf or a "
+        help="2, 3, 4, 5, 6 or 8: MLX affine bits in groups of --group-size (on a "
+        "CPU all of them run on specpipe's affine kernel); keep (a .gguf or a "
         "fixture): its Q4_*, Q5_* and Q8_0 matrices stay quantized as they are "
         "(MLX groups of 32, the same weights), other types dequantized; none "
         "(default): float",

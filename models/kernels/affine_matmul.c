@@ -39,9 +39,34 @@ static inline __m256 weights8(__m256i q, __m256 scale, __m256 bias) {
     return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), bias);
 }
 
+/* Where each of eight `bits`-wide values of a chunk (`bits` bytes) lies: the
+ * 16 bits from its first byte on (byte lanes 4j, 4j + 1 of 32-bit lane j;
+ * both 128-bit halves index the same 16 loaded bytes), and the shift that
+ * brings it down. For the widths that are not whole nibbles or bytes. */
+typedef struct {
+    __m256i spread, shift, mask;
+} stream_t;
+
+static stream_t stream_tables(int bits) {
+    int8_t spread[32];
+    int32_t shift[8];
+    for (int j = 0; j < 8; j++) {
+        const int first = bits * j / 8;
+        spread[4 * j] = (int8_t)first;
+        spread[4 * j + 1] = (int8_t)(first + 1);
+        spread[4 * j + 2] = spread[4 * j + 3] = -1; /* zero */
+        shift[j] = bits * j % 8;
+    }
+    stream_t t;
+    t.spread = _mm256_loadu_si256((const __m256i *)spread);
+    t.shift = _mm256_loadu_si256((const __m256i *)shift);
+    t.mask = _mm256_set1_epi32((1 << bits) - 1);
+    return t;
+}
+
 /* Unpack 32 values starting at value `at` of a packed row into out[0..31]. */
-static inline void unpack32(const uint8_t *row, long at, int bits, float scale, float bias,
-                            int overread, float *out) {
+static inline void unpack32(const uint8_t *row, long at, int bits, const stream_t *t,
+                            float scale, float bias, int overread, float *out) {
     const __m256 s = _mm256_set1_ps(scale), b = _mm256_set1_ps(bias);
     if (bits == 8) {
         const uint8_t *p = row + at;
@@ -60,30 +85,24 @@ static inline void unpack32(const uint8_t *row, long at, int bits, float scale, 
         _mm256_storeu_ps(out + 8, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)), s, b));
         _mm256_storeu_ps(out + 16, weights8(_mm256_cvtepu8_epi32(second), s, b));
         _mm256_storeu_ps(out + 24, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)), s, b));
-    } else { /* 5 bits: eight values in each 5 bytes */
-        const uint8_t *p = row + at / 8 * 5;
-        if (overread) { /* 8-byte loads: 3 bytes past each 5, inside the weights */
-            /* value j: the 16 bits at byte 5j / 8, shifted right by 5j % 8 */
-            const __m256i spread = _mm256_setr_epi8(
-                0, 1, -1, -1, 0, 1, -1, -1, 1, 2, -1, -1, 1, 2, -1, -1,
-                2, 3, -1, -1, 3, 4, -1, -1, 3, 4, -1, -1, 4, 5, -1, -1);
-            const __m256i shift = _mm256_setr_epi32(0, 5, 2, 7, 4, 1, 6, 3);
-            const __m256i mask = _mm256_set1_epi32(31);
+    } else { /* 2, 3, 5 or 6 bits: eight values in each `bits` bytes */
+        const uint8_t *p = row + at / 8 * bits;
+        if (overread) { /* 8-byte loads: 8 - bits bytes past each chunk, inside the weights */
             for (int i = 0; i < 4; i++) {
-                __m128i bytes = _mm_loadl_epi64((const __m128i *)(p + 5 * i));
+                __m128i bytes = _mm_loadl_epi64((const __m128i *)(p + bits * i));
                 __m256i both = _mm256_broadcastsi128_si256(bytes);
                 __m256i q = _mm256_and_si256(
-                    _mm256_srlv_epi32(_mm256_shuffle_epi8(both, spread), shift), mask);
+                    _mm256_srlv_epi32(_mm256_shuffle_epi8(both, t->spread), t->shift), t->mask);
                 _mm256_storeu_ps(out + 8 * i, weights8(q, s, b));
             }
         } else { /* the weights' last 32 values: no byte past them is read */
             int32_t q[32];
+            const uint64_t mask = ((uint64_t)1 << bits) - 1;
             for (int i = 0; i < 4; i++) {
-                const uint8_t *c = p + 5 * i;
-                const uint64_t v = (uint64_t)c[0] | (uint64_t)c[1] << 8 |
-                                   (uint64_t)c[2] << 16 | (uint64_t)c[3] << 24 |
-                                   (uint64_t)c[4] << 32;
-                for (int j = 0; j < 8; j++) q[8 * i + j] = (int32_t)((v >> (5 * j)) & 31);
+                const uint8_t *c = p + bits * i;
+                uint64_t v = 0;
+                for (int byte = 0; byte < bits; byte++) v |= (uint64_t)c[byte] << (8 * byte);
+                for (int j = 0; j < 8; j++) q[8 * i + j] = (int32_t)((v >> (bits * j)) & mask);
             }
             for (int i = 0; i < 4; i++)
                 _mm256_storeu_ps(out + 8 * i,
@@ -104,13 +123,14 @@ static void *run(void *arg) {
     const long K = j->k, groups = K / j->group;
     float *w = aligned_alloc(64, (size_t)((K + 15) / 16 * 16) * sizeof(float));
     if (w == NULL) return (void *)1;
+    const stream_t tables = stream_tables(j->bits);
     for (long n = j->n0; n < j->n1; n++) {
         const uint8_t *row = j->w + n * j->row_bytes;
         for (long at = 0; at < K; at += 32) {
             const long g = n * groups + at / j->group;
-            /* 8-byte loads may pass a 5-bit chunk's end except at the weights' end */
+            /* 8-byte loads may pass a chunk's end except at the weights' end */
             const int overread = n + 1 < j->n || at + 32 < K;
-            unpack32(row, at, j->bits, j->scales[g], j->biases[g], overread, w + at);
+            unpack32(row, at, j->bits, &tables, j->scales[g], j->biases[g], overread, w + at);
         }
         ALL_ROWS(pass_, w, j->x, K, j->m, 0.0f, j->y + n, j->n);
     }
@@ -119,7 +139,8 @@ static void *run(void *arg) {
 }
 
 /* Returns 0, or -1 when a buffer could not be had (the caller then runs
- * MLX's product). k must be a multiple of 32 and of group; bits 4, 5 or 8. */
+ * MLX's product). k must be a multiple of 32 and of group; bits 2, 3, 4, 5, 6
+ * or 8. */
 int specpipe_affine_matmul(const uint8_t *w, const float *scales, const float *biases,
                            const float *x, float *y, long n, long k, long m, int bits,
                            int group, int threads) {

@@ -204,7 +204,7 @@ def _quantized(
     return packed, scales, biases
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("window", [1, 3, 4, 7, 9])
 def test_a_quantized_product_is_the_float32_sum_of_its_weights(
@@ -226,12 +226,12 @@ def test_a_quantized_product_is_the_float32_sum_of_its_weights(
     assert np.allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5 * np.sqrt(inner))
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_each_quantized_row_is_computed_as_alone(bits: int, threads: int) -> None:
     """Window invariance, as for bf16: a verify window's rows equal single
     tokens' bit for bit (the weights' last chunk, read without loads past
-    its end at 5 bits, included)."""
+    its end at 2, 3, 5 and 6 bits, included)."""
     packed, scales, biases = _quantized(301, 1024, bits, 64, threads)
     x = mx.random.normal((1, 9, 1024)).astype(mx.bfloat16)
     window = cpu_kernel.affine_product(x, packed, scales, biases, bits, 64, threads)
@@ -245,14 +245,16 @@ def test_each_quantized_row_is_computed_as_alone(bits: int, threads: int) -> Non
 
 
 def test_other_quantized_forms_keep_mlx_product() -> None:
-    """3-, 6- and 2-bit weights (and a sliced one) are MLX's to multiply."""
-    for bits in (2, 3, 6):
-        packed, scales, biases = _quantized(40, 256, bits, 64, bits)
-        assert not cpu_kernel.affine_usable(packed, bits, 64, "affine")
-        x = mx.random.normal((3, 256))
+    """Microscaled floating-point forms (mxfp4, mxfp8, nvfp4) and a sliced
+    weight are MLX's to multiply."""
+    x = mx.random.normal((3, 256))
+    for mode in ("mxfp4", "mxfp8", "nvfp4"):
+        packed, scales = mx.quantize(mx.random.normal((40, 256)) * 0.05, mode=mode)
+        bits, group = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}[mode]
+        assert not cpu_kernel.affine_usable(packed, bits, group, mode)
         assert mx.array_equal(
-            project(x, packed, scales, biases, group_size=64, bits=bits),
-            mx.quantized_matmul(x, packed, scales, biases, True, 64, bits),
+            project(x, packed, scales, None, group_size=group, bits=bits, mode=mode),
+            mx.quantized_matmul(x, packed, scales, None, True, group, bits, mode),
         ).item()
     packed, scales, biases = _quantized(40, 256, 4, 64, 0)
     assert (
@@ -264,18 +266,24 @@ def test_other_quantized_forms_keep_mlx_product() -> None:
 
 
 @pytest.mark.parametrize(
-    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=4)]
+    ("bits", "sampling"),
+    [
+        (4, SamplingParams()),
+        (4, SamplingParams(temperature=0.8, seed=4)),
+        (3, SamplingParams(temperature=0.8, seed=5)),
+        (6, SamplingParams()),
+    ],
 )
 def test_a_quantized_target_speculates_losslessly(
-    tmp_path: Path, sampling: SamplingParams
+    tmp_path: Path, bits: int, sampling: SamplingParams
 ) -> None:
-    """A 4-bit target (`convert --quantize 4`'s form) with a draft of
+    """A quantized target (`convert --quantize N`'s form) with a draft of
     itself: the kernel's windows give plain decoding's tokens."""
     folder = write_tiny_model(tmp_path / "target")
-    quantized = tmp_path / "q4"
+    quantized = tmp_path / f"q{bits}"
     from specpipe.cli import main
 
-    main(["convert", str(folder), str(quantized), "--quantize", "4"])
+    main(["convert", str(folder), str(quantized), "--quantize", str(bits)])
     prompts = ["def fibonacci(n):", "Hello world! Hello world!"]
     limits = GenerationLimits(max_tokens=16)
     plain = load(str(quantized)).unwrap().generate_batch(prompts, sampling, limits)
@@ -283,7 +291,7 @@ def test_a_quantized_target_speculates_losslessly(
         str(quantized), draft=str(quantized), num_draft_tokens=3, adaptive=False
     ).unwrap()
     layer = spec.target.model.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
-    assert type(layer).__name__ == "QuantizedLinear"
+    assert type(layer).__name__ == "QuantizedLinear" and layer.bits == bits
     assert cpu_kernel.affine_usable(
         layer.weight, layer.bits, layer.group_size, "affine"
     )
