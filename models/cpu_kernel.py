@@ -15,8 +15,10 @@ MLX's CPU quantized product reads the packed weights once per input row: a
 into float32 values and runs every input row over them, for MLX affine
 weights of 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or 128 (a GGUF's
 kept Q4_*, Q5_* and Q8_0 blocks, `convert --quantize N` folders, MLX
-checkpoints quantized so); other forms (MLX's microscaled mxfp4 / mxfp8 /
-nvfp4) keep MLX's product.
+checkpoints quantized so), and stacked MoE experts the same way, a call's
+(token, expert) pairs grouped by expert (`affine_gather_product`, in place of
+MLX's `gather_qmm`); other forms (MLX's microscaled mxfp4 / mxfp8 / nvfp4)
+keep MLX's product.
 
 The kernels are compiled from their C sources with the system C compiler on first
 use (`$CC`, else `cc`; `-O3 -mavx2 -mfma -ffp-contract=off`) into the cache folder
@@ -130,8 +132,13 @@ def _library() -> ctypes.CDLL | str:
     fn = lib.specpipe_bf16_matmul
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     fn.restype = None
-    affine = lib.specpipe_affine_matmul
-    affine.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int] * 3
+    affine = lib.specpipe_affine_gather
+    affine.argtypes = (
+        [ctypes.c_void_p] * 5
+        + [ctypes.c_long] * 3
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_int] * 4
+    )
     affine.restype = ctypes.c_int
     return lib
 
@@ -239,20 +246,57 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
 
 
-def affine_usable(weight: mx.array, bits: int, group_size: int, mode: str) -> bool:
+def affine_usable(
+    weight: mx.array, bits: int, group_size: int, mode: str, stacked: bool = False
+) -> bool:
     """Whether a quantized `x @ weight.T` can run on the affine kernel here:
-    an MLX affine weight [O, I * bits / 32] of 2, 3, 4, 5, 6 or 8 bits in
-    groups of 32, 64 or 128 on the CPU (I a multiple of 32)."""
+    an MLX affine weight [O, I * bits / 32] (`stacked`: experts' weights
+    [E, O, I * bits / 32]) of 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or
+    128 on the CPU (I a multiple of 32)."""
     return (
         mode == "affine"
         and bits in AFFINE_BITS
         and group_size in AFFINE_GROUPS
-        and weight.ndim == 2
+        and weight.ndim == (3 if stacked else 2)
         and weight.dtype == mx.uint32
-        and (int(weight.shape[1]) * 32 // bits) % max(group_size, 32) == 0
+        and (int(weight.shape[-1]) * 32 // bits) % max(group_size, 32) == 0
         and mx.default_device().type == mx.DeviceType.cpu
         and available()
     )
+
+
+def _affine_run(
+    arrays: list[np.ndarray],  # weight, scales, biases (float32)
+    xs: np.ndarray,  # [M, I] float32, grouped by expert
+    y: np.ndarray,  # [M, O] float32
+    experts: int,
+    ids: np.ndarray,  # [S] int32: segment s's expert
+    starts: np.ndarray,  # [S + 1] int64: segment s's rows of xs
+    bits: int,
+    group_size: int,
+    threads: int,
+) -> int:
+    """The affine kernel over `xs`'s segments (nonzero: it could not run)."""
+    lib = _library()
+    assert not isinstance(lib, str), "the affine kernel without its library"
+    w, s, b = arrays
+    failed: int = lib.specpipe_affine_gather(
+        w.ctypes.data,
+        s.ctypes.data,
+        b.ctypes.data,
+        xs.ctypes.data,
+        y.ctypes.data,
+        int(w.shape[-2]),
+        xs.shape[1],
+        experts,
+        ids.ctypes.data,
+        starts.ctypes.data,
+        len(ids),
+        bits,
+        group_size,
+        threads,
+    )
+    return failed
 
 
 def affine_product(
@@ -267,29 +311,60 @@ def affine_product(
     """`x @ dequantize(weight).T` on the affine kernel, accumulated in
     float32 and rounded once to x's dtype; None where the arrays are not
     laid out row after row or the kernel could not get its buffers."""
-    lib = _library()
-    assert not isinstance(lib, str), "affine_product without the kernel"
-    out_rows = int(weight.shape[0])
     inner = int(weight.shape[1]) * 32 // bits
+    one = np.zeros(1, dtype=np.int32)
 
     def call(
         arrays: list[np.ndarray], xs: np.ndarray, y: np.ndarray, threads: int
     ) -> int:
-        w, s, b = arrays
-        failed: int = lib.specpipe_affine_matmul(
-            w.ctypes.data,
-            s.ctypes.data,
-            b.ctypes.data,
-            xs.ctypes.data,
-            y.ctypes.data,
-            out_rows,
-            inner,
-            xs.shape[0],
-            bits,
-            group_size,
-            threads,
+        starts = np.array([0, xs.shape[0]], dtype=np.int64)
+        return _affine_run(arrays, xs, y, 1, one, starts, bits, group_size, threads)
+
+    laid_out = [weight, scales.astype(mx.float32), biases.astype(mx.float32)]
+    return _on_kernel(x, inner, int(weight.shape[0]), threads, laid_out, call)
+
+
+def affine_gather_product(
+    x: mx.array,  # [..., 1, I]
+    weight: mx.array,  # [E, O, I * bits / 32] uint32
+    scales: mx.array,  # [E, O, I / group_size]
+    biases: mx.array,  # [E, O, I / group_size]
+    experts: mx.array,  # [...] int, broadcast against x's batch axes
+    bits: int,
+    group_size: int,
+    threads: int,
+) -> mx.array | None:  # [..., 1, O] in x's dtype; None: use MLX's product
+    """`mx.gather_qmm(x, weight, ..., rhs_indices=experts, transpose=True)` on
+    the affine kernel: each (row, expert) pair's product, the pairs grouped
+    by expert so that every expert row used is unpacked once per call; each
+    output sums as a lone row's does (a verify window's pairs equal single
+    tokens' bit for bit). None as for `affine_product`."""
+    assert x.shape[-2] == 1, "one row per (batch, expert) pair"
+    inner = int(weight.shape[-1]) * 32 // bits
+    batch = tuple(np.broadcast_shapes(tuple(x.shape[:-2]), tuple(experts.shape)))
+    rows = mx.broadcast_to(x, (*batch, 1, inner)).reshape(-1, inner)
+    chosen = mx.broadcast_to(experts, batch).reshape(-1)
+    mx.eval(chosen)
+    ids_all = np.asarray(chosen).astype(np.int32)
+    order = np.argsort(ids_all, kind="stable")
+    ids, counts = np.unique(ids_all[order], return_counts=True)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    ids = ids.astype(np.int32)
+    total = int(weight.shape[0])
+    if len(ids) and (ids[0] < 0 or ids[-1] >= total):
+        return None  # MLX's product says what is wrong
+
+    def call(
+        arrays: list[np.ndarray], xs: np.ndarray, y: np.ndarray, threads: int
+    ) -> int:
+        grouped = np.ascontiguousarray(xs[order])
+        out = np.empty_like(y)
+        failed = _affine_run(
+            arrays, grouped, out, total, ids, starts, bits, group_size, threads
         )
+        y[order] = out
         return failed
 
     laid_out = [weight, scales.astype(mx.float32), biases.astype(mx.float32)]
-    return _on_kernel(x, inner, out_rows, threads, laid_out, call)
+    out = _on_kernel(rows, inner, int(weight.shape[1]), threads, laid_out, call)
+    return None if out is None else out.reshape(*batch, 1, -1)

@@ -29,13 +29,14 @@ from collections.abc import Callable, Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from models import cpu_kernel
 from models.base import Mask, ModelOutput, RoPE, Tapping, attention_mask, rope_offset
 from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
 from models.layers import MLP, PreNormLayer, model_dtype
-from models.parallel import Embedding, Linear
+from models.parallel import Embedding, Linear, cpu_threads
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 from schemas.hf_hybrid import LINEAR_ATTENTION, HybridArgs
@@ -179,6 +180,21 @@ class QuantizedSwitchLinear(nn.Module):
         sorted_experts: bool = False,
         float32: bool = False,
     ) -> mx.array:  # [..., 1, O]
+        if cpu_kernel.affine_usable(
+            self.weight, self.bits, self.group_size, "affine", stacked=True
+        ):  # each expert row used unpacked once (MLX's CPU product: per row)
+            out = cpu_kernel.affine_gather_product(
+                x,
+                self.weight,
+                self.scales,
+                self.biases,
+                experts,
+                self.bits,
+                self.group_size,
+                cpu_threads(),
+            )
+            if out is not None:
+                return out
         # gather_qmm computes in the activation dtype on every device
         return mx.gather_qmm(
             x,
@@ -200,8 +216,8 @@ class SwitchGLU(nn.Module):
     MLX's CPU `gather_mm` computes in float32 only. On the CPU, float experts
     of other dtypes take the selected experts' weights (when there are no more
     (token, expert) pairs than experts: decode and verify windows) or cast the
-    stacked weights to float32 (prefill). Quantized experts (`gather_qmm`)
-    need neither."""
+    stacked weights to float32 (prefill). Quantized experts (`gather_qmm`;
+    on the CPU the affine kernel, `QuantizedSwitchLinear`) need neither."""
 
     # Above this many (token, expert) pairs, group the pairs by expert first
     # so the gathered matmuls read each expert's weights once.

@@ -26,11 +26,14 @@
 
 
 typedef struct {
-    const uint8_t *w; /* packed rows, row_bytes each */
-    const float *scales, *biases; /* [n, k / group] */
-    const float *x;
-    float *y;
-    long n0, n1, n, k, m, row_bytes;
+    const uint8_t *w; /* packed rows, row_bytes each: [experts, n] */
+    const float *scales, *biases; /* [experts, n, k / group] */
+    const float *x; /* [m, k], grouped by expert */
+    float *y; /* [m, n] */
+    const int32_t *ids; /* segment s: rows starts[s] .. starts[s + 1] of x, expert ids[s] */
+    const long *starts;
+    int segments;
+    long n0, n1, n, k, rows_total, row_bytes;
     int bits, group;
 } job_t;
 
@@ -124,32 +127,43 @@ static void *run(void *arg) {
     float *w = aligned_alloc(64, (size_t)((K + 15) / 16 * 16) * sizeof(float));
     if (w == NULL) return (void *)1;
     const stream_t tables = stream_tables(j->bits);
-    for (long n = j->n0; n < j->n1; n++) {
-        const uint8_t *row = j->w + n * j->row_bytes;
-        for (long at = 0; at < K; at += 32) {
-            const long g = n * groups + at / j->group;
-            /* 8-byte loads may pass a chunk's end except at the weights' end */
-            const int overread = n + 1 < j->n || at + 32 < K;
-            unpack32(row, at, j->bits, &tables, j->scales[g], j->biases[g], overread, w + at);
+    for (int s = 0; s < j->segments; s++) {
+        const long m0 = j->starts[s], m = j->starts[s + 1] - m0;
+        if (m <= 0) continue;
+        for (long n = j->n0; n < j->n1; n++) {
+            const long r = (long)j->ids[s] * j->n + n; /* the row among all experts' */
+            const uint8_t *row = j->w + r * j->row_bytes;
+            for (long at = 0; at < K; at += 32) {
+                const long g = r * groups + at / j->group;
+                /* 8-byte loads may pass a chunk's end except at the weights' end */
+                const int overread = r + 1 < j->rows_total || at + 32 < K;
+                unpack32(row, at, j->bits, &tables, j->scales[g], j->biases[g], overread, w + at);
+            }
+            ALL_ROWS(pass_, w, j->x + m0 * K, K, m, 0.0f, j->y + m0 * j->n + n, j->n);
         }
-        ALL_ROWS(pass_, w, j->x, K, j->m, 0.0f, j->y + n, j->n);
     }
     free(w);
     return NULL;
 }
 
-/* Returns 0, or -1 when a buffer could not be had (the caller then runs
- * MLX's product). k must be a multiple of 32 and of group; bits 2, 3, 4, 5, 6
- * or 8. */
-int specpipe_affine_matmul(const uint8_t *w, const float *scales, const float *biases,
-                           const float *x, float *y, long n, long k, long m, int bits,
+/* Stacked experts' products: weights [experts, n, k * bits / 8 bytes], x's m
+ * rows grouped so that rows starts[s] .. starts[s + 1] go to expert ids[s]
+ * (starts: segments + 1 entries), y[m, n]. Each expert row used is unpacked
+ * once per call, whatever the number of rows routed to it; each output sums
+ * in the same fixed order as a lone row's. Returns 0, or -1 when a buffer
+ * could not be had (the caller then runs MLX's product). k must be a multiple
+ * of 32 and of group; bits 2, 3, 4, 5, 6 or 8. */
+int specpipe_affine_gather(const uint8_t *w, const float *scales, const float *biases,
+                           const float *x, float *y, long n, long k, long experts,
+                           const int32_t *ids, const long *starts, int segments, int bits,
                            int group, int threads) {
     job_t jobs[MAX_THREADS];
     threads = thread_count(threads, n);
     for (int t = 0; t < threads; t++) {
         long n0, n1;
         row_share(n, threads, t, &n0, &n1);
-        jobs[t] = (job_t){w, scales, biases, x, y, n0, n1, n, k, m, k * bits / 8, bits, group};
+        jobs[t] = (job_t){w, scales, biases, x, y, ids, starts, segments,
+                          n0, n1, n, k, experts * n, k * bits / 8, bits, group};
     }
     return spread(run, jobs, sizeof(job_t), threads) ? -1 : 0;
 }

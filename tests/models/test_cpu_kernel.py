@@ -244,6 +244,85 @@ def test_each_quantized_row_is_computed_as_alone(bits: int, threads: int) -> Non
             assert mx.array_equal(alone, window[:, i : i + part.shape[1]]).item()
 
 
+def _experts(
+    experts: int, rows: int, inner: int, bits: int, seed: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    mx.random.seed(seed)
+    packed, scales, biases = mx.quantize(
+        mx.random.normal((experts, rows, inner)) * 0.05, group_size=64, bits=bits
+    )
+    return packed, scales, biases
+
+
+@pytest.mark.parametrize("bits", [3, 4, 6, 8])
+@pytest.mark.parametrize(
+    ("x_shape", "chosen_shape"),
+    [
+        ((5, 1, 1, 256), (5, 3)),  # gate / up: each token's row against its top-k
+        ((5, 3, 1, 256), (5, 3)),  # down: each pair's own row
+        ((7, 1, 256), (7,)),  # pairs sorted by expert (a long prefill)
+    ],
+)
+def test_stacked_experts_are_the_float32_sums_of_their_weights(
+    bits: int, x_shape: tuple[int, ...], chosen_shape: tuple[int, ...]
+) -> None:
+    """As `gather_qmm` (transposed) computes: each (row, expert) pair's
+    product with that expert's dequantized weights, in the pair's place."""
+    packed, scales, biases = _experts(6, 40, 256, bits, bits)
+    assert cpu_kernel.affine_usable(packed, bits, 64, "affine", stacked=True)
+    assert not cpu_kernel.affine_usable(packed, bits, 64, "affine")
+    x = mx.random.normal(x_shape)
+    chosen = mx.random.randint(0, 6, chosen_shape)
+    got = cpu_kernel.affine_gather_product(
+        x, packed, scales, biases, chosen, bits, 64, 2
+    )
+    expected = mx.gather_qmm(
+        x, packed, scales, biases, rhs_indices=chosen, transpose=True,
+        group_size=64, bits=bits,
+    )  # fmt: skip
+    assert got is not None and got.shape == expected.shape
+    weights = np.asarray(
+        mx.dequantize(packed, scales, biases, group_size=64, bits=bits),
+        dtype=np.float64,
+    )  # [E, O, I]
+    batch = expected.shape[:-2]
+    rows = np.broadcast_to(np.asarray(x, dtype=np.float64), (*batch, 1, 256))
+    ids = np.broadcast_to(np.asarray(chosen), batch)
+    exact = np.einsum("...i,...oi->...o", rows[..., 0, :], weights[ids])[..., None, :]
+    assert np.allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5 * np.sqrt(256))
+    assert np.allclose(np.asarray(got), np.asarray(expected), atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_expert_pair_is_computed_as_alone(threads: int) -> None:
+    """A verify window's (token, expert) pairs equal each token's own, bit
+    for bit, whichever tokens share an expert."""
+    packed, scales, biases = _experts(8, 300, 512, 4, threads)
+    x = mx.random.normal((6, 1, 1, 512)).astype(mx.bfloat16)
+    chosen = mx.array(
+        [[0, 1, 2], [2, 1, 7], [7, 0, 3], [3, 3, 3], [5, 1, 0], [6, 2, 4]]
+    )
+    window = cpu_kernel.affine_gather_product(
+        x, packed, scales, biases, chosen, 4, 64, threads
+    )
+    assert window is not None and window.dtype == mx.bfloat16
+    for t in range(6):
+        alone = cpu_kernel.affine_gather_product(
+            x[t : t + 1], packed, scales, biases, chosen[t : t + 1], 4, 64, 1
+        )
+        assert alone is not None
+        assert mx.array_equal(alone, window[t : t + 1]).item()
+
+
+def test_an_expert_id_past_the_stack_is_left_to_mlx() -> None:
+    packed, scales, biases = _experts(4, 40, 256, 4, 0)
+    x = mx.random.normal((2, 1, 1, 256))
+    out = cpu_kernel.affine_gather_product(
+        x, packed, scales, biases, mx.array([[0, 4], [1, 2]]), 4, 64, 1
+    )
+    assert out is None
+
+
 def test_other_quantized_forms_keep_mlx_product() -> None:
     """Microscaled floating-point forms (mxfp4, mxfp8, nvfp4) and a sliced
     weight are MLX's to multiply."""

@@ -641,6 +641,15 @@ def glm() -> Model:
     return tiny_glm()
 
 
+@pytest.fixture(scope="module")
+def glm_4bit() -> Model:
+    """Its experts and projections at 4 bits: on the CPU the experts' products
+    run on the affine kernel (`cpu_kernel.affine_gather_product`)."""
+    model = tiny_glm()
+    quantize_model(model, bits=4, group_size=32)
+    return model
+
+
 @pytest.mark.parametrize(
     "sampling",
     [
@@ -650,9 +659,11 @@ def glm() -> Model:
     ids=["greedy", "sampled"],
 )
 @pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("form", ["glm", "glm_4bit"])
 def test_ngram_speculation_equals_plain_decoding(
-    glm: Model, sampling: SamplingParams, batch: int
+    request: pytest.FixtureRequest, form: str, sampling: SamplingParams, batch: int
 ) -> None:
+    glm: Model = request.getfixturevalue(form)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]][:batch]
     plain, _ = run(glm, prompts, sampling, max_tokens=20)
     assert all(len(t) == 20 for t in plain)
