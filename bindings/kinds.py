@@ -62,7 +62,7 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
 
     assert request.source is not None
     target = request.target
-    keep = request.gguf_quantized and gguf_ref(request.source)
+    keep = request.gguf_quantized is not False and gguf_ref(request.source)
     loaded = load(request.source, request.dtype, gguf_quantized=keep)
     if not isinstance(loaded, Success):
         return Failure(BindingError(f"draft model: {loaded.failure().message}"))

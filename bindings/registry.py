@@ -61,9 +61,10 @@ class DraftLoadRequest:
     # the bits a draft's projections are quantized to at load (4, 8; 16:
     # float); None: its kind's default. Only kinds that `quantizes` take it
     draft_bits: int | None = None
-    # a two-model draft that is a .gguf or a fixture keeps its llama.cpp
-    # blocks quantized (`specpipe.load.load`'s `gguf_quantized`)
-    gguf_quantized: bool = False
+    # whether a two-model draft that is a .gguf or a fixture keeps its
+    # llama.cpp blocks quantized (`specpipe.load.load`'s `gguf_quantized`;
+    # None: it does)
+    gguf_quantized: bool | None = None
 
 
 @frozen

@@ -512,7 +512,7 @@ def load(
     draft_ahead: bool | None = None,
     prompt_cache: bool | int = False,
     draft_bits: int | None = None,
-    gguf_quantized: bool = False,
+    gguf_quantized: bool | None = None,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -536,7 +536,8 @@ def load(
     v1: `models.dflash.default_bits`; a checkpoint already quantized loads
     as it is). `gguf_quantized`: a .gguf (or fixture) target keeps its
     Q4_*, Q5_* and Q8_0 matrices quantized (`specpipe.load.load`), and so
-    does a two-model draft that is one."""
+    does a two-model draft that is one (None, the default: they do; True:
+    the target must be one; False: both dequantized to float)."""
     if draft_bits is not None and (problem := bits_problem(draft_bits)):
         return Failure(RequestError(problem))
     if prompt_cache is not True and prompt_cache is not False and prompt_cache <= 0:

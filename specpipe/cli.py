@@ -349,10 +349,13 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
 def _gguf_quantized_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gguf-quantized",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="a .gguf (or fixture) model, and a --draft model that is one, keep "
-        "their Q4_*, Q5_* and Q8_0 matrices quantized (the same weights, a "
-        "fraction of the memory) instead of dequantizing them to float",
+        "their Q4_*, Q5_* and Q8_0 matrices quantized: the same weights in a "
+        "fraction of the memory, and faster (the default for such models; "
+        "--gguf-quantized also refuses other models); --no-gguf-quantized "
+        "dequantizes them to float",
     )
 
 

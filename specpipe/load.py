@@ -84,7 +84,9 @@ def parse_dtype(name: str | None) -> Result[mx.Dtype | None, LoadError]:
 
 
 def load(
-    ref: str | None = None, dtype: str | None = None, gguf_quantized: bool = False
+    ref: str | None = None,
+    dtype: str | None = None,
+    gguf_quantized: bool | None = None,
 ) -> Result[LoadedModel, LoadError]:
     """Load a model reference (default: the embedded default model).
 
@@ -92,14 +94,20 @@ def load(
     the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q5_0,
     Q5_1, Q5_K, Q8_0) load as quantized layers (groups of 32), each weight
     the very value llama.cpp dequantizes it to; other types, and a gemma4
-    file's weights, are dequantized as usual.
+    file's weights, are dequantized as usual. None (the default): so for a
+    .gguf or a fixture, other references as they are; True: the same, and any
+    other reference refused; False: every matrix dequantized to float.
     `dtype` casts the scales and biases as it casts float weights: float32
     (the default) keeps every weight exact, float16 those of Q4_0, Q4_1,
     Q5_0, Q5_1 and Q8_0. Other references are refused with it."""
     ref = ref or DEFAULT_MODEL
     return (
         parse_dtype(dtype)
-        .bind(lambda dt: _load(ref, dt, gguf_quantized))
+        .bind(
+            lambda dt: _load(
+                ref, dt, gguf_ref(ref) if gguf_quantized is None else gguf_quantized
+            )
+        )
         .map(_fused)
         .map(_resident)
     )
@@ -140,7 +148,8 @@ def _load(
             LoadError(
                 f"{ref!r}: keeping a checkpoint's llama.cpp quantization needs a .gguf "
                 f"file or a fixture ({', '.join(fixture_names())}); quantize other "
-                "models with --quantize 4 or 8 instead"
+                "models with `specpipe convert SRC OUT --quantize N` (2-8 bits) "
+                "instead"
             )
         )
     path = Path(ref).expanduser()

@@ -466,7 +466,9 @@ def fake_load(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     table: dict[str, Any] = {}
 
     def load(
-        ref: str | None = None, dtype: str | None = None, gguf_quantized: bool = False
+        ref: str | None = None,
+        dtype: str | None = None,
+        gguf_quantized: bool | None = None,
     ) -> Any:
         from schemas.errors import LoadError
 

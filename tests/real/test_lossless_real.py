@@ -35,8 +35,8 @@ def _tokens(
 
 @pytest.fixture(scope="module")
 def qwen_pair() -> Pipeline:
-    """The 1.5B target with the 0.5B draft; its plain twin shares the target
-    (one copy of the 6 GB float32 weights in memory)."""
+    """The 1.5B target with the 0.5B draft, both kept quantized (the default);
+    its plain twin shares the target (one copy of its weights in memory)."""
     return load(QWEN_15, draft=QWEN_05, num_draft_tokens=4, adaptive=False).unwrap()
 
 
@@ -73,27 +73,30 @@ def test_two_model_qwen_pair(qwen_pair: Pipeline, sampling: SamplingParams) -> N
 @pytest.mark.fixture
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.7-topp-topk"])
 def test_smollm2_kept_quantized_decodes_as_its_float_twin(
-    smollm2: Pipeline, sampling: SamplingParams
+    smollm2_float: Pipeline, sampling: SamplingParams
 ) -> None:
-    """SmolLM2's GGUF (Q4_1 matrices, a Q8_0 embedding) loaded with its blocks
-    kept quantized: the same weights in under a quarter of the bytes, so the
-    same tokens as the float32 import, plainly and with an ngram draft."""
-    kept = load(
-        SMOLLM2, draft="ngram", num_draft_tokens=6, adaptive=False, gguf_quantized=True
-    ).unwrap()
+    """SmolLM2's GGUF (Q4_1 matrices, a Q8_0 embedding) loaded as by default,
+    its blocks kept quantized: the same weights in under a quarter of the
+    bytes, so the same tokens as the float32 import, plainly and with an
+    ngram draft."""
+    kept = load(SMOLLM2, draft="ngram", num_draft_tokens=6, adaptive=False).unwrap()
     layer = kept.target.model.model.layers[0]
     assert type(layer.mlp.down_proj).__name__ == "QuantizedLinear"
-    expected = _tokens(smollm2, PROMPTS, sampling, 32)
+    float_layer = smollm2_float.target.model.model.layers[0]  # type: ignore[attr-defined]
+    assert type(float_layer.mlp.down_proj).__name__ == "Linear"
+    expected = _tokens(smollm2_float, PROMPTS, sampling, 32)
     assert _tokens(evolve(kept, draft=None), PROMPTS, sampling, 32) == expected
     assert _tokens(kept, PROMPTS, sampling, 32) == expected
 
 
 @pytest.mark.fixture
-def test_qwen05_kept_quantized_decodes_as_its_float_twin(qwen05: Pipeline) -> None:
-    """The Qwen2.5-Coder 0.5B GGUF kept quantized mixes 5-bit (Q5_0), 4-bit
-    (Q4_K) and 8-bit (Q8_0) layers and dequantizes its Q6_K ones: the same
-    greedy tokens as its float32 import."""
-    kept = load(QWEN_05, adaptive=False, gguf_quantized=True).unwrap()
+def test_qwen05_kept_quantized_decodes_as_its_float_twin(
+    qwen05: Pipeline, qwen05_float: Pipeline
+) -> None:
+    """The Qwen2.5-Coder 0.5B GGUF kept quantized (the default) mixes 5-bit
+    (Q5_0), 4-bit (Q4_K) and 8-bit (Q8_0) layers and dequantizes its Q6_K
+    ones: the same greedy tokens as its float32 import."""
+    kept = qwen05
     bits = {
         module.bits
         for _, module in kept.target.model.named_modules()
@@ -102,5 +105,5 @@ def test_qwen05_kept_quantized_decodes_as_its_float_twin(qwen05: Pipeline) -> No
     assert bits == {4, 5, 8}
     sampling = SAMPLINGS[0]
     assert _tokens(kept, PROMPTS[:2], sampling, 16) == _tokens(
-        qwen05, PROMPTS[:2], sampling, 16
+        qwen05_float, PROMPTS[:2], sampling, 16
     )
