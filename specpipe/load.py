@@ -159,12 +159,10 @@ def _load(
         if not path.is_file():
             return Failure(LoadError(f"{path}: no such GGUF file"))
         return load_gguf(path, dtype, keep_quantized)
-    if ref in fixture_names() and keep_quantized:  # its GGUF, not its float folder
-        return install_fixture(ref).bind(
-            lambda gguf: load_gguf(gguf, dtype, keep_quantized=True)
-        )
     if ref in fixture_names():
-        return fixture_folder(ref).bind(lambda folder: load_folder(folder, dtype, ref))
+        return fixture_folder(ref, keep_quantized).bind(
+            lambda folder: load_folder(folder, dtype, ref)
+        )
     if path.exists():
         return Failure(
             LoadError(
@@ -548,17 +546,24 @@ _ARCHITECTURES = {
 }
 
 
-def fixture_folder(name: str) -> Result[Path, LoadError]:
-    """The converted (float32, HF-layout) folder of a fixture, made on first use."""
-    folder = cache_root() / "models" / name
+def fixture_folder(name: str, kept: bool = False) -> Result[Path, LoadError]:
+    """The converted folder of a fixture, made on first use: float32 in the
+    HF layout, or (`kept`) with its GGUF's Q4_*, Q5_* and Q8_0 blocks kept
+    quantized in the MLX layout (what `convert --quantize keep` writes; it
+    loads in a fraction of the time re-reading the GGUF takes)."""
+    folder = cache_root() / "models" / (f"{name}-gguf-quantized" if kept else name)
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return Success(folder)
 
     def convert(gguf_path: Path) -> Result[Path, LoadError]:
+        form = ", its quantized blocks kept" if kept else ""
         print(
-            f"specpipe: converting {name} to an MLX folder (once) ...", file=sys.stderr
+            f"specpipe: converting {name} to an MLX folder (once{form}) ...",
+            file=sys.stderr,
         )
-        return load_gguf(gguf_path).bind(lambda loaded: save_folder(loaded, folder))
+        return load_gguf(gguf_path, keep_quantized=kept).bind(
+            lambda loaded: save_folder(loaded, folder)
+        )
 
     return install_fixture(name).bind(convert)
 

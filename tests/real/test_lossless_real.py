@@ -107,3 +107,32 @@ def test_qwen05_kept_quantized_decodes_as_its_float_twin(
     assert _tokens(kept, PROMPTS[:2], sampling, 16) == _tokens(
         qwen05_float, PROMPTS[:2], sampling, 16
     )
+
+
+@pytest.mark.fixture
+def test_a_kept_fixture_loads_from_its_cached_folder_as_from_its_gguf() -> None:
+    """A fixture kept quantized is converted once into an MLX folder in the
+    cache (`fixture_folder(name, kept=True)`) and loaded from there: the same
+    model as reading its GGUF with the blocks kept, logits bit for bit."""
+    import json
+
+    import mlx.core as mx
+    import numpy as np
+
+    from specpipe.fixtures import install_fixture
+    from specpipe.load import fixture_folder
+    from specpipe.load import load as load_model
+
+    folder = fixture_folder(SMOLLM2, kept=True).unwrap()
+    assert folder.name.endswith("-gguf-quantized")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"]["group_size"] == 32
+    cached = load_model(SMOLLM2).unwrap()
+    assert cached.source == SMOLLM2
+    direct = load_model(str(install_fixture(SMOLLM2).unwrap())).unwrap()
+    ids = mx.array([[1, 504, 3458, 314, 260, 2367, 30]])
+    logits = [
+        np.array(m.model(ids, m.model.make_cache(1), [0]).logits)
+        for m in (cached, direct)
+    ]
+    np.testing.assert_array_equal(logits[0], logits[1])
