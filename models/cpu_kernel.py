@@ -51,6 +51,7 @@ from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from models.paths import cache_root
@@ -212,6 +213,39 @@ def bf16_product(
     return _on_kernel(x, inner, out_rows, threads, [weight.view(mx.uint16)], call, also)
 
 
+def _evaluated(*arrays: mx.array) -> bool:
+    """Evaluate `arrays`; False inside a function transformation (a trace
+    holds no values: MLX refuses the evaluation there)."""
+    try:
+        mx.eval(*arrays)
+    except ValueError as exc:
+        if "transformation" not in str(exc):
+            raise
+        return False
+    return True
+
+
+def takes(module: nn.Module) -> bool:
+    """Whether any of `module`'s products runs on a CPU kernel here (a bf16
+    or affine-quantized layer on the CPU): kernels evaluate their inputs, so
+    a step that holds one is better left eager than traced."""
+    if mx.default_device().type != mx.DeviceType.cpu or not available():
+        return False
+    for _, layer in module.named_modules():
+        weight = layer.get("weight") if isinstance(layer, nn.Module) else None
+        if not isinstance(weight, mx.array):
+            continue
+        bits = getattr(layer, "bits", 0)
+        group = getattr(layer, "group_size", None)
+        if bits and isinstance(group, int):
+            mode = str(getattr(layer, "mode", "affine"))
+            if affine_usable(weight, bits, group, mode, stacked=weight.ndim == 3):
+                return True
+        elif usable(weight):
+            return True
+    return False
+
+
 def _on_kernel(
     x: mx.array,  # [..., inner]
     inner: int,
@@ -226,10 +260,12 @@ def _on_kernel(
     arrays as numpy views (None where one is not laid out row after row),
     one thread for a small product; `call(views, xs, y, threads)` runs the
     kernel (nonzero: it could not, None). Evaluates x, `laid_out` and `also`
-    together."""
+    together; inside `mx.compile` (or another transformation), where nothing
+    can be evaluated, None: MLX's product is traced instead."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, inner).astype(mx.float32)
-    mx.eval(flat, *laid_out, *also)
+    if not _evaluated(flat, *laid_out, *also):
+        return None
     views = [np.asarray(a) for a in laid_out]
     if not all(view.flags["C_CONTIGUOUS"] for view in views):
         return None
@@ -344,7 +380,8 @@ def affine_gather_product(
     batch = tuple(np.broadcast_shapes(tuple(x.shape[:-2]), tuple(experts.shape)))
     rows = mx.broadcast_to(x, (*batch, 1, inner)).reshape(-1, inner)
     chosen = mx.broadcast_to(experts, batch).reshape(-1)
-    mx.eval(chosen)
+    if not _evaluated(chosen):
+        return None
     ids_all = np.asarray(chosen).astype(np.int32)
     order = np.argsort(ids_all, kind="stable")
     ids, counts = np.unique(ids_all[order], return_counts=True)

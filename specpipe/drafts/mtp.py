@@ -881,13 +881,21 @@ class MtpDrafter:
 
     def compiles(self) -> bool:
         """Whether draft steps run compiled here (`DraftPolicy.compiles`). On
-        the CPU a bf16 head multiplies in specpipe's eager kernel
-        (models/cpu_kernel.py), which a trace cannot hold: it stays eager."""
+        the CPU a bf16 or quantized head multiplies in specpipe's eager
+        kernels (models/cpu_kernel.py), which a trace cannot hold: it stays
+        eager."""
         gpu = on_gpu()
         if not self.policy.compiles(gpu):
             return False
-        weights = (self.head.fc.weight, self.target.head_weights().weight)
-        return gpu or not any(cpu_kernel.usable(w) for w in weights)
+        if gpu:
+            return True
+        head = self.target.head_weights()
+        on_kernel = (
+            cpu_kernel.affine_usable(head.weight, head.bits, head.group_size, "affine")
+            if head.bits
+            else cpu_kernel.usable(head.weight)
+        )
+        return not (on_kernel or cpu_kernel.takes(self.head))
 
     @property
     def calibration_key(self) -> str:

@@ -323,6 +323,34 @@ def test_an_expert_id_past_the_stack_is_left_to_mlx() -> None:
     assert out is None
 
 
+def test_inside_a_trace_the_kernels_leave_the_product_to_mlx() -> None:
+    """`mx.compile` holds no values to hand a kernel: traced, `project` and
+    the experts' product are MLX's own (the same as called outside the
+    kernels' reach), never an error."""
+    x = mx.random.normal((3, 256))
+    packed, scales, biases = _quantized(40, 256, 4, 64, 1)
+    traced = mx.compile(
+        lambda x: project(x, packed, scales, biases, group_size=64, bits=4)
+    )
+    expected = mx.quantized_matmul(x, packed, scales, biases, True, 64, 4)
+    assert mx.array_equal(traced(x), expected).item()
+    weight = _weights(40, 256, 2)
+    traced_bf16 = mx.compile(lambda x: project(x, weight))
+    assert mx.array_equal(traced_bf16(x), x @ weight.T).item()
+    from models.qwen3_next import QuantizedSwitchLinear
+
+    experts = QuantizedSwitchLinear(256, 40, 4, group_size=64, bits=4)
+    experts.weight, experts.scales, experts.biases = _experts(4, 40, 256, 4, 2)
+    chosen = mx.array([[0, 3], [1, 1], [2, 0]])
+    rows = x[:, None, None, :]
+    traced_experts = mx.compile(lambda rows, chosen: experts(rows, chosen))
+    expected = mx.gather_qmm(
+        rows, experts.weight, experts.scales, experts.biases, rhs_indices=chosen,
+        transpose=True, group_size=64, bits=4,
+    )  # fmt: skip
+    assert mx.array_equal(traced_experts(rows, chosen), expected).item()
+
+
 def test_other_quantized_forms_keep_mlx_product() -> None:
     """Microscaled floating-point forms (mxfp4, mxfp8, nvfp4) and a sliced
     weight are MLX's to multiply."""

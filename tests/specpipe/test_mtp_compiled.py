@@ -24,7 +24,7 @@ from test_mtp import (
 )
 
 from models import cpu_kernel
-from models.build import build_model
+from models.build import build_model, quantize_layers
 from models.cache import position_mask, scatter_window
 from models.mtp import MtpHead
 from schemas.hf_hybrid import hybrid_args
@@ -230,6 +230,24 @@ def test_the_compiled_calibration_step_drafts_the_eager_token(
     assert len(set(tokens[0])) == 1  # each call times the same step
     if listed is not None:
         assert tokens[0][0] in listed.ids
+
+
+def test_a_quantized_head_on_the_cpu_affine_kernel_drafts_eagerly(
+    target: Any, cpu_default: None
+) -> None:
+    """The affine kernel evaluates its inputs too: a quantized head keeps the
+    eager step on the CPU when compiling is asked for (a traced step raised
+    inside the kernel and disabled the drafter), and drafts losslessly."""
+    head = random_head(3)
+    quantize_layers(head, 4, 32)
+    assert type(head.fc).__name__ == "QuantizedLinear"
+    drafter = MtpDrafter(target, head, DraftPolicy(compiled=True))
+    assert drafter.compiles() is not cpu_kernel.available()
+    plain, _ = run(target, PROMPTS, SAMPLINGS[1], max_tokens=10)
+    spec, results = run(target, PROMPTS, SAMPLINGS[1], drafter, 3, max_tokens=10)
+    assert spec == plain
+    assert all(r.metrics.draft_errors == [] for r in results)
+    assert sum(r.metrics.drafted for r in results) > 0
 
 
 def test_a_head_on_the_bf16_cpu_kernel_drafts_eagerly(
