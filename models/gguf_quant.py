@@ -121,12 +121,16 @@ def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:  # [R, W] -> [R, W * bits / 32]
     """MLX's packing: a little-endian bit stream of `bits`-bit values (value
-    i at bit i * bits), read as uint32 words."""
-    stream = np.unpackbits(values[..., None], axis=-1, bitorder="little")[..., :bits]
-    packed = np.packbits(
-        stream.reshape(values.shape[0], -1), axis=-1, bitorder="little"
-    )
-    words: np.ndarray = packed.view("<u4")
+    i at bit i * bits), read as uint32 words. Eight values fill `bits`
+    bytes: each eight are summed into one 64-bit word (value k shifted by
+    k * bits), whose low `bits` bytes, little-endian, are theirs."""
+    rows = values.shape[0]
+    eights = values.reshape(rows, -1, 8).astype("<u8")
+    word = eights[..., 0].copy()
+    for k in range(1, 8):
+        word |= eights[..., k] << np.uint64(k * bits)
+    stream = word.view(np.uint8).reshape(rows, -1, 8)[..., :bits]
+    words: np.ndarray = np.ascontiguousarray(stream).reshape(rows, -1).view("<u4")
     return words
 
 
