@@ -302,7 +302,7 @@ def affine_usable(
 
 
 def _affine_run(
-    arrays: list[np.ndarray],  # weight, scales, biases (float32)
+    arrays: list[np.ndarray],  # weight, and each segment's scales, biases (float32)
     xs: np.ndarray,  # [M, I] float32, grouped by expert
     y: np.ndarray,  # [M, O] float32
     experts: int,
@@ -402,6 +402,13 @@ def affine_gather_product(
         y[order] = out
         return failed
 
-    laid_out = [weight, scales.astype(mx.float32), biases.astype(mx.float32)]
+    # the used experts' scales and biases only, as float32 (a bf16 model's
+    # whole stack converted at every call cost more than the product at decode)
+    used = mx.array(ids)
+    laid_out = [
+        weight,
+        mx.take(scales, used, axis=0).astype(mx.float32),
+        mx.take(biases, used, axis=0).astype(mx.float32),
+    ]
     out = _on_kernel(rows, inner, int(weight.shape[1]), threads, laid_out, call)
     return None if out is None else out.reshape(*batch, 1, -1)

@@ -27,7 +27,7 @@
 
 typedef struct {
     const uint8_t *w; /* packed rows, row_bytes each: [experts, n] */
-    const float *scales, *biases; /* [experts, n, k / group] */
+    const float *scales, *biases; /* [segments, n, k / group]: each segment's expert's */
     const float *x; /* [m, k], grouped by expert */
     float *y; /* [m, n] */
     const int32_t *ids; /* segment s: rows starts[s] .. starts[s + 1] of x, expert ids[s] */
@@ -134,7 +134,7 @@ static void *run(void *arg) {
             const long r = (long)j->ids[s] * j->n + n; /* the row among all experts' */
             const uint8_t *row = j->w + r * j->row_bytes;
             for (long at = 0; at < K; at += 32) {
-                const long g = r * groups + at / j->group;
+                const long g = ((long)s * j->n + n) * groups + at / j->group;
                 /* 8-byte loads may pass a chunk's end except at the weights' end */
                 const int overread = r + 1 < j->rows_total || at + 32 < K;
                 unpack32(row, at, j->bits, &tables, j->scales[g], j->biases[g], overread, w + at);
@@ -148,7 +148,9 @@ static void *run(void *arg) {
 
 /* Stacked experts' products: weights [experts, n, k * bits / 8 bytes], x's m
  * rows grouped so that rows starts[s] .. starts[s + 1] go to expert ids[s]
- * (starts: segments + 1 entries), y[m, n]. Each expert row used is unpacked
+ * (starts: segments + 1 entries), y[m, n]; scales and biases the segments'
+ * own, [segments, n, k / group] (only the experts used are converted to
+ * float32 by the caller). Each expert row used is unpacked
  * once per call, whatever the number of rows routed to it; each output sums
  * in the same fixed order as a lone row's. Returns 0, or -1 when a buffer
  * could not be had (the caller then runs MLX's product). k must be a multiple
