@@ -233,17 +233,24 @@ def takes(module: nn.Module) -> bool:
         return False
     for _, layer in module.named_modules():
         weight = layer.get("weight") if isinstance(layer, nn.Module) else None
-        if not isinstance(weight, mx.array):
-            continue
-        bits = getattr(layer, "bits", 0)
-        group = getattr(layer, "group_size", None)
-        if bits and isinstance(group, int):
-            mode = str(getattr(layer, "mode", "affine"))
-            if affine_usable(weight, bits, group, mode, stacked=weight.ndim == 3):
-                return True
-        elif usable(weight):
+        if isinstance(weight, mx.array) and routes(
+            weight,
+            int(getattr(layer, "bits", 0)),
+            int(getattr(layer, "group_size", 64)),
+            str(getattr(layer, "mode", "affine")),
+        ):
             return True
     return False
+
+
+def routes(
+    weight: mx.array, bits: int = 0, group_size: int = 64, mode: str = "affine"
+) -> bool:
+    """Whether a product with `weight` (quantized when `bits`; [E, O, ...]
+    stacked experts when 3-D) runs on a CPU kernel here."""
+    if bits:
+        return affine_usable(weight, bits, group_size, mode, stacked=weight.ndim == 3)
+    return usable(weight)
 
 
 def _on_kernel(

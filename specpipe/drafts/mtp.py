@@ -890,12 +890,10 @@ class MtpDrafter:
         if gpu:
             return True
         head = self.target.head_weights()
-        on_kernel = (
-            cpu_kernel.affine_usable(head.weight, head.bits, head.group_size, "affine")
-            if head.bits
-            else cpu_kernel.usable(head.weight)
+        return not (
+            cpu_kernel.routes(head.weight, head.bits, head.group_size)
+            or cpu_kernel.takes(self.head)
         )
-        return not (on_kernel or cpu_kernel.takes(self.head))
 
     @property
     def calibration_key(self) -> str:
