@@ -195,11 +195,13 @@ def test_bf16_target_speculates_losslessly(tmp_path: Path) -> None:
 
 
 def _quantized(
-    rows: int, inner: int, bits: int, group: int, seed: int
+    rows: int, inner: int, bits: int, group: int, seed: int, experts: int = 0
 ) -> tuple[mx.array, mx.array, mx.array]:
+    """Random weights [rows, inner] quantized (`experts`: a stack of them)."""
     mx.random.seed(seed)
+    shape = (experts, rows, inner) if experts else (rows, inner)
     packed, scales, biases = mx.quantize(
-        mx.random.normal((rows, inner)) * 0.05, group_size=group, bits=bits
+        mx.random.normal(shape) * 0.05, group_size=group, bits=bits
     )
     return packed, scales, biases
 
@@ -244,16 +246,6 @@ def test_each_quantized_row_is_computed_as_alone(bits: int, threads: int) -> Non
             assert mx.array_equal(alone, window[:, i : i + part.shape[1]]).item()
 
 
-def _experts(
-    experts: int, rows: int, inner: int, bits: int, seed: int
-) -> tuple[mx.array, mx.array, mx.array]:
-    mx.random.seed(seed)
-    packed, scales, biases = mx.quantize(
-        mx.random.normal((experts, rows, inner)) * 0.05, group_size=64, bits=bits
-    )
-    return packed, scales, biases
-
-
 @pytest.mark.parametrize("bits", [3, 4, 6, 8])
 @pytest.mark.parametrize(
     ("x_shape", "chosen_shape"),
@@ -268,7 +260,7 @@ def test_stacked_experts_are_the_float32_sums_of_their_weights(
 ) -> None:
     """As `gather_qmm` (transposed) computes: each (row, expert) pair's
     product with that expert's dequantized weights, in the pair's place."""
-    packed, scales, biases = _experts(6, 40, 256, bits, bits)
+    packed, scales, biases = _quantized(40, 256, bits, 64, bits, experts=6)
     assert cpu_kernel.affine_usable(packed, bits, 64, "affine", stacked=True)
     assert not cpu_kernel.affine_usable(packed, bits, 64, "affine")
     x = mx.random.normal(x_shape)
@@ -297,7 +289,7 @@ def test_stacked_experts_are_the_float32_sums_of_their_weights(
 def test_each_expert_pair_is_computed_as_alone(threads: int) -> None:
     """A verify window's (token, expert) pairs equal each token's own, bit
     for bit, whichever tokens share an expert."""
-    packed, scales, biases = _experts(8, 300, 512, 4, threads)
+    packed, scales, biases = _quantized(300, 512, 4, 64, threads, experts=8)
     x = mx.random.normal((6, 1, 1, 512)).astype(mx.bfloat16)
     chosen = mx.array(
         [[0, 1, 2], [2, 1, 7], [7, 0, 3], [3, 3, 3], [5, 1, 0], [6, 2, 4]]
@@ -315,7 +307,7 @@ def test_each_expert_pair_is_computed_as_alone(threads: int) -> None:
 
 
 def test_an_expert_id_past_the_stack_is_left_to_mlx() -> None:
-    packed, scales, biases = _experts(4, 40, 256, 4, 0)
+    packed, scales, biases = _quantized(40, 256, 4, 64, 0, experts=4)
     x = mx.random.normal((2, 1, 1, 256))
     out = cpu_kernel.affine_gather_product(
         x, packed, scales, biases, mx.array([[0, 4], [1, 2]]), 4, 64, 1
@@ -340,7 +332,9 @@ def test_inside_a_trace_the_kernels_leave_the_product_to_mlx() -> None:
     from models.qwen3_next import QuantizedSwitchLinear
 
     experts = QuantizedSwitchLinear(256, 40, 4, group_size=64, bits=4)
-    experts.weight, experts.scales, experts.biases = _experts(4, 40, 256, 4, 2)
+    experts.weight, experts.scales, experts.biases = _quantized(
+        40, 256, 4, 64, 2, experts=4
+    )
     chosen = mx.array([[0, 3], [1, 1], [2, 0]])
     rows = x[:, None, None, :]
     traced_experts = mx.compile(lambda rows, chosen: experts(rows, chosen))
