@@ -34,6 +34,7 @@ from models import (
 )
 from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
+from models.parallel import MLX_GROUP_SIZES, Embedding, Linear, dequantized
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import DecoderArgs, QuantizationConfig
 from schemas.hf_gemma4 import Gemma4Args
@@ -191,6 +192,37 @@ def quantize_model(model: Model, bits: int, group_size: int) -> None:
     model.args = evolve(
         model.args, quantization=QuantizationConfig(group_size=group_size, bits=bits)
     )
+
+
+def float_other_groups(module: nn.Module) -> int:
+    """Replace each quantized layer whose groups MLX's own operations do not
+    take (a GGUF's Q6_K groups of 16, `models.parallel.MLX_GROUP_SIZES`) by a
+    float layer of the same weights, in its scales' dtype, so that MLX and
+    mlx-lm load a folder written from `module`; returns how many."""
+    replaced: list[tuple[str, nn.Module]] = []
+    for path, layer in module.named_modules():
+        if not isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            continue
+        if layer.group_size in MLX_GROUP_SIZES or layer.mode != "affine":
+            continue
+        biases = layer.get("biases")
+        assert biases is not None, f"{path}: an affine layer without biases"
+        weight = dequantized(
+            layer["weight"], layer["scales"], biases, layer.group_size, layer.bits
+        ).astype(layer["scales"].dtype)
+        rows, inputs = (int(d) for d in weight.shape)
+        floated: nn.Module
+        if isinstance(layer, nn.QuantizedEmbedding):
+            floated = Embedding(rows, inputs)
+        else:
+            floated = Linear(inputs, rows, bias="bias" in layer)
+            if "bias" in layer:
+                floated.bias = layer["bias"]
+        floated.weight = weight
+        replaced.append((path, floated))
+    if replaced:
+        module.update_modules(tree_unflatten(replaced))
+    return len(replaced)
 
 
 def quantize_layers(

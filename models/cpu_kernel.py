@@ -13,8 +13,8 @@ MLX's CPU quantized product reads the packed weights once per input row: a
 5-row verify window took ~5x a single token's time, 5-6x float32's
 (bench/RESULTS.md). `kernels/affine_matmul.c` unpacks each weight row once
 into float32 values and runs every input row over them, for MLX affine
-weights of 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or 128 (a GGUF's
-kept Q4_*, Q5_* and Q8_0 blocks, `convert --quantize N` folders, MLX
+weights of 2, 3, 4, 5, 6 or 8 bits in groups of 16, 32, 64 or 128 (a GGUF's
+kept Q4_*, Q5_*, Q6_K and Q8_0 blocks, `convert --quantize N` folders, MLX
 checkpoints quantized so), and stacked MoE experts the same way, a call's
 (token, expert) pairs grouped by expert (`affine_gather_product`, in place of
 MLX's `gather_qmm`); other forms (MLX's microscaled mxfp4 / mxfp8 / nvfp4)
@@ -286,7 +286,7 @@ def _on_kernel(
 
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUPS = (32, 64, 128)
+AFFINE_GROUPS = (16, 32, 64, 128)  # 16: a GGUF's Q6_K blocks
 
 
 def affine_usable(
@@ -294,8 +294,8 @@ def affine_usable(
 ) -> bool:
     """Whether a quantized `x @ weight.T` can run on the affine kernel here:
     an MLX affine weight [O, I * bits / 32] (`stacked`: experts' weights
-    [E, O, I * bits / 32]) of 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or
-    128 on the CPU (I a multiple of 32)."""
+    [E, O, I * bits / 32]) of 2, 3, 4, 5, 6 or 8 bits in groups of 16, 32, 64
+    or 128 on the CPU (I a multiple of 32)."""
     return (
         mode == "affine"
         and bits in AFFINE_BITS

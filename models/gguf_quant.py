@@ -20,12 +20,21 @@ llama.cpp block types are that form with groups of 32:
 - Q5_K (256 values, 176 bytes): Q4_K with 32 bytes of fifth bits before
   the nibbles (byte l, bit k: value l of sub-block k).
 
+Q6_K (256 values, 210 bytes: 128 bytes of low nibbles, 64 of high bit
+pairs, sixteen signed 8-bit scales, fp16 d) is that form with groups of 16
+at 6 bits: w = d * sc * (q - 32): s = d * sc, b = -32 * d * sc per 16
+values. MLX's own operations take groups of 32, 64 and 128 only; specpipe's
+CPU kernel multiplies groups of 16 as they are, and elsewhere they are
+expanded to float32 for each product (models/parallel.py). So a kept Q6_K
+matrix costs 1.25 bytes a weight instead of float32's 4.
+
 Scales and biases are float32, where each of these products is exact (an
-fp16 value times an integer below 64), so the weights dequantize to exactly
-the values llama.cpp's own dequantization gives (tests/models/test_gguf_quant.py
-checks against the `gguf` package's). Other types (Q6_K's 16-value groups,
-Q2_K, Q3_K, the IQ types, floats) have no such form here and load
-dequantized.
+fp16 value times an integer below 64, or times a signed 8-bit scale and
+then an integer of at most 6 bits: at most 24 significant bits), so the
+weights dequantize to exactly the values llama.cpp's own dequantization
+gives (tests/models/test_gguf_quant.py checks against the `gguf` package's).
+Other types (Q2_K, Q3_K, the IQ types, floats) have no such form here and
+load dequantized.
 """
 
 from __future__ import annotations
@@ -36,9 +45,8 @@ from collections.abc import Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["AFFINE_TYPES", "GROUP_SIZE", "affine_rows", "read_affine", "row_blocks"]
+__all__ = ["AFFINE_TYPES", "GROUP_SIZES", "affine_rows", "read_affine", "row_blocks"]
 
-GROUP_SIZE = 32
 Q = GGMLQuantizationType
 # type -> MLX bits
 AFFINE_TYPES: dict[GGMLQuantizationType, int] = {
@@ -48,8 +56,11 @@ AFFINE_TYPES: dict[GGMLQuantizationType, int] = {
     Q.Q5_0: 5,
     Q.Q5_1: 5,
     Q.Q5_K: 5,
+    Q.Q6_K: 6,
     Q.Q8_0: 8,
 }
+# type -> MLX group size (32 unless listed)
+GROUP_SIZES: dict[GGMLQuantizationType, int] = {Q.Q6_K: 16}
 # raw bytes converted at a time (a row block; packing takes ~16 bytes a value)
 _CHUNK_BYTES = 1 << 22
 
@@ -82,11 +93,36 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:  # [n, 4] bytes -> [n, 32] of 0 /
     return (bits << 4).astype(np.uint8)
 
 
+def _q6_k(blocks: np.ndarray) -> Affine:
+    """Q6_K's values [16n, 16] with scales and biases [16n, 1]. Each half of
+    a block (64 bytes of low nibbles, 32 of high bit pairs) holds 128
+    values: value 32k + l (k < 4, l < 32) takes low nibble byte l (k even)
+    or l + 32 (k odd), its low half for k < 2, its high half else, and bits
+    2k, 2k + 1 of high byte l. Value v's scale is sc[v // 16]."""
+    low, high = blocks[:, :128], blocks[:, 128:192]
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
+    d = _half(blocks, 208)
+    halves = []
+    for h in range(2):
+        ql = low[:, 64 * h : 64 * h + 64]
+        qh = high[:, 32 * h : 32 * h + 32]
+        nibbles = (ql[:, :32] & 15, ql[:, 32:] & 15, ql[:, :32] >> 4, ql[:, 32:] >> 4)
+        halves += [
+            nibbles[k] | (((qh >> (2 * k)) & 3) << 4) for k in range(4)
+        ]  # each [n, 32]
+    values = np.stack(halves, axis=1).reshape(-1, 16)  # [n * 16, 16]
+    scales = (d * sc).reshape(-1, 1)
+    return values, scales, -32 * scales
+
+
 def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
-    """Unpacked values [G, 32] (uint8) with their scales and biases [G, 1],
-    G groups in row order, from whole blocks of `qtype`."""
+    """Unpacked values [G, group] (uint8; group 32, Q6_K's 16) with their
+    scales and biases [G, 1], G groups in row order, from whole blocks of
+    `qtype`."""
     _, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, size)
+    if qtype == Q.Q6_K:
+        return _q6_k(blocks)
     if qtype == Q.Q4_0:
         d = _half(blocks, 0)
         return _nibbles(blocks[:, 2:18]), d, -8 * d
@@ -113,7 +149,7 @@ def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
         high = np.unpackbits(blocks[:, 16:48, None], axis=2, bitorder="little")
         values = values | (high.transpose(0, 2, 1).reshape(-1, 4, 2, 32) << 4)
     return (
-        values.reshape(-1, GROUP_SIZE),
+        values.reshape(-1, 32),
         (d * sc).reshape(-1, 1),
         (-(dmin * mins)).reshape(-1, 1),
     )
@@ -137,7 +173,7 @@ def _pack(values: np.ndarray, bits: int) -> np.ndarray:  # [R, W] -> [R, W * bit
 def affine_rows(qtype: GGMLQuantizationType, raw: np.ndarray, width: int) -> Affine:
     """Whole rows of `width` values of `qtype` (raw bytes, uint8) as MLX
     affine arrays: packed [R, width * bits / 32] uint32, scales and biases
-    [R, width / 32] float32."""
+    [R, width / group] float32 (`GROUP_SIZES`)."""
     bits = AFFINE_TYPES[qtype]
     values, scales, biases = _groups(qtype, raw)
     rows = values.size // width

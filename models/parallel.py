@@ -34,9 +34,11 @@ import os
 import platform
 import warnings
 from functools import cache
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from models import cpu_kernel
 
@@ -152,6 +154,15 @@ def project(
                 return mx.addmm(bias[rows], x, weight[rows].T, stream=stream)
             return mx.matmul(x, weight[rows].T, stream=stream)
         assert scales is not None, "a quantized product needs its scales"
+        if _other_group(group_size, mode):
+            # (Q6_K's groups of 16 off the CPU kernel: its weights in float32,
+            # the product accumulated in float32 as the kernel's is)
+            assert biases is not None, "an affine product needs its biases"
+            dense = dequantized(
+                weight[rows], scales[rows], biases[rows], group_size, bits
+            )
+            y32 = mx.matmul(x.astype(mx.float32), dense.T, stream=stream)
+            return y32.astype(x.dtype)
         return mx.quantized_matmul(
             x,
             weight[rows],
@@ -182,7 +193,7 @@ def project(
         if out is not None:
             return out
     rows = int(weight.shape[0])
-    count = _blocks(x, rows)
+    count = 1 if bits and _other_group(group_size, mode) else _blocks(x, rows)
     if count == 1:
         y = product(slice(None), None)
     else:
@@ -195,6 +206,82 @@ def project(
         ]
         y = mx.concatenate(parts, axis=-1)
     return y + bias if bits and bias is not None else y
+
+
+# The group sizes MLX's own affine operations take. A GGUF's Q6_K blocks load
+# as groups of 16 (models/gguf_quant.py): the CPU kernel multiplies them as
+# they are; elsewhere (a GPU, a traced product, a CPU without the kernel)
+# `dequantized` expands them to float32 for each product.
+MLX_GROUP_SIZES = (32, 64, 128)
+
+
+def unpacked(weight: mx.array, bits: int) -> mx.array:
+    """MLX affine's packed values as uint32: [..., W] words -> [..., W * 32 /
+    bits] values (value i at bit i * bits of the row's little-endian bit
+    stream; one value may span two words)."""
+    words = int(weight.shape[-1])
+    at = np.arange(words * 32 // bits, dtype=np.int64) * bits
+    first, shift = at // 32, at % 32
+    spans = shift + bits > 32
+    low = mx.take(weight, mx.array(first.astype(np.int32)), axis=-1) >> mx.array(
+        shift.astype(np.uint32)
+    )
+    high = mx.take(
+        weight, mx.array(np.minimum(first + 1, words - 1).astype(np.int32)), axis=-1
+    ) << mx.array(np.where(spans, 32 - shift, 0).astype(np.uint32))
+    high = high & mx.array(np.where(spans, 0xFFFFFFFF, 0).astype(np.uint32))
+    return (low | high) & mx.array((1 << bits) - 1, dtype=mx.uint32)
+
+
+def dequantized(
+    weight: mx.array,  # [..., I * bits / 32] uint32
+    scales: mx.array,  # [..., I / group_size]
+    biases: mx.array,  # [..., I / group_size]
+    group_size: int,
+    bits: int,
+) -> mx.array:  # [..., I] float32
+    """An affine weight's values, scale * q + bias (each rounded, as the CPU
+    kernel computes them), for any group size (MLX's `dequantize` takes 32,
+    64 and 128 only)."""
+    q = unpacked(weight, bits).astype(mx.float32)
+    lead = tuple(q.shape[:-1])
+    grouped = q.reshape(*lead, -1, group_size)
+    s = scales.astype(mx.float32)[..., None]
+    b = biases.astype(mx.float32)[..., None]
+    return ((grouped * s) + b).reshape(*lead, -1)
+
+
+_Q = TypeVar("_Q", bound=nn.QuantizedLinear | nn.QuantizedEmbedding)
+
+
+def _placeholder(
+    cls: type[_Q],
+    source: nn.Module,
+    group_size: int | None,
+    bits: int | None,
+    mode: str,
+) -> _Q:
+    """A `cls` layer for `source`'s weight shape in groups MLX's operations
+    do not take, holding placeholder arrays (a checkpoint's replace them):
+    built without `mx.quantize`, which takes MLX's group sizes only."""
+    assert group_size is not None and bits is not None
+    rows, inputs = source["weight"].shape
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    layer.group_size, layer.bits, layer.mode = group_size, bits, mode
+    layer.weight = mx.zeros((rows, inputs * bits // 32), dtype=mx.uint32)
+    layer.scales = mx.zeros((rows, inputs // group_size), dtype=mx.float32)
+    layer.biases = mx.zeros((rows, inputs // group_size), dtype=mx.float32)
+    return layer
+
+
+def _other_group(group_size: int | None, mode: str) -> bool:
+    """Whether an affine layer's groups are ones MLX's operations do not take."""
+    return (
+        mode == "affine"
+        and group_size is not None
+        and group_size not in MLX_GROUP_SIZES
+    )
 
 
 # MLX's CUDA quantized product (mlx-cuda 0.32.4, transposed weights, as
@@ -271,10 +358,29 @@ def _quantized_product(
 
 
 class QuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` whose product is split over CPU threads."""
+    """`nn.QuantizedLinear` whose product is split over CPU threads (and
+    which holds Q6_K's groups of 16 too)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return _quantized_product(self, x, self.get("bias"))
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear_layer: nn.Module,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+    ) -> QuantizedLinear:
+        if not _other_group(group_size, mode):
+            layer = super().from_linear(linear_layer, group_size, bits, mode)
+            assert isinstance(layer, QuantizedLinear)
+            return layer
+        layer = _placeholder(cls, linear_layer, group_size, bits, mode)
+        if "bias" in linear_layer:
+            layer.bias = linear_layer["bias"]
+        layer.freeze()
+        return layer
 
 
 class Embedding(nn.Embedding):
@@ -296,7 +402,34 @@ class Embedding(nn.Embedding):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """`nn.QuantizedEmbedding` whose `as_linear` is split over CPU threads."""
+    """`nn.QuantizedEmbedding` whose `as_linear` is split over CPU threads
+    (and which holds Q6_K's groups of 16 too)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _other_group(self.group_size, self.mode):
+            return super().__call__(x)
+        biases = self.get("biases")
+        assert biases is not None, "an affine embedding needs its biases"
+        return dequantized(
+            self["weight"][x], self["scales"][x], biases[x], self.group_size, self.bits
+        )
 
     def as_linear(self, x: mx.array) -> mx.array:
         return _quantized_product(self, x)
+
+    @classmethod
+    def from_embedding(
+        cls,
+        embedding_layer: nn.Module,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+    ) -> QuantizedEmbedding:
+        if not _other_group(group_size, mode):
+            layer = super().from_embedding(embedding_layer, group_size, bits, mode)
+            assert isinstance(layer, QuantizedEmbedding)
+            return layer
+        layer = _placeholder(cls, embedding_layer, group_size, bits, mode)
+        layer.num_embeddings, layer.dims = embedding_layer["weight"].shape
+        layer.freeze()
+        return layer

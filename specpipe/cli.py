@@ -11,11 +11,12 @@ from typing import Any, NoReturn
 
 from returns.result import Success
 
+from models.build import float_other_groups
 from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.api import Conversation, Pipeline, load
-from specpipe.load import DEFAULT_MODEL, save_folder
+from specpipe.load import DEFAULT_MODEL, checkpoint, save_folder
 from specpipe.load import load as load_model
 from specpipe.precision import prefer_exact_float32
 
@@ -227,9 +228,19 @@ def _convert(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         _fail(f"{out} exists and is not empty; pass --force to replace it")
-    keep = args.quantize == "keep"
-    quantize = None if args.quantize in ("none", "keep") else int(args.quantize)
-    loaded = _unwrap(load_model(args.src, args.dtype, gguf_quantized=keep))
+    keep = args.quantize in ("keep", "keep-mlx")
+    quantize = (
+        None if args.quantize in ("none", "keep", "keep-mlx") else int(args.quantize)
+    )
+    loaded = _unwrap(checkpoint(args.src, args.dtype, gguf_quantized=keep))
+    if args.quantize == "keep-mlx":
+        floated = float_other_groups(loaded.model)
+        if floated:
+            print(
+                f"specpipe: {floated} Q6_K matrices written as float (MLX's own "
+                "products take no groups of 16)",
+                file=sys.stderr,
+            )
     path = _unwrap(save_folder(loaded, out, quantize, args.group_size))
     print(f"specpipe: wrote {path}", file=sys.stderr)
 
@@ -352,7 +363,7 @@ def _gguf_quantized_option(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="a .gguf (or fixture) model, and a --draft model that is one, keep "
-        "their Q4_*, Q5_* and Q8_0 matrices quantized: the same weights in a "
+        "their Q4_*, Q5_*, Q6_K and Q8_0 matrices quantized: the same weights in a "
         "fraction of the memory, and faster (the default for such models; "
         "--gguf-quantized also refuses other models); --no-gguf-quantized "
         "dequantizes them to float",
@@ -429,13 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out", help="output folder")
     conv.add_argument(
         "--quantize",
-        choices=["2", "3", "4", "5", "6", "8", "none", "keep"],
+        choices=["2", "3", "4", "5", "6", "8", "none", "keep", "keep-mlx"],
         default="none",
         help="2, 3, 4, 5, 6 or 8: MLX affine bits in groups of --group-size (on a "
         "CPU all of them run on specpipe's affine kernel); keep (a .gguf or a "
-        "fixture): its Q4_*, Q5_* and Q8_0 matrices stay quantized as they are "
-        "(MLX groups of 32, the same weights), other types dequantized; none "
-        "(default): float",
+        "fixture): its Q4_*, Q5_*, Q6_K and Q8_0 matrices stay quantized as they "
+        "are (MLX affine layout, the same weights; Q6_K in groups of 16, which "
+        "only specpipe reads), other types dequantized; keep-mlx: the same with "
+        "Q6_K as float, a folder MLX and mlx-lm load too; none (default): float",
     )
     conv.add_argument("--group-size", type=int, default=64)
     conv.add_argument(

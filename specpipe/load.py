@@ -22,9 +22,11 @@ import mlx.nn as nn
 from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
+from models import cpu_kernel
 from models.base import CausalLM
 from models.build import (
     build_model,
+    float_other_groups,
     load_weights,
     quantization_block,
     quantize_layers,
@@ -92,25 +94,47 @@ def load(
 
     `gguf_quantized`: a `.gguf` file's (or a fixture's) weight matrices of
     the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q5_0,
-    Q5_1, Q5_K, Q8_0) load as quantized layers (groups of 32), each weight
-    the very value llama.cpp dequantizes it to; other types, and a gemma4
-    file's weights, are dequantized as usual. None (the default): so for a
+    Q5_1, Q5_K, Q8_0 in groups of 32, Q6_K in groups of 16) load as
+    quantized layers, each weight the very value llama.cpp dequantizes it
+    to; other types, and a gemma4 file's weights, are dequantized as usual.
+    Groups of 16 stay so where specpipe's CPU kernel multiplies them; off
+    it (a GPU) they load as float, as MLX's own products take no groups of
+    16. None (the default): so for a
     .gguf or a fixture, other references as they are; True: the same, and any
     other reference refused; False: every matrix dequantized to float.
     `dtype` casts the scales and biases as it casts float weights: float32
     (the default) keeps every weight exact, float16 those of Q4_0, Q4_1,
     Q5_0, Q5_1 and Q8_0. Other references are refused with it."""
-    ref = ref or DEFAULT_MODEL
     return (
-        parse_dtype(dtype)
-        .bind(
-            lambda dt: _load(
-                ref, dt, gguf_ref(ref) if gguf_quantized is None else gguf_quantized
-            )
-        )
+        checkpoint(ref, dtype, gguf_quantized)
+        .map(_device_groups)
         .map(_fused)
         .map(_resident)
     )
+
+
+def checkpoint(
+    ref: str | None = None,
+    dtype: str | None = None,
+    gguf_quantized: bool | None = None,
+) -> Result[LoadedModel, LoadError]:
+    """`ref` in its checkpoint's own form, as `convert` writes it: `load`'s
+    arguments, without `load`'s changes for the device it runs on."""
+    ref = ref or DEFAULT_MODEL
+    keep = gguf_ref(ref) if gguf_quantized is None else gguf_quantized
+    return parse_dtype(dtype).bind(lambda dt: _load(ref, dt, keep))
+
+
+def _device_groups(loaded: LoadedModel) -> LoadedModel:
+    """Quantized layers in groups MLX's own products do not take (a GGUF's
+    Q6_K groups of 16) stay so where the CPU kernel multiplies them; where
+    it does not (a GPU, a CPU without the kernel) they are expanded to float
+    once here, rather than at every product."""
+    model = loaded.model
+    on_kernel = mx.default_device().type == mx.DeviceType.cpu and cpu_kernel.available()
+    if isinstance(model, nn.Module) and not on_kernel:
+        float_other_groups(model)
+    return loaded
 
 
 def gguf_ref(ref: str) -> bool:
@@ -546,12 +570,21 @@ _ARCHITECTURES = {
 }
 
 
+# The form of a kept fixture's cached folder: 2 since Q6_K blocks are kept
+# too (groups of 16); a folder of an earlier form is converted again.
+KEPT_FORM = 2
+
+
 def fixture_folder(name: str, kept: bool = False) -> Result[Path, LoadError]:
     """The converted folder of a fixture, made on first use: float32 in the
-    HF layout, or (`kept`) with its GGUF's Q4_*, Q5_* and Q8_0 blocks kept
-    quantized in the MLX layout (what `convert --quantize keep` writes; it
-    loads in a fraction of the time re-reading the GGUF takes)."""
-    folder = cache_root() / "models" / (f"{name}-gguf-quantized" if kept else name)
+    HF layout, or (`kept`) with its GGUF's Q4_*, Q5_*, Q6_K and Q8_0 blocks
+    kept quantized in the MLX layout (what `convert --quantize keep` writes;
+    it loads in a fraction of the time re-reading the GGUF takes). A kept
+    folder of an earlier form (`KEPT_FORM`) is removed when the new one is
+    made."""
+    models = cache_root() / "models"
+    kept_name = f"{name}-gguf-quantized"
+    folder = models / (f"{kept_name}.v{KEPT_FORM}" if kept else name)
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return Success(folder)
 
@@ -561,9 +594,17 @@ def fixture_folder(name: str, kept: bool = False) -> Result[Path, LoadError]:
             f"specpipe: converting {name} to an MLX folder (once{form}) ...",
             file=sys.stderr,
         )
-        return load_gguf(gguf_path, keep_quantized=kept).bind(
+        made = load_gguf(gguf_path, keep_quantized=kept).bind(
             lambda loaded: save_folder(loaded, folder)
         )
+        if kept and isinstance(made, Success):
+            for stale in (models / kept_name, *models.glob(f"{kept_name}.v*")):
+                if stale != folder and stale.is_dir():
+                    print(
+                        f"specpipe: removing {stale} (an earlier form)", file=sys.stderr
+                    )
+                    shutil.rmtree(stale, ignore_errors=True)
+        return made
 
     return install_fixture(name).bind(convert)
 

@@ -1,5 +1,6 @@
 /* y[m, n] = sum_k w[n, k] * x[m, k] for an MLX affine-quantized weight
- * (w = scale * q + bias per group of `group` values; q packed `bits` wide,
+ * (w = scale * q + bias per group of `group` values (16, 32, 64 or 128:
+ * a GGUF's Q6_K blocks are groups of 16); q packed `bits` wide,
  * value k at bit k * bits of the row's little-endian bit stream), float32
  * inputs and outputs, for x86-64 with AVX2 and FMA (models/cpu_kernel.py).
  *
@@ -67,15 +68,20 @@ static stream_t stream_tables(int bits) {
     return t;
 }
 
-/* Unpack 32 values starting at value `at` of a packed row into out[0..31]. */
+/* Unpack 32 values starting at value `at` of a packed row into out[0..31]:
+ * values 0..15 with scale[0], bias[0], values 16..31 with scale[1], bias[1]
+ * (groups of 16, Q6_K's; a larger group passes its one pair twice). */
 static inline void unpack32(const uint8_t *row, long at, int bits, const stream_t *t,
-                            float scale, float bias, int overread, float *out) {
-    const __m256 s = _mm256_set1_ps(scale), b = _mm256_set1_ps(bias);
+                            const float scale[2], const float bias[2], int overread,
+                            float *out) {
+    const __m256 sv[2] = {_mm256_set1_ps(scale[0]), _mm256_set1_ps(scale[1])};
+    const __m256 bv[2] = {_mm256_set1_ps(bias[0]), _mm256_set1_ps(bias[1])};
+#define S8(i) sv[(i) / 2], bv[(i) / 2] /* the pair of out[8i .. 8i + 7] */
     if (bits == 8) {
         const uint8_t *p = row + at;
         for (int i = 0; i < 4; i++) {
             __m128i bytes = _mm_loadl_epi64((const __m128i *)(p + 8 * i));
-            _mm256_storeu_ps(out + 8 * i, weights8(_mm256_cvtepu8_epi32(bytes), s, b));
+            _mm256_storeu_ps(out + 8 * i, weights8(_mm256_cvtepu8_epi32(bytes), S8(i)));
         }
     } else if (bits == 4) {
         /* 16 bytes, value 2i in byte i's low nibble, 2i + 1 in its high one */
@@ -84,10 +90,10 @@ static inline void unpack32(const uint8_t *row, long at, int bits, const stream_
         __m128i lo = _mm_and_si128(packed, nibble);
         __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
         __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
-        _mm256_storeu_ps(out, weights8(_mm256_cvtepu8_epi32(first), s, b));
-        _mm256_storeu_ps(out + 8, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)), s, b));
-        _mm256_storeu_ps(out + 16, weights8(_mm256_cvtepu8_epi32(second), s, b));
-        _mm256_storeu_ps(out + 24, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)), s, b));
+        _mm256_storeu_ps(out, weights8(_mm256_cvtepu8_epi32(first), S8(0)));
+        _mm256_storeu_ps(out + 8, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)), S8(1)));
+        _mm256_storeu_ps(out + 16, weights8(_mm256_cvtepu8_epi32(second), S8(2)));
+        _mm256_storeu_ps(out + 24, weights8(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)), S8(3)));
     } else { /* 2, 3, 5 or 6 bits: eight values in each `bits` bytes */
         const uint8_t *p = row + at / 8 * bits;
         if (overread) { /* 8-byte loads: 8 - bits bytes past each chunk, inside the weights */
@@ -96,7 +102,7 @@ static inline void unpack32(const uint8_t *row, long at, int bits, const stream_
                 __m256i both = _mm256_broadcastsi128_si256(bytes);
                 __m256i q = _mm256_and_si256(
                     _mm256_srlv_epi32(_mm256_shuffle_epi8(both, t->spread), t->shift), t->mask);
-                _mm256_storeu_ps(out + 8 * i, weights8(q, s, b));
+                _mm256_storeu_ps(out + 8 * i, weights8(q, S8(i)));
             }
         } else { /* the weights' last 32 values: no byte past them is read */
             int32_t q[32];
@@ -109,10 +115,11 @@ static inline void unpack32(const uint8_t *row, long at, int bits, const stream_
             }
             for (int i = 0; i < 4; i++)
                 _mm256_storeu_ps(out + 8 * i,
-                                 weights8(_mm256_loadu_si256((const __m256i *)(q + 8 * i)), s, b));
+                                 weights8(_mm256_loadu_si256((const __m256i *)(q + 8 * i)), S8(i)));
         }
     }
 }
+#undef S8
 
 #define NO_HINT(k) ((void)0)
 #define AS_FLOAT(v) (v)
@@ -135,9 +142,12 @@ static void *run(void *arg) {
             const uint8_t *row = j->w + r * j->row_bytes;
             for (long at = 0; at < K; at += 32) {
                 const long g = ((long)s * j->n + n) * groups + at / j->group;
+                const long g1 = g + (j->group == 16); /* values at + 16 .. at + 31 */
+                const float scale[2] = {j->scales[g], j->scales[g1]};
+                const float bias[2] = {j->biases[g], j->biases[g1]};
                 /* 8-byte loads may pass a chunk's end except at the weights' end */
                 const int overread = r + 1 < j->rows_total || at + 32 < K;
-                unpack32(row, at, j->bits, &tables, j->scales[g], j->biases[g], overread, w + at);
+                unpack32(row, at, j->bits, &tables, scale, bias, overread, w + at);
             }
             ALL_ROWS(pass_, w, j->x + m0 * K, K, m, 0.0f, j->y + m0 * j->n + n, j->n);
         }
@@ -154,7 +164,7 @@ static void *run(void *arg) {
  * once per call, whatever the number of rows routed to it; each output sums
  * in the same fixed order as a lone row's. Returns 0, or -1 when a buffer
  * could not be had (the caller then runs MLX's product). k must be a multiple
- * of 32 and of group; bits 2, 3, 4, 5, 6 or 8. */
+ * of 32 and of group; group 16, 32, 64 or 128; bits 2, 3, 4, 5, 6 or 8. */
 int specpipe_affine_gather(const uint8_t *w, const float *scales, const float *biases,
                            const float *x, float *y, long n, long k, long experts,
                            const int32_t *ids, const long *starts, int segments, int bits,

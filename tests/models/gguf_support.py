@@ -281,9 +281,12 @@ def write_tiny_gguf(
     add_bos: bool | None = False,  # None: the key left out
     vocab: Vocab | None = None,  # None: `tiny_vocab(tokenizer_model)`
     extra: dict[str, np.ndarray] | None = None,  # GGUF name -> any shape, as is
+    blocks: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write `weights` (HF names) as a GGUF; return what a reader must give back
-    (the weights after a round trip through `qtype`)."""
+    (the weights after a round trip through `qtype`). `blocks`: HF name ->
+    raw blocks [rows, row bytes] of a type `gguf` cannot quantize to (Q6_K),
+    written in that weight's place as they are (not llama's Q/K rows)."""
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(TINY["num_hidden_layers"])
     writer.add_context_length(256)
@@ -309,7 +312,11 @@ def write_tiny_gguf(
         kind = name.split(".")[-2]
         if arch == "llama" and kind in heads:
             stored = llamacpp_permute(value, heads[kind])
-        if value.ndim == 2 and qtype != GGMLQuantizationType.F32:
+        if blocks is not None and hf_name in blocks:
+            raw, raw_type = blocks[hf_name]
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=raw_type)
+            expected[hf_name] = dequantize(raw, raw_type)
+        elif value.ndim == 2 and qtype != GGMLQuantizationType.F32:
             raw = quantize(stored, qtype)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
             # blocks run along a row, so permuting rows commutes with quantising

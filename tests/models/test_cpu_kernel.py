@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from models import cpu_kernel
-from models.parallel import Linear, project
+from models.parallel import Linear, dequantized, project
 from schemas.request import GenerationLimits, SamplingParams
 from specpipe.api import load
 from tests.cli.conftest import write_tiny_model
@@ -197,17 +197,33 @@ def test_bf16_target_speculates_losslessly(tmp_path: Path) -> None:
 def _quantized(
     rows: int, inner: int, bits: int, group: int, seed: int, experts: int = 0
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Random weights [rows, inner] quantized (`experts`: a stack of them)."""
+    """Random weights [rows, inner] quantized (`experts`: a stack of them);
+    in groups of 16 (a GGUF's Q6_K form, which `mx.quantize` does not make),
+    random codes with random scales and biases."""
     mx.random.seed(seed)
     shape = (experts, rows, inner) if experts else (rows, inner)
+    if group == 16:
+        lead = shape[:-1]
+        halves = mx.random.randint(0, 1 << 16, (*lead, inner * bits // 32, 2))
+        words = (halves[..., 0] << 16 | halves[..., 1]).astype(mx.uint32)  # codes
+        scales = mx.random.uniform(0.001, 0.01, (*lead, inner // 16))
+        return words, scales, -scales * (1 << (bits - 1))
     packed, scales, biases = mx.quantize(
         mx.random.normal(shape) * 0.05, group_size=group, bits=bits
     )
     return packed, scales, biases
 
 
+def _dequantized(
+    packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int
+) -> mx.array:
+    if group == 16:
+        return dequantized(packed, scales, biases, group, bits)
+    return mx.dequantize(packed, scales, biases, group_size=group, bits=bits)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
 @pytest.mark.parametrize("window", [1, 3, 4, 7, 9])
 def test_a_quantized_product_is_the_float32_sum_of_its_weights(
     bits: int, group: int, window: int
@@ -221,7 +237,7 @@ def test_a_quantized_product_is_the_float32_sum_of_its_weights(
     bias = mx.random.normal((251,))
     got = project(x, packed, scales, biases, group_size=group, bits=bits, bias=bias)
     assert got.dtype == mx.float32 and got.shape == (2, window, 251)
-    weights = mx.dequantize(packed, scales, biases, group_size=group, bits=bits)
+    weights = _dequantized(packed, scales, biases, bits, group)
     exact = np.asarray(x, dtype=np.float64) @ np.asarray(
         weights, dtype=np.float64
     ).T + np.asarray(bias, dtype=np.float64)
@@ -230,18 +246,23 @@ def test_a_quantized_product_is_the_float32_sum_of_its_weights(
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_each_quantized_row_is_computed_as_alone(bits: int, threads: int) -> None:
+@pytest.mark.parametrize("group", [64, 16])
+def test_each_quantized_row_is_computed_as_alone(
+    bits: int, threads: int, group: int
+) -> None:
     """Window invariance, as for bf16: a verify window's rows equal single
     tokens' bit for bit (the weights' last chunk, read without loads past
     its end at 2, 3, 5 and 6 bits, included)."""
-    packed, scales, biases = _quantized(301, 1024, bits, 64, threads)
+    packed, scales, biases = _quantized(301, 1024, bits, group, threads)
     x = mx.random.normal((1, 9, 1024)).astype(mx.bfloat16)
-    window = cpu_kernel.affine_product(x, packed, scales, biases, bits, 64, threads)
+    window = cpu_kernel.affine_product(x, packed, scales, biases, bits, group, threads)
     assert window is not None and window.dtype == mx.bfloat16
     for i in range(9):
         for width in (1, 2, 5):
             part = x[:, i : i + width]
-            alone = cpu_kernel.affine_product(part, packed, scales, biases, bits, 64, 1)
+            alone = cpu_kernel.affine_product(
+                part, packed, scales, biases, bits, group, 1
+            )
             assert alone is not None
             assert mx.array_equal(alone, window[:, i : i + part.shape[1]]).item()
 

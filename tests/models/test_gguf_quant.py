@@ -1,9 +1,10 @@
 """llama.cpp blocks kept quantized (models/gguf_quant.py, `keep_quantized`).
 
-Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0 blocks become MLX affine groups of 32 whose
-dequantized weights are exactly llama.cpp's (the `gguf` package's
-dequantization); a kept GGUF model computes what its dequantized twin does,
-in a fraction of the memory, and converts to a quantized MLX folder.
+Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0 blocks become MLX affine groups
+of 32, Q6_K blocks groups of 16, whose dequantized weights are exactly
+llama.cpp's (the `gguf` package's dequantization); a kept GGUF model
+computes what its dequantized twin does, in a fraction of the memory, and
+converts to a quantized MLX folder.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from mlx.utils import tree_flatten
 from returns.result import Failure, Success
 
 import models.gguf_quant as gguf_quant
+from models import cpu_kernel
 from models.gguf import read_gguf
-from models.gguf_quant import AFFINE_TYPES, GROUP_SIZE, affine_rows
+from models.gguf_quant import AFFINE_TYPES, GROUP_SIZES, affine_rows
+from models.parallel import MLX_GROUP_SIZES, dequantized, project
 from specpipe.load import LoadedModel, load, save_folder
 
 Q = GGMLQuantizationType
@@ -39,12 +42,26 @@ def random_blocks(
     count = rows * width // block
     raw = rng.integers(0, 256, (count, size), dtype=np.uint8)
     halves = rng.normal(0.0, 0.05, (count, 2)).astype(np.float16)
+    if qtype == Q.Q6_K:  # d last, after the signed 8-bit scales
+        raw[:, -2:] = (halves[:, :1] * np.float16(0.01)).view(np.uint8)
+        return raw.reshape(-1)
     # d (and m / dmin)
     width_of_halves = 4 if qtype in (Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K) else 2
     raw[:, :width_of_halves] = halves.view(np.uint8).reshape(count, 4)[
         :, :width_of_halves
     ]
     return raw.reshape(-1)
+
+
+def _values(
+    packed: mx.array, scales: mx.array, biases: mx.array, group: int, bits: int
+) -> mx.array:
+    """The dequantized weights: MLX's own for its group sizes, else
+    `models.parallel.dequantized` (which `test_the_own_dequantization_is_mlxs`
+    checks against MLX's)."""
+    if group in MLX_GROUP_SIZES:
+        return mx.dequantize(packed, scales, biases, group, bits)
+    return dequantized(packed, scales, biases, group, bits)
 
 
 @pytest.mark.parametrize("qtype", list(AFFINE_TYPES), ids=lambda q: q.name)
@@ -55,13 +72,11 @@ def test_blocks_dequantize_to_llamacpp_values_exactly(
     rows = 6
     raw = random_blocks(qtype, rows, width, seed=width)
     packed, scales, biases = affine_rows(qtype, raw, width)
-    bits = AFFINE_TYPES[qtype]
+    bits, group = AFFINE_TYPES[qtype], GROUP_SIZES.get(qtype, 32)
     assert packed.dtype == np.uint32 and packed.shape == (rows, width * bits // 32)
-    assert scales.shape == biases.shape == (rows, width // GROUP_SIZE)
+    assert scales.shape == biases.shape == (rows, width // group)
     assert scales.dtype == biases.dtype == np.float32
-    got = mx.dequantize(
-        mx.array(packed), mx.array(scales), mx.array(biases), GROUP_SIZE, bits
-    )
+    got = _values(mx.array(packed), mx.array(scales), mx.array(biases), group, bits)
     want = dequantize(raw.reshape(1, -1), qtype).reshape(rows, width)
     np.testing.assert_array_equal(np.array(got), want)
 
@@ -114,7 +129,7 @@ def test_kept_matrices_are_the_dequantized_weights(
         packed = kept[name]
         assert packed.dtype == mx.uint32, name
         got = mx.dequantize(
-            packed, kept[f"{base}.scales"], kept[f"{base}.biases"], GROUP_SIZE, bits
+            packed, kept[f"{base}.scales"], kept[f"{base}.biases"], 32, bits
         )
         np.testing.assert_array_equal(np.array(got), np.array(value), err_msg=name)
     assert len(kept) == len(plain) + 2 * len(matrices)
@@ -266,3 +281,187 @@ def test_a_kept_model_is_calibrated_apart_from_its_float_twin(
             str(path), draft="ngram", num_draft_tokens=2, gguf_quantized=kept
         ).unwrap()
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+# (on the CPU: MLX's GPU dequantize rounds otherwise, not bit-equal to the
+# CPU's on an H100, 2026-12-06; the CPU kernel rounds as the CPU's does)
+@pytest.mark.usefixtures("cpu_default")
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_own_dequantization_is_mlxs(bits: int, group: int) -> None:
+    """`models.parallel.dequantized` (any group size: Q6_K's 16 off the CPU
+    kernel) gives MLX's own dequantized weights where MLX takes the groups."""
+    mx.random.seed(bits * group)
+    packed, scales, biases = mx.quantize(
+        mx.random.normal((7, 512)), group_size=group, bits=bits
+    )
+    assert mx.array_equal(
+        dequantized(packed, scales, biases, group, bits),
+        mx.dequantize(packed, scales, biases, group_size=group, bits=bits),
+    ).item()
+
+
+def _q6_k_blocks(rows: int, width: int, seed: int) -> np.ndarray:
+    """Random Q6_K rows [rows, width / 256 * 210] with small scales."""
+    raw = random_blocks(Q.Q6_K, rows, width, seed)
+    return raw.reshape(rows, -1)
+
+
+def _tiny_q6_k(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
+) -> tuple[Path, dict[str, np.ndarray]]:
+    """A GGUF mixed as llama.cpp's Q4_K_M mixes: the MLP's down projections
+    and the head (llama: the tied embedding) Q6_K, the rest Q8_0 (widths of
+    256, whole Q6_K blocks). Returns the file and the weights a reader must
+    give back."""
+    import gguf_support
+
+    for key, value in (
+        ("hidden_size", 256),
+        ("intermediate_size", 256),
+        ("num_attention_heads", 16),
+        ("num_key_value_heads", 4),
+    ):
+        monkeypatch.setitem(gguf_support.TINY, key, value)
+    tokens, _ = tiny_tokens()
+    tied = arch == "llama"
+    weights = tiny_weights(4, len(tokens), model_type=arch, tied=tied)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    six = [head] + [n for n in weights if n.endswith("mlp.down_proj.weight")]
+    blocks = {
+        name: (_q6_k_blocks(*weights[name].shape, seed=i), Q.Q6_K)
+        for i, name in enumerate(six)
+    }
+    path = tmp_path / f"tiny-{arch}-q6_k.gguf"
+    expected = write_tiny_gguf(path, weights, arch=arch, qtype=Q.Q8_0, blocks=blocks)
+    return path, expected
+
+
+@pytest.mark.usefixtures("cpu_default")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_q6_k_matrices_are_kept_in_groups_of_16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """Q6_K matrices come as 6-bit groups of 16 holding llama.cpp's weights
+    exactly (an embedding's looked-up rows too); the kept model computes
+    what its float twin does on the CPU kernel, and the same again where the
+    kernel is not used (the weights expanded for each product)."""
+    path, expected = _tiny_q6_k(tmp_path, monkeypatch, arch)
+    kept = load(str(path)).unwrap()
+    plain = load(str(path), gguf_quantized=False).unwrap()
+    model = kept.model.model
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, nn.QuantizedLinear)
+    assert (down.bits, down.group_size) == (6, 16)
+    assert model.layers[0].self_attn.o_proj.group_size == 32  # Q8_0
+    assert cpu_kernel.affine_usable(down.weight, 6, 16, "affine")
+    name = "model.layers.1.mlp.down_proj.weight"
+    got = dequantized(down.weight, down.scales, down.biases, 16, 6)
+    want = expected[name.replace(".1.", ".0.")]
+    np.testing.assert_array_equal(np.array(got), want)
+    if arch == "llama":
+        embed = model.embed_tokens
+        assert isinstance(embed, nn.QuantizedEmbedding) and embed.group_size == 16
+        ids = mx.array([[3, 0, 7, 3]])
+        np.testing.assert_array_equal(
+            np.array(embed(ids)),
+            expected["model.embed_tokens.weight"][[3, 0, 7, 3]][None],
+        )
+    assert _bytes(kept) < _bytes(plain) / 2.5
+    on_kernel = _logits(kept)
+    np.testing.assert_allclose(
+        np.array(on_kernel), np.array(_logits(plain)), rtol=1e-5, atol=1e-4
+    )
+    monkeypatch.setattr(cpu_kernel, "affine_usable", lambda *_a, **_k: False)
+    np.testing.assert_allclose(
+        np.array(_logits(kept)), np.array(on_kernel), rtol=1e-5, atol=1e-4
+    )
+
+
+@pytest.mark.usefixtures("cpu_default")
+def test_groups_of_16_off_the_kernel_multiply_as_their_float_weights() -> None:
+    """Where the kernel does not take a product (inside `mx.compile`, where
+    nothing can be evaluated), a Q6_K layer's product is its expanded
+    weights' float32 product."""
+    raw = _q6_k_blocks(40, 512, seed=9)
+    packed, scales, biases = (mx.array(a) for a in affine_rows(Q.Q6_K, raw, 512))
+    x = mx.random.normal((3, 512))
+    eager = project(x, packed, scales, biases, group_size=16, bits=6)
+    traced = mx.compile(
+        lambda x: project(x, packed, scales, biases, group_size=16, bits=6)
+    )(x)
+    want = (
+        np.asarray(x, dtype=np.float64)
+        @ dequantize(raw.reshape(1, -1), Q.Q6_K).reshape(40, 512).astype(np.float64).T
+    )
+    for got in (eager, traced):
+        assert np.allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.usefixtures("cpu_default")
+def test_q6_k_folders_keep_or_float_their_groups_of_16(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`convert --quantize keep` writes Q6_K layers as groups of 16 (a
+    per-layer entry), which load back to the same logits; `keep-mlx` writes
+    them as float (a folder MLX's own quantized layers read whole), the
+    same weights."""
+    from specpipe.cli import main
+
+    path, _ = _tiny_q6_k(tmp_path, monkeypatch, "qwen2")
+    kept = load(str(path)).unwrap()
+    main(["convert", str(path), str(tmp_path / "keep"), "--quantize", "keep"])
+    config = json.loads((tmp_path / "keep" / "config.json").read_text())
+    block = config["quantization"]
+    assert block["model.layers.0.mlp.down_proj"] == {"group_size": 16, "bits": 6}
+    again = load(str(tmp_path / "keep")).unwrap()
+    np.testing.assert_array_equal(np.array(_logits(again)), np.array(_logits(kept)))
+
+    main(["convert", str(path), str(tmp_path / "mlx"), "--quantize", "keep-mlx"])
+    assert "3 Q6_K matrices written as float" in capsys.readouterr().err
+    config = json.loads((tmp_path / "mlx" / "config.json").read_text())
+    groups = {
+        v["group_size"] for v in config["quantization"].values() if isinstance(v, dict)
+    }
+    assert 16 not in groups and config["quantization"]["group_size"] == 32
+    floated = load(str(tmp_path / "mlx")).unwrap()
+    down = floated.model.model.layers[0].mlp.down_proj
+    assert type(down).__name__ == "Linear" and down.weight.dtype == mx.float32
+    np.testing.assert_allclose(
+        np.array(_logits(floated)), np.array(_logits(kept)), rtol=1e-5, atol=1e-4
+    )
+    # MLX's own dequantize takes every quantized layer of it
+    weights = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
+    scaled = [n.removesuffix(".scales") for n in weights if n.endswith(".scales")]
+    assert scaled
+    for base in scaled:
+        values = mx.dequantize(
+            weights[f"{base}.weight"], weights[f"{base}.scales"],
+            weights[f"{base}.biases"], group_size=32, bits=8,
+        )  # fmt: skip
+        mx.eval(values)
+
+
+@pytest.mark.usefixtures("cpu_default")
+def test_groups_of_16_load_as_float_where_the_kernel_does_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off the CPU kernel (here: a CPU without it; a GPU alike) `load` expands
+    Q6_K's groups of 16 to float once, the other kept blocks staying as they
+    are; `checkpoint` (what `convert` writes) keeps them either way."""
+    from specpipe.load import checkpoint
+
+    path, expected = _tiny_q6_k(tmp_path, monkeypatch, "qwen2")
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    loaded = load(str(path)).unwrap()
+    layer = loaded.model.model.layers[0]
+    assert type(layer.mlp.down_proj).__name__ == "Linear"
+    np.testing.assert_array_equal(
+        np.array(layer.mlp.down_proj.weight),
+        expected["model.layers.0.mlp.down_proj.weight"],
+    )
+    assert isinstance(layer.self_attn.o_proj, nn.QuantizedLinear)  # Q8_0
+    own = checkpoint(str(path)).unwrap().model.model.layers[0].mlp.down_proj
+    assert isinstance(own, nn.QuantizedLinear) and own.group_size == 16

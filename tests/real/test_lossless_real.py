@@ -94,15 +94,16 @@ def test_qwen05_kept_quantized_decodes_as_its_float_twin(
     qwen05: Pipeline, qwen05_float: Pipeline
 ) -> None:
     """The Qwen2.5-Coder 0.5B GGUF kept quantized (the default) mixes 5-bit
-    (Q5_0), 4-bit (Q4_K) and 8-bit (Q8_0) layers and dequantizes its Q6_K
-    ones: the same greedy tokens as its float32 import."""
+    (Q5_0), 4-bit (Q4_K), 8-bit (Q8_0) layers in groups of 32 and 6-bit
+    (Q6_K) ones in groups of 16: the same greedy tokens as its float32
+    import."""
     kept = qwen05
-    bits = {
-        module.bits
+    forms = {
+        (module.bits, module.group_size)
         for _, module in kept.target.model.named_modules()
         if type(module).__name__.startswith("Quantized")
     }
-    assert bits == {4, 5, 8}
+    assert forms == {(4, 32), (5, 32), (6, 16), (8, 32)}
     sampling = SAMPLINGS[0]
     assert _tokens(kept, PROMPTS[:2], sampling, 16) == _tokens(
         qwen05_float, PROMPTS[:2], sampling, 16
@@ -120,11 +121,11 @@ def test_a_kept_fixture_loads_from_its_cached_folder_as_from_its_gguf() -> None:
     import numpy as np
 
     from specpipe.fixtures import install_fixture
-    from specpipe.load import fixture_folder
+    from specpipe.load import KEPT_FORM, fixture_folder
     from specpipe.load import load as load_model
 
     folder = fixture_folder(SMOLLM2, kept=True).unwrap()
-    assert folder.name.endswith("-gguf-quantized")
+    assert folder.name.endswith(f"-gguf-quantized.v{KEPT_FORM}")
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization"]["group_size"] == 32
     cached = load_model(SMOLLM2).unwrap()
