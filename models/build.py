@@ -196,7 +196,7 @@ def quantize_model(model: Model, bits: int, group_size: int) -> None:
 
 def float_other_groups(module: nn.Module) -> int:
     """Replace each quantized layer whose groups MLX's own operations do not
-    take (a GGUF's Q6_K groups of 16, `models.parallel.MLX_GROUP_SIZES`) by a
+    take (a GGUF's Q2_K, Q3_K and Q6_K groups of 16, `models.parallel.MLX_GROUP_SIZES`) by a
     float layer of the same weights, in its scales' dtype, so that MLX and
     mlx-lm load a folder written from `module`; returns how many."""
     replaced: list[tuple[str, nn.Module]] = []

@@ -14,7 +14,7 @@ MLX's CPU quantized product reads the packed weights once per input row: a
 (bench/RESULTS.md). `kernels/affine_matmul.c` unpacks each weight row once
 into float32 values and runs every input row over them, for MLX affine
 weights of 2, 3, 4, 5, 6 or 8 bits in groups of 16, 32, 64 or 128 (a GGUF's
-kept Q4_*, Q5_*, Q6_K and Q8_0 blocks, `convert --quantize N` folders, MLX
+kept Q4_*, Q5_*, Q8_0 and K-type blocks, `convert --quantize N` folders, MLX
 checkpoints quantized so), and stacked MoE experts the same way, a call's
 (token, expert) pairs grouped by expert (`affine_gather_product`, in place of
 MLX's `gather_qmm`); other forms (MLX's microscaled mxfp4 / mxfp8 / nvfp4)
@@ -286,7 +286,7 @@ def _on_kernel(
 
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUPS = (16, 32, 64, 128)  # 16: a GGUF's Q6_K blocks
+AFFINE_GROUPS = (16, 32, 64, 128)  # 16: a GGUF's Q2_K, Q3_K, Q6_K
 
 
 def affine_usable(

@@ -9,7 +9,8 @@ Notable:
 - Tensors are dequantised one at a time (and big ones in row blocks) with
   `gguf.quants.dequantize`, which knows every llama.cpp quant type, so peak
   memory is the float32 model plus about two copies of its largest tensor.
-  With `keep_quantized`, Q4_*, Q5_*, Q6_K and Q8_0 matrices are read into
+  With `keep_quantized`, Q4_*, Q5_*, Q8_0 and K-type (Q2_K to Q6_K)
+  matrices are read into
   MLX affine triples instead, exactly (models/gguf_quant.py).
 - llama.cpp's converter permutes the rows of a llama model's Q and K
   projections so that its RoPE can rotate adjacent pairs (traditional RoPE);
@@ -287,9 +288,9 @@ def read_gguf(
     With `load_weights=False` only the header is read (config and tokenizer),
     and a gemma4 file's `rope_freqs` (its RoPE, a few floats).
     `keep_quantized` (llama, qwen2, qwen3): the weight matrices in a type MLX
-    affine quantization holds exactly (Q4_*, Q5_*, Q6_K, Q8_0:
+    affine quantization holds exactly (Q4_*, Q5_*, Q8_0, Q2_K to Q6_K:
     `models/gguf_quant.py`) come as MLX triples (`.weight` packed,
-    `.scales`, `.biases`, float32, groups of 32; Q6_K's of 16), which the
+    `.scales`, `.biases`, float32, groups of 32; Q2_K's, Q3_K's and Q6_K's of 16), which the
     loader turns into quantized layers; the rest are dequantized as without
     it.
     """

@@ -20,21 +20,32 @@ llama.cpp block types are that form with groups of 32:
 - Q5_K (256 values, 176 bytes): Q4_K with 32 bytes of fifth bits before
   the nibbles (byte l, bit k: value l of sub-block k).
 
-Q6_K (256 values, 210 bytes: 128 bytes of low nibbles, 64 of high bit
-pairs, sixteen signed 8-bit scales, fp16 d) is that form with groups of 16
-at 6 bits: w = d * sc * (q - 32): s = d * sc, b = -32 * d * sc per 16
-values. MLX's own operations take groups of 32, 64 and 128 only; specpipe's
-CPU kernel multiplies groups of 16 as they are, and elsewhere they are
-expanded to float32 for each product (models/parallel.py). So a kept Q6_K
-matrix costs 1.25 bytes a weight instead of float32's 4.
+Three K types are that form with groups of 16 (sub-blocks of 16 values,
+each with its own scale):
+
+- Q6_K (256 values, 210 bytes: 128 bytes of low nibbles, 64 of high bit
+  pairs, sixteen signed 8-bit scales, fp16 d) at 6 bits:
+  w = d * sc * (q - 32): s = d * sc, b = -32 s.
+- Q3_K (256 values, 110 bytes: 32 bytes of high bits, 64 of low bit pairs,
+  12 packing sixteen 6-bit scales, fp16 d) at 3 bits:
+  w = d * (sc - 32) * (q - 4): s = d * (sc - 32), b = -4 s.
+- Q2_K (256 values, 84 bytes: sixteen bytes of a 4-bit scale and a 4-bit
+  min, 64 of bit pairs, fp16 d and dmin) at 2 bits:
+  w = d * sc * q - dmin * m: s = d * sc, b = -dmin * m.
+
+MLX's own operations take groups of 32, 64 and 128 only; specpipe's CPU
+kernel multiplies groups of 16 as they are, and elsewhere `load` expands
+them to float once (models/parallel.py, specpipe/load.py). So a kept Q6_K
+matrix costs 1.25 bytes a weight instead of float32's 4 (Q3_K 0.875, Q2_K
+0.75).
 
 Scales and biases are float32, where each of these products is exact (an
 fp16 value times an integer below 64, or times a signed 8-bit scale and
 then an integer of at most 6 bits: at most 24 significant bits), so the
 weights dequantize to exactly the values llama.cpp's own dequantization
 gives (tests/models/test_gguf_quant.py checks against the `gguf` package's).
-Other types (Q2_K, Q3_K, the IQ types, floats) have no such form here and
-load dequantized.
+Other types (the IQ types, floats) have no such form here and load
+dequantized.
 """
 
 from __future__ import annotations
@@ -58,9 +69,11 @@ AFFINE_TYPES: dict[GGMLQuantizationType, int] = {
     Q.Q5_K: 5,
     Q.Q6_K: 6,
     Q.Q8_0: 8,
+    Q.Q2_K: 2,
+    Q.Q3_K: 3,
 }
 # type -> MLX group size (32 unless listed)
-GROUP_SIZES: dict[GGMLQuantizationType, int] = {Q.Q6_K: 16}
+GROUP_SIZES: dict[GGMLQuantizationType, int] = {Q.Q2_K: 16, Q.Q3_K: 16, Q.Q6_K: 16}
 # raw bytes converted at a time (a row block; packing takes ~16 bytes a value)
 _CHUNK_BYTES = 1 << 22
 
@@ -115,6 +128,44 @@ def _q6_k(blocks: np.ndarray) -> Affine:
     return values, scales, -32 * scales
 
 
+def _bit_pairs(qs: np.ndarray) -> list[np.ndarray]:
+    """Q2_K's / Q3_K's 2-bit values: each half of a block (32 bytes) holds
+    128 values, value 32j + l of the half (j < 4, l < 32) in bits 2j, 2j + 1
+    of byte l. Eight [n, 32] arrays in value order."""
+    return [
+        (qs[:, 32 * h : 32 * h + 32] >> (2 * j)) & 3 for h in range(2) for j in range(4)
+    ]
+
+
+def _q3_k(blocks: np.ndarray) -> Affine:
+    """Q3_K's values [16n, 16] with scales and biases [16n, 1]. Value v's
+    third bit is bit 4h + j of high byte l (its half h, j and l as in
+    `_bit_pairs`); scale i's low nibble is byte i's (i < 8) or byte i - 8's
+    high one, its top two bits those at 2 (i // 4) of byte 8 + i % 4."""
+    hmask, qs, packed = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
+    low = np.concatenate([packed[:, :8] & 15, packed[:, :8] >> 4], axis=1)
+    top = np.concatenate([(packed[:, 8:12] >> (2 * k)) & 3 for k in range(4)], axis=1)
+    sc = (low | (top << 4)).astype(np.float32) - 32
+    third = [(hmask >> k) & 1 for k in range(8)]  # k = 4h + j, in value order
+    pairs = _bit_pairs(qs)
+    values = np.stack([p | (t << 2) for p, t in zip(pairs, third, strict=True)], axis=1)
+    scales = (_half(blocks, 108) * sc).reshape(-1, 1)
+    return values.reshape(-1, 16), scales, -4 * scales
+
+
+def _q2_k(blocks: np.ndarray) -> Affine:
+    """Q2_K's values [16n, 16] with scales and biases [16n, 1]: sub-block i's
+    scale the low nibble of byte i, its min the high one."""
+    sc, mins = blocks[:, :16] & 15, blocks[:, :16] >> 4
+    values = np.stack(_bit_pairs(blocks[:, 16:80]), axis=1).reshape(-1, 16)
+    d, dmin = _half(blocks, 80), _half(blocks, 82)
+    return (
+        values,
+        (d * sc.astype(np.float32)).reshape(-1, 1),
+        (-(dmin * mins.astype(np.float32))).reshape(-1, 1),
+    )
+
+
 def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
     """Unpacked values [G, group] (uint8; group 32, Q6_K's 16) with their
     scales and biases [G, 1], G groups in row order, from whole blocks of
@@ -123,6 +174,10 @@ def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
     blocks = raw.reshape(-1, size)
     if qtype == Q.Q6_K:
         return _q6_k(blocks)
+    if qtype == Q.Q3_K:
+        return _q3_k(blocks)
+    if qtype == Q.Q2_K:
+        return _q2_k(blocks)
     if qtype == Q.Q4_0:
         d = _half(blocks, 0)
         return _nibbles(blocks[:, 2:18]), d, -8 * d

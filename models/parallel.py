@@ -155,7 +155,7 @@ def project(
             return mx.matmul(x, weight[rows].T, stream=stream)
         assert scales is not None, "a quantized product needs its scales"
         if _other_group(group_size, mode):
-            # (Q6_K's groups of 16 off the CPU kernel: its weights in float32,
+            # (K types' groups of 16 off the CPU kernel: its weights in float32,
             # the product accumulated in float32 as the kernel's is)
             assert biases is not None, "an affine product needs its biases"
             dense = dequantized(
@@ -208,7 +208,7 @@ def project(
     return y + bias if bits and bias is not None else y
 
 
-# The group sizes MLX's own affine operations take. A GGUF's Q6_K blocks load
+# The group sizes MLX's own affine operations take. A GGUF's Q2_K, Q3_K and Q6_K blocks load
 # as groups of 16 (models/gguf_quant.py): the CPU kernel multiplies them as
 # they are; elsewhere (a GPU, a traced product, a CPU without the kernel)
 # `dequantized` expands them to float32 for each product.
@@ -359,7 +359,7 @@ def _quantized_product(
 
 class QuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose product is split over CPU threads (and
-    which holds Q6_K's groups of 16 too)."""
+    which holds K types' groups of 16 too)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return _quantized_product(self, x, self.get("bias"))
@@ -403,7 +403,7 @@ class Embedding(nn.Embedding):
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """`nn.QuantizedEmbedding` whose `as_linear` is split over CPU threads
-    (and which holds Q6_K's groups of 16 too)."""
+    (and which holds K types' groups of 16 too)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if not _other_group(self.group_size, self.mode):

@@ -535,7 +535,7 @@ def load(
     None: 4 for a DFlash2 draft on a GPU, float on the CPU and for DFlash
     v1: `models.dflash.default_bits`; a checkpoint already quantized loads
     as it is). `gguf_quantized`: a .gguf (or fixture) target keeps its
-    Q4_*, Q5_*, Q6_K and Q8_0 matrices quantized (`specpipe.load.load`), and so
+    Q4_*, Q5_*, Q8_0 and K-type matrices quantized (`specpipe.load.load`), and so
     does a two-model draft that is one (None, the default: they do; True:
     the target must be one; False: both dequantized to float)."""
     if draft_bits is not None and (problem := bits_problem(draft_bits)):

@@ -237,8 +237,8 @@ def _convert(args: argparse.Namespace) -> None:
         floated = float_other_groups(loaded.model)
         if floated:
             print(
-                f"specpipe: {floated} Q6_K matrices written as float (MLX's own "
-                "products take no groups of 16)",
+                f"specpipe: {floated} matrices in groups of 16 written as float "
+                "(Q2_K, Q3_K, Q6_K: MLX's own products take no groups of 16)",
                 file=sys.stderr,
             )
     path = _unwrap(save_folder(loaded, out, quantize, args.group_size))
@@ -363,7 +363,7 @@ def _gguf_quantized_option(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="a .gguf (or fixture) model, and a --draft model that is one, keep "
-        "their Q4_*, Q5_*, Q6_K and Q8_0 matrices quantized: the same weights in a "
+        "their Q4_*, Q5_*, Q8_0 and K-type matrices quantized: the same weights in a "
         "fraction of the memory, and faster (the default for such models; "
         "--gguf-quantized also refuses other models); --no-gguf-quantized "
         "dequantizes them to float",
@@ -444,10 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="2, 3, 4, 5, 6 or 8: MLX affine bits in groups of --group-size (on a "
         "CPU all of them run on specpipe's affine kernel); keep (a .gguf or a "
-        "fixture): its Q4_*, Q5_*, Q6_K and Q8_0 matrices stay quantized as they "
-        "are (MLX affine layout, the same weights; Q6_K in groups of 16, which "
-        "only specpipe reads), other types dequantized; keep-mlx: the same with "
-        "Q6_K as float, a folder MLX and mlx-lm load too; none (default): float",
+        "fixture): its Q4_*, Q5_*, Q8_0 and K-type matrices stay quantized as "
+        "they are (MLX affine layout, the same weights; Q2_K, Q3_K and Q6_K in "
+        "groups of 16, which only specpipe reads), other types dequantized; "
+        "keep-mlx: the same with the groups of 16 as float, a folder MLX and "
+        "mlx-lm load too; none (default): float",
     )
     conv.add_argument("--group-size", type=int, default=64)
     conv.add_argument(

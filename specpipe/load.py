@@ -94,7 +94,7 @@ def load(
 
     `gguf_quantized`: a `.gguf` file's (or a fixture's) weight matrices of
     the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q5_0,
-    Q5_1, Q5_K, Q8_0 in groups of 32, Q6_K in groups of 16) load as
+    Q5_1, Q5_K, Q8_0 in groups of 32, Q2_K, Q3_K, Q6_K in groups of 16) load as
     quantized layers, each weight the very value llama.cpp dequantizes it
     to; other types, and a gemma4 file's weights, are dequantized as usual.
     Groups of 16 stay so where specpipe's CPU kernel multiplies them; off
@@ -127,7 +127,7 @@ def checkpoint(
 
 def _device_groups(loaded: LoadedModel) -> LoadedModel:
     """Quantized layers in groups MLX's own products do not take (a GGUF's
-    Q6_K groups of 16) stay so where the CPU kernel multiplies them; where
+    K types' groups of 16) stay so where the CPU kernel multiplies them; where
     it does not (a GPU, a CPU without the kernel) they are expanded to float
     once here, rather than at every product."""
     model = loaded.model
@@ -570,14 +570,14 @@ _ARCHITECTURES = {
 }
 
 
-# The form of a kept fixture's cached folder: 2 since Q6_K blocks are kept
+# The form of a kept fixture's cached folder: 2 since K blocks of groups of 16 are kept
 # too (groups of 16); a folder of an earlier form is converted again.
 KEPT_FORM = 2
 
 
 def fixture_folder(name: str, kept: bool = False) -> Result[Path, LoadError]:
     """The converted folder of a fixture, made on first use: float32 in the
-    HF layout, or (`kept`) with its GGUF's Q4_*, Q5_*, Q6_K and Q8_0 blocks
+    HF layout, or (`kept`) with its GGUF's Q4_*, Q5_*, Q8_0 and K-type blocks
     kept quantized in the MLX layout (what `convert --quantize keep` writes;
     it loads in a fraction of the time re-reading the GGUF takes). A kept
     folder of an earlier form (`KEPT_FORM`) is removed when the new one is

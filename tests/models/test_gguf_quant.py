@@ -42,8 +42,14 @@ def random_blocks(
     count = rows * width // block
     raw = rng.integers(0, 256, (count, size), dtype=np.uint8)
     halves = rng.normal(0.0, 0.05, (count, 2)).astype(np.float16)
-    if qtype == Q.Q6_K:  # d last, after the signed 8-bit scales
-        raw[:, -2:] = (halves[:, :1] * np.float16(0.01)).view(np.uint8)
+    # the K types of groups of 16 keep d (Q2_K: d, dmin) after their
+    # values and scales; small, as a model's weights are
+    tail = {Q.Q6_K: (208,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}.get(qtype)
+    if tail is not None:
+        for k, at in enumerate(tail):
+            raw[:, at : at + 2] = (halves[:, k : k + 1] * np.float16(0.01)).view(
+                np.uint8
+            )
         return raw.reshape(-1)
     # d (and m / dmin)
     width_of_halves = 4 if qtype in (Q.Q4_1, Q.Q4_K, Q.Q5_1, Q.Q5_K) else 2
@@ -301,19 +307,25 @@ def test_the_own_dequantization_is_mlxs(bits: int, group: int) -> None:
     ).item()
 
 
-def _q6_k_blocks(rows: int, width: int, seed: int) -> np.ndarray:
-    """Random Q6_K rows [rows, width / 256 * 210] with small scales."""
-    raw = random_blocks(Q.Q6_K, rows, width, seed)
+def _k_blocks(
+    rows: int, width: int, seed: int, qtype: GGMLQuantizationType = Q.Q6_K
+) -> np.ndarray:
+    """Random rows of a K type [rows, width / 256 * block bytes] with small
+    scales."""
+    raw = random_blocks(qtype, rows, width, seed)
     return raw.reshape(rows, -1)
 
 
 def _tiny_q6_k(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    qtype: GGMLQuantizationType = Q.Q6_K,
 ) -> tuple[Path, dict[str, np.ndarray]]:
     """A GGUF mixed as llama.cpp's Q4_K_M mixes: the MLP's down projections
-    and the head (llama: the tied embedding) Q6_K, the rest Q8_0 (widths of
-    256, whole Q6_K blocks). Returns the file and the weights a reader must
-    give back."""
+    and the head (llama: the tied embedding) Q6_K (or `qtype`, another K
+    type of groups of 16), the rest Q8_0 (widths of 256, whole K blocks).
+    Returns the file and the weights a reader must give back."""
     import gguf_support
 
     for key, value in (
@@ -329,34 +341,43 @@ def _tiny_q6_k(
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     six = [head] + [n for n in weights if n.endswith("mlp.down_proj.weight")]
     blocks = {
-        name: (_q6_k_blocks(*weights[name].shape, seed=i), Q.Q6_K)
+        name: (_k_blocks(*weights[name].shape, seed=i, qtype=qtype), qtype)
         for i, name in enumerate(six)
     }
-    path = tmp_path / f"tiny-{arch}-q6_k.gguf"
+    path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
     expected = write_tiny_gguf(path, weights, arch=arch, qtype=Q.Q8_0, blocks=blocks)
     return path, expected
 
 
 @pytest.mark.usefixtures("cpu_default")
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_q6_k_matrices_are_kept_in_groups_of_16(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
+@pytest.mark.parametrize(
+    ("arch", "qtype"),
+    [("llama", Q.Q6_K), ("qwen2", Q.Q6_K), ("llama", Q.Q3_K), ("qwen2", Q.Q2_K)],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_k_matrices_are_kept_in_groups_of_16(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    qtype: GGMLQuantizationType,
 ) -> None:
-    """Q6_K matrices come as 6-bit groups of 16 holding llama.cpp's weights
-    exactly (an embedding's looked-up rows too); the kept model computes
-    what its float twin does on the CPU kernel, and the same again where the
-    kernel is not used (the weights expanded for each product)."""
-    path, expected = _tiny_q6_k(tmp_path, monkeypatch, arch)
+    """Q6_K (Q3_K, Q2_K) matrices come as 6-bit (3-, 2-bit) groups of 16
+    holding llama.cpp's weights exactly (an embedding's looked-up rows too);
+    the kept model computes what its float twin does on the CPU kernel, and
+    the same again where the kernel is not used (the weights expanded for
+    each product)."""
+    path, expected = _tiny_q6_k(tmp_path, monkeypatch, arch, qtype)
+    bits = AFFINE_TYPES[qtype]
     kept = load(str(path)).unwrap()
     plain = load(str(path), gguf_quantized=False).unwrap()
     model = kept.model.model
     down = model.layers[0].mlp.down_proj
     assert isinstance(down, nn.QuantizedLinear)
-    assert (down.bits, down.group_size) == (6, 16)
+    assert (down.bits, down.group_size) == (bits, 16)
     assert model.layers[0].self_attn.o_proj.group_size == 32  # Q8_0
-    assert cpu_kernel.affine_usable(down.weight, 6, 16, "affine")
+    assert cpu_kernel.affine_usable(down.weight, bits, 16, "affine")
     name = "model.layers.1.mlp.down_proj.weight"
-    got = dequantized(down.weight, down.scales, down.biases, 16, 6)
+    got = dequantized(down.weight, down.scales, down.biases, 16, bits)
     want = expected[name.replace(".1.", ".0.")]
     np.testing.assert_array_equal(np.array(got), want)
     if arch == "llama":
@@ -383,7 +404,7 @@ def test_groups_of_16_off_the_kernel_multiply_as_their_float_weights() -> None:
     """Where the kernel does not take a product (inside `mx.compile`, where
     nothing can be evaluated), a Q6_K layer's product is its expanded
     weights' float32 product."""
-    raw = _q6_k_blocks(40, 512, seed=9)
+    raw = _k_blocks(40, 512, seed=9)
     packed, scales, biases = (mx.array(a) for a in affine_rows(Q.Q6_K, raw, 512))
     x = mx.random.normal((3, 512))
     eager = project(x, packed, scales, biases, group_size=16, bits=6)
@@ -420,7 +441,7 @@ def test_q6_k_folders_keep_or_float_their_groups_of_16(
     np.testing.assert_array_equal(np.array(_logits(again)), np.array(_logits(kept)))
 
     main(["convert", str(path), str(tmp_path / "mlx"), "--quantize", "keep-mlx"])
-    assert "3 Q6_K matrices written as float" in capsys.readouterr().err
+    assert "3 matrices in groups of 16 written as float" in capsys.readouterr().err
     config = json.loads((tmp_path / "mlx" / "config.json").read_text())
     groups = {
         v["group_size"] for v in config["quantization"].values() if isinstance(v, dict)
