@@ -287,12 +287,12 @@ def read_gguf(
 
     With `load_weights=False` only the header is read (config and tokenizer),
     and a gemma4 file's `rope_freqs` (its RoPE, a few floats).
-    `keep_quantized` (llama, qwen2, qwen3): the weight matrices in a type MLX
-    affine quantization holds exactly (Q4_*, Q5_*, Q8_0, Q2_K to Q6_K:
-    `models/gguf_quant.py`) come as MLX triples (`.weight` packed,
-    `.scales`, `.biases`, float32, groups of 32; Q2_K's, Q3_K's and Q6_K's of 16), which the
-    loader turns into quantized layers; the rest are dequantized as without
-    it.
+    `keep_quantized`: the weight matrices (2-D; not a gemma4 file's stacked
+    experts) in a type MLX affine quantization holds exactly (Q4_*, Q5_*,
+    Q8_0, Q2_K to Q6_K: `models/gguf_quant.py`) come as MLX triples
+    (`.weight` packed, `.scales`, `.biases`, float32, groups of 32; Q2_K's,
+    Q3_K's and Q6_K's of 16), which the loader turns into quantized layers;
+    the rest are dequantized as without it.
     """
     return read_gguf_header(path).bind(
         lambda h: _model(h, load_weights, keep_quantized)
@@ -462,7 +462,7 @@ def _load_weights(
                 if name is None:  # gemma4's rope_freqs: read into the config
                     continue
                 n_heads = heads.get(info.name.split(".")[-2])
-                if keep_quantized and not gemma and _kept(info):
+                if keep_quantized and _kept(info):
                     weights.update(_read_affine(handle.fileno(), info, name, n_heads))
                     continue
                 weights[name] = mx.array(_read_tensor(handle.fileno(), info, n_heads))

@@ -33,7 +33,7 @@ each with its own scale):
   min, 64 of bit pairs, fp16 d and dmin) at 2 bits:
   w = d * sc * q - dmin * m: s = d * sc, b = -dmin * m.
 
-MLX's own operations take groups of 32, 64 and 128 only; specpipe's CPU
+MLX's products take groups of 32, 64 and 128 (not 16 throughout); specpipe's CPU
 kernel multiplies groups of 16 as they are, and elsewhere `load` expands
 them to float once (models/parallel.py, specpipe/load.py). So a kept Q6_K
 matrix costs 1.25 bytes a weight instead of float32's 4 (Q3_K 0.875, Q2_K

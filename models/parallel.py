@@ -208,10 +208,13 @@ def project(
     return y + bias if bits and bias is not None else y
 
 
-# The group sizes MLX's own affine operations take. A GGUF's Q2_K, Q3_K and Q6_K blocks load
-# as groups of 16 (models/gguf_quant.py): the CPU kernel multiplies them as
-# they are; elsewhere (a GPU, a traced product, a CPU without the kernel)
-# `dequantized` expands them to float32 for each product.
+# The group sizes MLX's affine operations take throughout (mlx 0.32.4: its
+# `quantize`, and so its quantized layers' construction and mlx-lm's loading,
+# refuses 16; its CPU product takes 16 for one input row and refuses it for
+# more; its CPU dequantize takes it). A GGUF's Q2_K, Q3_K and Q6_K blocks
+# load as groups of 16 (models/gguf_quant.py): the CPU kernel multiplies
+# them as they are; elsewhere (a GPU, a traced product, a CPU without the
+# kernel) `dequantized` expands them to float32 for each product.
 MLX_GROUP_SIZES = (32, 64, 128)
 
 

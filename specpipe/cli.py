@@ -238,7 +238,7 @@ def _convert(args: argparse.Namespace) -> None:
         if floated:
             print(
                 f"specpipe: {floated} matrices in groups of 16 written as float "
-                "(Q2_K, Q3_K, Q6_K: MLX's own products take no groups of 16)",
+                "(Q2_K, Q3_K, Q6_K: MLX's quantized layers and mlx-lm take no groups of 16)",
                 file=sys.stderr,
             )
     path = _unwrap(save_folder(loaded, out, quantize, args.group_size))

@@ -96,10 +96,10 @@ def load(
     the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q5_0,
     Q5_1, Q5_K, Q8_0 in groups of 32, Q2_K, Q3_K, Q6_K in groups of 16) load as
     quantized layers, each weight the very value llama.cpp dequantizes it
-    to; other types, and a gemma4 file's weights, are dequantized as usual.
-    Groups of 16 stay so where specpipe's CPU kernel multiplies them; off
-    it (a GPU) they load as float, as MLX's own products take no groups of
-    16. None (the default): so for a
+    to; other types (and a gemma4 file's stacked experts) are dequantized
+    as usual. Groups of 16 stay so where specpipe's CPU kernel multiplies
+    them; off it (a GPU) they load as float, as MLX's products do not take
+    groups of 16 throughout. None (the default): so for a
     .gguf or a fixture, other references as they are; True: the same, and any
     other reference refused; False: every matrix dequantized to float.
     `dtype` casts the scales and biases as it casts float weights: float32

@@ -301,3 +301,23 @@ def test_rows_at_different_positions_are_each_rows_own_step() -> None:
         theirs = hf_step(hf, x[row : row + 1], alone, p)
         assert np.abs(both[0][row] - theirs[0][0]).max() < TOL, row
         assert np.abs(both[1][row] - theirs[1][0]).max() < TOL, row
+
+
+@pytest.mark.parametrize("group", [16, 32])
+def test_the_centroid_head_reads_quantized_rows_of_any_group(group: int) -> None:
+    """A kept GGUF target's head rows (groups of 32, or a K type's 16, which
+    MLX's dequantize does not take) come back as the rows' float weights."""
+    from models.gemma4_assistant import _head_rows
+    from models.parallel import dequantized
+    from models.vocab_head import HeadWeights
+
+    mx.random.seed(group)
+    rows, width = 40, 256
+    halves = mx.random.randint(0, 1 << 16, (rows, width * 6 // 32, 2))
+    packed = (halves[..., 0] << 16 | halves[..., 1]).astype(mx.uint32)
+    scales = mx.random.uniform(0.001, 0.01, (rows, width // group))
+    biases = -32 * scales
+    head = HeadWeights(packed, scales, biases, group, 6)
+    ids = mx.array([7, 0, 39, 7])
+    want = np.array(dequantized(packed, scales, biases, group, 6))[[7, 0, 39, 7]]
+    np.testing.assert_array_equal(np.array(_head_rows(head, ids)), want)

@@ -174,19 +174,38 @@ def assert_logits_match(model: Any, hf: Any) -> None:
 
 @pytest.mark.parametrize(
     ("case", "qtype"),
-    [("shared-ple", Q.F32), ("moe-keqv", Q.F16), ("plain", Q.Q8_0)],
-    ids=["shared-ple-F32", "moe-keqv-F16", "plain-Q8_0"],
+    [
+        ("shared-ple", Q.F32),
+        ("moe-keqv", Q.F16),
+        ("plain", Q.Q8_0),
+        ("shared-ple", Q.Q8_0),
+        ("moe-keqv", Q.Q8_0),
+    ],
+    ids=[
+        "shared-ple-F32",
+        "moe-keqv-F16",
+        "plain-Q8_0",
+        "shared-ple-Q8_0",
+        "moe-keqv-Q8_0",
+    ],
 )
 def test_logits_equal_transformers(
     tmp_path: Path, case: str, qtype: GGMLQuantizationType
 ) -> None:
+    """A quantized file's matrices load kept quantized (the default for a
+    GGUF; stacked experts and rows that are not whole blocks, which the
+    converter stores as F16, as floats), holding the weights transformers is
+    given."""
     hf = gemma_hf(case)
     expected = write(tmp_path / "g.gguf", case, hf, qtype=qtype)
     # transformers on the weights the file holds (rounded by its stored types)
     hf.load_state_dict(
         {k: torch.from_numpy(v) for k, v in expected.items()}, strict=False
     )
-    assert_logits_match(loaded(tmp_path / "g.gguf").model, hf)
+    model = loaded(tmp_path / "g.gguf").model
+    kinds = {type(m).__name__ for _, m in model.named_modules()}
+    assert ("QuantizedLinear" in kinds) is (qtype == Q.Q8_0)
+    assert_logits_match(model, hf)
 
 
 def test_convert_writes_a_folder_that_loads(tmp_path: Path) -> None:
