@@ -201,6 +201,10 @@ def float_other_groups(module: nn.Module) -> int:
     mlx-lm load a folder written from `module`; returns how many."""
     replaced: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
+        if isinstance(layer, qwen3_next.QuantizedSwitchLinear):
+            if layer.group_size not in MLX_GROUP_SIZES:
+                replaced.append((path, _float_experts(layer)))
+            continue
         if not isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding):
             continue
         if layer.group_size in MLX_GROUP_SIZES or layer.mode != "affine":
@@ -223,6 +227,17 @@ def float_other_groups(module: nn.Module) -> int:
     if replaced:
         module.update_modules(tree_unflatten(replaced))
     return len(replaced)
+
+
+def _float_experts(layer: qwen3_next.QuantizedSwitchLinear) -> nn.Module:
+    """Stacked quantized experts as float ones of the same weights."""
+    weight = dequantized(
+        layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits
+    ).astype(layer.scales.dtype)
+    experts, rows, inputs = (int(d) for d in weight.shape)
+    floated = qwen3_next.SwitchLinear(inputs, rows, experts)
+    floated.weight = weight
+    return floated
 
 
 def quantize_layers(

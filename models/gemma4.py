@@ -758,6 +758,13 @@ def text_name(key: str) -> str | None:
     return key
 
 
+# transformers' stacked experts (`experts.gate_up_proj` [E, 2I, H],
+# `experts.down_proj` [E, H, I]); a kept GGUF's with their quantized parts
+_STACKED = re.compile(
+    r"\.experts\.(gate_up_proj|down_proj)(\.weight|\.scales|\.biases)?$"
+)
+
+
 def sanitize_weights(
     weights: Mapping[str, mx.array], args: Gemma4Args
 ) -> dict[str, mx.array]:
@@ -770,15 +777,20 @@ def sanitize_weights(
         shared = _SHARED_SKIPPED.match(name)
         if shared is not None and args.is_kv_shared(int(shared.group(1))):
             continue  # a kv-shared layer reads another layer's keys/values
-        if name.endswith(".experts.gate_up_proj"):
-            stem = name[: -len("gate_up_proj")] + "switch_glu."
-            half = value.shape[1] // 2
-            out[f"{stem}gate_proj.weight"] = value[:, :half]
-            out[f"{stem}up_proj.weight"] = value[:, half:]
-        elif name.endswith(".experts.down_proj"):
-            out[name[: -len("down_proj")] + "switch_glu.down_proj.weight"] = value
-        else:
+        stacked = _STACKED.search(name)
+        if stacked is None:
             out[name] = value
+            continue
+        # (a kept GGUF's experts come as `.weight`, `.scales`, `.biases`,
+        # each split the same way: quantization runs along each row)
+        stem = name[: stacked.start()] + ".experts.switch_glu."
+        part = stacked.group(2) or ".weight"
+        if stacked.group(1) == "down_proj":
+            out[f"{stem}down_proj{part}"] = value
+        else:
+            half = value.shape[1] // 2
+            out[f"{stem}gate_proj{part}"] = value[:, :half]
+            out[f"{stem}up_proj{part}"] = value[:, half:]
     if args.tie_word_embeddings:
         # HF state dicts of tied models still list the shared tensor
         out.pop("lm_head.weight", None)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -287,7 +288,7 @@ def read_gguf(
 
     With `load_weights=False` only the header is read (config and tokenizer),
     and a gemma4 file's `rope_freqs` (its RoPE, a few floats).
-    `keep_quantized`: the weight matrices (2-D; not a gemma4 file's stacked
+    `keep_quantized`: the weight matrices (and a gemma4 file's stacked
     experts) in a type MLX affine quantization holds exactly (Q4_*, Q5_*,
     Q8_0, Q2_K to Q6_K: `models/gguf_quant.py`) come as MLX triples
     (`.weight` packed, `.scales`, `.biases`, float32, groups of 32; Q2_K's,
@@ -473,9 +474,10 @@ def _load_weights(
 
 def _kept(info: TensorInfo) -> bool:
     """Whether `keep_quantized` keeps this tensor quantized: a weight matrix
-    of a type MLX affine quantization holds exactly."""
+    (or a gemma4 file's stack of experts' matrices) of a type MLX affine
+    quantization holds exactly."""
     return (
-        len(info.shape) == 2
+        len(info.shape) in (2, 3)
         and info.name.endswith(".weight")
         and info.qtype in AFFINE_TYPES
     )
@@ -485,9 +487,13 @@ def _read_affine(
     fd: int, info: TensorInfo, name: str, n_heads: int | None
 ) -> dict[str, mx.array]:
     """The tensor as MLX affine `weight`, `scales` and `biases` (HF row order:
-    llama's Q/K rows unpermuted alike in all three)."""
-    arrays: tuple[np.ndarray, ...] = read_affine(
-        fd, info.qtype, info.shape, info.offset, info.name
+    llama's Q/K rows unpermuted alike in all three; stacked experts [E, O, I]
+    read as E * O rows)."""
+    *lead, width = info.shape
+    rows = int(np.prod(lead))
+    arrays: tuple[np.ndarray, ...] = tuple(
+        a.reshape(*lead, -1)
+        for a in read_affine(fd, info.qtype, (rows, width), info.offset, info.name)
     )
     if n_heads is not None:
         arrays = tuple(unpermute_rope_rows(a, n_heads) for a in arrays)
@@ -930,17 +936,21 @@ def _gemma4_experts(
     }
 
 
+_SPLIT_EXPERTS = re.compile(r"\.experts\.(gate|up)_proj(\.weight|\.scales|\.biases)?$")
+
+
 def _join_split_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Experts stored as gate and up apart ([E, I, H] each) -> transformers'
-    `experts.gate_up_proj` [E, 2I, H], gate rows first."""
+    `experts.gate_up_proj` [E, 2I, H], gate rows first (kept quantized: each
+    of the weight, scales and biases so)."""
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
-        if name.endswith(".experts.up_proj"):
-            continue
-        if name.endswith(".experts.gate_proj"):
-            stem = name[: -len("gate_proj")]
-            up = weights[stem + "up_proj"]
-            out[stem + "gate_up_proj"] = mx.concatenate([value, up], axis=1)
-        else:
+        found = _SPLIT_EXPERTS.search(name)
+        if found is None:
             out[name] = value
+        elif found.group(1) == "gate":
+            stem, part = name[: found.start()], found.group(2) or ""
+            up = weights[f"{stem}.experts.up_proj{part}"]
+            joined = mx.concatenate([value, up], axis=1)
+            out[f"{stem}.experts.gate_up_proj{part}"] = joined
     return out

@@ -36,7 +36,13 @@ from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
 from models.layers import MLP, PreNormLayer, model_dtype
-from models.parallel import Embedding, Linear, cpu_threads
+from models.parallel import (
+    MLX_GROUP_SIZES,
+    Embedding,
+    Linear,
+    cpu_threads,
+    dequantized,
+)
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 from schemas.hf_hybrid import LINEAR_ATTENTION, HybridArgs
@@ -143,10 +149,14 @@ class SwitchLinear(nn.Module):
     def to_quantized(
         self, group_size: int = 64, bits: int = 4, mode: str = "affine"
     ) -> QuantizedSwitchLinear:
-        """For `nn.quantize` (MLX affine, per expert and output row)."""
+        """For `nn.quantize` (MLX affine, per expert and output row); in
+        groups `mx.quantize` does not take (a GGUF's K types' 16), a layer
+        of placeholder arrays for a checkpoint's to replace."""
         assert mode == "affine", "experts quantize MLX affine only"
         experts, output_dims, input_dims = self.weight.shape
         out = QuantizedSwitchLinear(input_dims, output_dims, experts, group_size, bits)
+        if group_size not in MLX_GROUP_SIZES:
+            return out
         out.weight, out.scales, out.biases = mx.quantize(
             self.weight, group_size=group_size, bits=bits
         )
@@ -195,6 +205,18 @@ class QuantizedSwitchLinear(nn.Module):
             )
             if out is not None:
                 return out
+        if self.group_size not in MLX_GROUP_SIZES:
+            # (K types' groups of 16 off the kernel: the chosen experts'
+            # weights expanded, the products in float32 as the kernel's)
+            weights = dequantized(
+                self.weight[experts],
+                self.scales[experts],
+                self.biases[experts],
+                self.group_size,
+                self.bits,
+            )  # [..., O, I]
+            y32 = x.astype(mx.float32) @ weights.swapaxes(-1, -2)
+            return y32.astype(x.dtype)
         # gather_qmm computes in the activation dtype on every device
         return mx.gather_qmm(
             x,

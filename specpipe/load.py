@@ -96,7 +96,7 @@ def load(
     the types MLX affine quantization holds exactly (Q4_0, Q4_1, Q4_K, Q5_0,
     Q5_1, Q5_K, Q8_0 in groups of 32, Q2_K, Q3_K, Q6_K in groups of 16) load as
     quantized layers, each weight the very value llama.cpp dequantizes it
-    to; other types (and a gemma4 file's stacked experts) are dequantized
+    to (a gemma4 file's stacked experts too); other types are dequantized
     as usual. Groups of 16 stay so where specpipe's CPU kernel multiplies
     them; off it (a GPU) they load as float, as MLX's products do not take
     groups of 16 throughout. None (the default): so for a

@@ -205,6 +205,25 @@ def test_logits_equal_transformers(
     model = loaded(tmp_path / "g.gguf").model
     kinds = {type(m).__name__ for _, m in model.named_modules()}
     assert ("QuantizedLinear" in kinds) is (qtype == Q.Q8_0)
+    assert ("QuantizedSwitchLinear" in kinds) is (
+        qtype == Q.Q8_0 and case == "moe-keqv"
+    )
+    assert_logits_match(model, hf)
+
+
+def test_experts_stored_apart_are_kept_joined(tmp_path: Path) -> None:
+    """Q8_0 experts stored as gate and up apart load kept, joined as
+    transformers' `gate_up_proj` is (weights, scales and biases alike)."""
+    hf = gemma_hf("moe-keqv")
+    expected = write(
+        tmp_path / "g.gguf", "moe-keqv", hf, qtype=Q.Q8_0, split_experts=True
+    )
+    hf.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in expected.items()}, strict=False
+    )
+    model = loaded(tmp_path / "g.gguf").model
+    experts = model.model.layers[0].experts.switch_glu
+    assert type(experts.gate_proj).__name__ == "QuantizedSwitchLinear"
     assert_logits_match(model, hf)
 
 

@@ -486,3 +486,48 @@ def test_groups_of_16_load_as_float_where_the_kernel_does_not_run(
     assert isinstance(layer.self_attn.o_proj, nn.QuantizedLinear)  # Q8_0
     own = checkpoint(str(path)).unwrap().model.model.layers[0].mlp.down_proj
     assert isinstance(own, nn.QuantizedLinear) and own.group_size == 16
+
+
+@pytest.mark.usefixtures("cpu_default")
+def test_stacked_experts_in_groups_of_16_multiply_on_and_off_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gemma4 GGUF's experts in a K type's groups of 16: the placeholder
+    layer `to_quantized` builds takes the checkpoint's arrays; its products
+    on the kernel, off it (the chosen experts' weights expanded) and after
+    `float_other_groups` (float experts, as `load` makes them off the
+    kernel) are the float32 sums of the weights."""
+    from models.build import float_other_groups
+    from models.qwen3_next import QuantizedSwitchLinear, SwitchLinear
+
+    experts, rows, width = 4, 24, 512
+    raw = _k_blocks(experts * rows, width, seed=11)
+    packed, scales, biases = affine_rows(Q.Q6_K, raw.reshape(-1), width)
+    holder = nn.Module()
+    holder.proj = SwitchLinear(width, rows, experts).to_quantized(16, 6)
+    layer = holder.proj
+    assert isinstance(layer, QuantizedSwitchLinear) and layer.group_size == 16
+    assert layer.weight.shape == (experts, rows, width * 6 // 32)
+    layer.weight = mx.array(packed.reshape(experts, rows, -1))
+    layer.scales = mx.array(scales.reshape(experts, rows, -1))
+    layer.biases = mx.array(biases.reshape(experts, rows, -1))
+    float_weights = dequantize(raw.reshape(1, -1), Q.Q6_K).reshape(experts, rows, width)
+    x = mx.random.normal((5, 1, 1, width))
+    chosen = mx.array([[0, 3], [1, 1], [2, 0], [3, 2], [1, 0]])
+    want = np.einsum(
+        "ni,nkoi->nko",
+        np.asarray(x, dtype=np.float64)[:, 0, 0],
+        float_weights.astype(np.float64)[np.asarray(chosen)],
+    )
+
+    def close(got: mx.array) -> None:
+        assert got.shape == (5, 2, 1, rows)
+        assert np.allclose(np.asarray(got)[:, :, 0], want, rtol=1e-5, atol=1e-4)
+
+    close(layer(x, chosen))
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernel, "affine_usable", lambda *_a, **_k: False)
+        close(layer(x, chosen))
+    assert float_other_groups(holder) == 1
+    assert isinstance(holder.proj, SwitchLinear)
+    close(holder.proj(x, chosen))
