@@ -221,10 +221,17 @@ def test_experts_stored_apart_are_kept_joined(tmp_path: Path) -> None:
     hf.load_state_dict(
         {k: torch.from_numpy(v) for k, v in expected.items()}, strict=False
     )
-    model = loaded(tmp_path / "g.gguf").model
-    experts = model.model.layers[0].experts.switch_glu
+    kept = loaded(tmp_path / "g.gguf")
+    experts = kept.model.model.layers[0].experts.switch_glu
     assert type(experts.gate_proj).__name__ == "QuantizedSwitchLinear"
-    assert_logits_match(model, hf)
+    assert_logits_match(kept.model, hf)
+    # and `convert --quantize keep`'s folder of it loads the same
+    assert save_folder(kept, tmp_path / "out") == Success(tmp_path / "out")
+    again = loaded(tmp_path / "out").model
+    assert type(again.model.layers[0].experts.switch_glu.down_proj).__name__ == (
+        "QuantizedSwitchLinear"
+    )
+    assert_logits_match(again, hf)
 
 
 def test_convert_writes_a_folder_that_loads(tmp_path: Path) -> None:
