@@ -320,4 +320,8 @@ def test_the_centroid_head_reads_quantized_rows_of_any_group(group: int) -> None
     head = HeadWeights(packed, scales, biases, group, 6)
     ids = mx.array([7, 0, 39, 7])
     want = np.array(dequantized(packed, scales, biases, group, 6))[[7, 0, 39, 7]]
-    np.testing.assert_array_equal(np.array(_head_rows(head, ids)), want)
+    # (MLX's GPU dequantize, which groups of 32 take, rounds scale * q + bias
+    # otherwise than the CPU: within float32's rounding, H100 2026-12-06)
+    np.testing.assert_allclose(
+        np.array(_head_rows(head, ids)), want, rtol=1e-5, atol=1e-7
+    )
