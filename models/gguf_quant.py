@@ -212,15 +212,34 @@ def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:  # [R, W] -> [R, W * bits / 32]
     """MLX's packing: a little-endian bit stream of `bits`-bit values (value
-    i at bit i * bits), read as uint32 words. Eight values fill `bits`
-    bytes: each eight are summed into one 64-bit word (value k shifted by
-    k * bits), whose low `bits` bytes, little-endian, are theirs."""
+    i at bit i * bits), read as uint32 words. Whole bytes where the values
+    fill them (8 bits: a byte each; 2 and 4: 4 and 2 to a byte; 6: four in
+    three bytes), else each eight summed into one 64-bit word (value k
+    shifted by k * bits) whose low `bits` bytes, little-endian, are theirs
+    (3 and 5 bits)."""
     rows = values.shape[0]
-    eights = values.reshape(rows, -1, 8).astype("<u8")
-    word = eights[..., 0].copy()
-    for k in range(1, 8):
-        word |= eights[..., k] << np.uint64(k * bits)
-    stream = word.view(np.uint8).reshape(rows, -1, 8)[..., :bits]
+    small = values.reshape(rows, -1).astype(np.uint8, copy=False)
+    stream: np.ndarray
+    if bits == 8:
+        stream = small
+    elif bits in (2, 4):
+        per = 8 // bits
+        grouped = small.reshape(rows, -1, per)
+        stream = grouped[..., 0].copy()
+        for k in range(1, per):
+            stream |= grouped[..., k] << np.uint8(k * bits)
+    elif bits == 6:
+        v = small.reshape(rows, -1, 4)
+        stream = np.empty((rows, v.shape[1], 3), dtype=np.uint8)
+        stream[..., 0] = v[..., 0] | (v[..., 1] << np.uint8(6))
+        stream[..., 1] = (v[..., 1] >> np.uint8(2)) | (v[..., 2] << np.uint8(4))
+        stream[..., 2] = (v[..., 2] >> np.uint8(4)) | (v[..., 3] << np.uint8(2))
+    else:
+        eights = small.reshape(rows, -1, 8).astype("<u8")
+        word = eights[..., 0].copy()
+        for k in range(1, 8):
+            word |= eights[..., k] << np.uint64(k * bits)
+        stream = word.view(np.uint8).reshape(rows, -1, 8)[..., :bits]
     words: np.ndarray = np.ascontiguousarray(stream).reshape(rows, -1).view("<u4")
     return words
 

@@ -531,3 +531,17 @@ def test_stacked_experts_in_groups_of_16_multiply_on_and_off_the_kernel(
     assert float_other_groups(holder) == 1
     assert isinstance(holder.proj, SwitchLinear)
     close(holder.proj(x, chosen))
+
+
+@pytest.mark.usefixtures("cpu_default")
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_values_pack_as_mlx_reads_them(bits: int) -> None:
+    """The packing (whole bytes at 2, 4, 6 and 8 bits, 64-bit words of eight
+    at 3 and 5) is MLX's: its dequantize with unit scales gives the values."""
+    rng = np.random.default_rng(bits)
+    values = rng.integers(0, 1 << bits, (5, 256), dtype=np.uint8)
+    packed = gguf_quant._pack(values, bits)
+    assert packed.dtype == np.uint32 and packed.shape == (5, 256 * bits // 32)
+    ones, zeros = mx.ones((5, 8)), mx.zeros((5, 8))
+    got = mx.dequantize(mx.array(packed), ones, zeros, group_size=32, bits=bits)
+    np.testing.assert_array_equal(np.array(got), values.astype(np.float32))
