@@ -3,6 +3,7 @@ stream text. Boundary errors come back as `Result` failures."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -15,7 +16,6 @@ from returns.result import Failure, Result, Success
 from bindings.capabilities import GraphCapabilities, NativeDraft
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
-from models.build import quantization_block
 from models.cache import on_gpu
 from models.dflash import bits_problem
 from schemas.errors import LoadError, RequestError, SpecpipeError
@@ -641,7 +641,7 @@ def calibrate(
     drafts), cached apart per draft kind and source, and per quantization
     of the target (a GGUF loaded kept quantized and dequantized has one
     source)."""
-    precision = _precision_key(target, dtype)
+    precision = _precision_key(target, dtype, draft.model if draft else None)
     if draft is None:
         return calibrated(
             target.model,
@@ -716,10 +716,32 @@ def _graph(target: LoadedModel) -> GraphCapabilities:
     return GraphCapabilities.for_decoder(target.args, native)
 
 
-def _precision_key(target: LoadedModel, dtype: str | None) -> str:
-    """The calibration cache's dtype key, with the target's quantization
-    (its most common bits and group size) where it holds quantized layers."""
-    model = target.model
-    block = quantization_block(model) if isinstance(model, nn.Module) else None
+def _precision_key(
+    target: LoadedModel, dtype: str | None, draft: object | None = None
+) -> str:
+    """The calibration cache's dtype key, with the target's quantization and
+    a draft model's (every form of quantized layer, with its count: a GGUF
+    whose Q6_K layers are kept costs other than one whose Q6_K layers are
+    float, with the same most common form)."""
     key = dtype or "native"
-    return key if block is None else f"{key}/q{block['bits']}g{block['group_size']}"
+    for prefix, model in (("", target.model), ("draft:", draft)):
+        forms = _quantized_forms(model)
+        if forms:
+            key += f"/{prefix}{forms}"
+    return key
+
+
+def _quantized_forms(model: object) -> str:
+    """A model's quantized layers as `q<bits>g<group>x<count>` forms ('' when
+    it holds none)."""
+    if not isinstance(model, nn.Module):
+        return ""
+
+    def form(layer: nn.Module) -> tuple[int, int] | None:
+        bits, group = getattr(layer, "bits", None), getattr(layer, "group_size", None)
+        if isinstance(bits, int) and isinstance(group, int) and "scales" in layer:
+            return bits, group
+        return None
+
+    counts = Counter(f for _, layer in model.named_modules() if (f := form(layer)))
+    return ",".join(f"q{b}g{g}x{n}" for (b, g), n in sorted(counts.items()))

@@ -545,3 +545,28 @@ def test_values_pack_as_mlx_reads_them(bits: int) -> None:
     ones, zeros = mx.ones((5, 8)), mx.zeros((5, 8))
     got = mx.dequantize(mx.array(packed), ones, zeros, group_size=32, bits=bits)
     np.testing.assert_array_equal(np.array(got), values.astype(np.float32))
+
+
+@pytest.mark.usefixtures("cpu_default")
+def test_each_quantized_form_is_calibrated_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calibration cache's key names every form of quantized layer, the
+    target's and a draft model's: a GGUF with its Q6_K layers kept and the
+    same with them float (the earlier kept form, `keep-mlx`) share their most
+    common form (Q8_0) and not their cost."""
+    from models.build import float_other_groups
+    from specpipe.api import _precision_key
+
+    path, _ = _tiny_q6_k(tmp_path, monkeypatch, "qwen2")
+    kept = load(str(path)).unwrap()
+    key = _precision_key(kept, None)
+    assert key == "native/q6g16x3,q8g32x13"
+    floated = load(str(path)).unwrap()
+    assert float_other_groups(floated.model) == 3
+    assert _precision_key(floated, None) == "native/q8g32x13"
+    assert _precision_key(kept, "float32", floated.model) == (
+        "float32/q6g16x3,q8g32x13/draft:q8g32x13"
+    )
+    plain = load(str(path), gguf_quantized=False).unwrap()
+    assert _precision_key(plain, None) == "native"
