@@ -382,7 +382,11 @@ def report(payload: dict[str, Any]) -> None:
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot ({path}): matplotlib is not installed", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

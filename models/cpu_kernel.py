@@ -21,11 +21,11 @@ MLX's `gather_qmm`); other forms (MLX's microscaled mxfp4 / mxfp8 / nvfp4)
 keep MLX's product.
 
 The kernels are compiled from their C sources with the system C compiler on first
-use (`$CC`, else `cc`; `-O3 -mavx2 -mfma -ffp-contract=off`) into the cache folder
+use (`$CC`, else `cc`; `-O3 -mavx2 -mfma -mf16c -ffp-contract=off`) into the cache folder
 (`$SPECPIPE_CACHE/kernels`, default `~/.cache/specpipe/kernels`), written
 under a temporary name and renamed into place, so a failed or interrupted
 build leaves nothing half-written. Where it cannot be had (not x86-64 with
-AVX2 and FMA, no compiler, a failed build, or `SPECPIPE_CPU_KERNEL=off`),
+AVX2, FMA and F16C, no compiler, a failed build, or `SPECPIPE_CPU_KERNEL=off`),
 bf16 and quantized products run on MLX's own kernels and a one-line notice
 says why.
 
@@ -64,7 +64,7 @@ SOURCES = tuple(
 HEADERS = tuple(  # both sources include them
     SOURCES[0].parent / name for name in ("fixed_sums.h", "row_threads.h")
 )
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared")
 # Products with fewer weights than this run on one thread: a thread's start
 # costs more than its share of a small product, and a small weight is read
 # from cache (the 0.5B draft's forward: 131 ms at this threshold, 141 ms at
@@ -82,7 +82,7 @@ def _cpu_supports_avx2_fma() -> bool:
     for line in info.splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-            return {"avx2", "fma"} <= flags
+            return {"avx2", "fma", "f16c"} <= flags
     return False
 
 
@@ -115,7 +115,7 @@ def _library() -> ctypes.CDLL | str:
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
         return f"{ENV}=off"
     if not _cpu_supports_avx2_fma():
-        return "this CPU is not x86-64 with AVX2 and FMA"
+        return "this CPU is not x86-64 with AVX2, FMA and F16C"
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         return f"no C compiler ({compiler}) on PATH"
@@ -130,9 +130,9 @@ def _library() -> ctypes.CDLL | str:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         return f"{path} did not load: {exc}"
-    fn = lib.specpipe_bf16_matmul
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    fn.restype = None
+    for fn in (lib.specpipe_bf16_matmul, lib.specpipe_f16_matmul):
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        fn.restype = None
     affine = lib.specpipe_affine_gather
     affine.argtypes = (
         [ctypes.c_void_p] * 5
@@ -169,10 +169,10 @@ def available() -> bool:
 
 
 def usable(weight: mx.array) -> bool:
-    """Whether `x @ weight.T` can run on the kernel here: a 2-D bf16 weight on
-    the CPU, laid out row after row."""
+    """Whether `x @ weight.T` can run on the kernel here: a 2-D bf16 (or
+    float16) weight on the CPU, laid out row after row."""
     return (
-        weight.dtype == mx.bfloat16
+        weight.dtype in (mx.bfloat16, mx.float16)
         and weight.ndim == 2
         and mx.default_device().type == mx.DeviceType.cpu
         and available()
@@ -181,23 +181,29 @@ def usable(weight: mx.array) -> bool:
 
 def bf16_product(
     x: mx.array,  # [..., I]
-    weight: mx.array,  # [O, I] bfloat16
+    weight: mx.array,  # [O, I] bfloat16 or float16
     bias: mx.array | None,  # [O]
     threads: int,
 ) -> mx.array | None:  # [..., O] in x's dtype; None: use MLX's product
     """`x @ weight.T (+ bias)` on the kernel, accumulated in float32 and
     rounded once to x's dtype; None if the weight is not laid out row after
-    row (a column slice), which MLX's product then takes."""
+    row (a column slice), which MLX's product then takes. A float16 weight
+    runs the same sums (its values converted exactly by F16C)."""
     lib = _library()
     assert not isinstance(lib, str), "bf16_product without the kernel"
     out_rows, inner = int(weight.shape[0]), int(weight.shape[1])
     bias32 = bias.astype(mx.float32) if bias is not None else None
+    kernel = (
+        lib.specpipe_f16_matmul
+        if weight.dtype == mx.float16
+        else lib.specpipe_bf16_matmul
+    )
 
     def call(
         arrays: list[np.ndarray], xs: np.ndarray, y: np.ndarray, threads: int
     ) -> int:
         b = np.ascontiguousarray(np.asarray(bias32)) if bias32 is not None else None
-        lib.specpipe_bf16_matmul(
+        kernel(
             arrays[0].ctypes.data,
             xs.ctypes.data,
             b.ctypes.data if b is not None else None,

@@ -35,19 +35,26 @@ pytestmark = [
 ]
 
 
-def _weights(rows: int, inner: int, seed: int) -> mx.array:
+def _weights(
+    rows: int, inner: int, seed: int, dtype: mx.Dtype = mx.bfloat16
+) -> mx.array:
     mx.random.seed(seed)
-    return (mx.random.normal((rows, inner)) * 0.05).astype(mx.bfloat16)
+    return (mx.random.normal((rows, inner)) * 0.05).astype(dtype)
 
 
 def test_the_kernel_builds_here() -> None:
     assert cpu_kernel.available(), cpu_kernel._library()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize(("rows", "inner"), [(250, 96), (37, 1000), (1152, 896)])
 @pytest.mark.parametrize("window", [1, 3, 4, 7, 9])
-def test_product_is_the_float32_sum(rows: int, inner: int, window: int) -> None:
-    weight = _weights(rows, inner, rows + window)
+def test_product_is_the_float32_sum(
+    rows: int, inner: int, window: int, dtype: mx.Dtype
+) -> None:
+    """bf16 and float16 weights alike (float16 through F16C's exact conversion)."""
+    weight = _weights(rows, inner, rows + window, dtype)
+    assert cpu_kernel.usable(weight)
     x = mx.random.normal((2, window, inner))
     bias = mx.random.normal((rows,))
     got = project(x, weight, bias=bias)
@@ -59,12 +66,15 @@ def test_product_is_the_float32_sum(rows: int, inner: int, window: int) -> None:
     assert np.allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5 * np.sqrt(inner))
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("inner", [96, 1000])  # 1000: a tail past the 16-wide steps
-def test_each_row_is_computed_as_alone(threads: int, inner: int) -> None:
-    weight = _weights(301, inner, threads)
-    bias = mx.random.normal((301,)).astype(mx.bfloat16)
-    x = mx.random.normal((1, 9, inner)).astype(mx.bfloat16)
+def test_each_row_is_computed_as_alone(
+    threads: int, inner: int, dtype: mx.Dtype
+) -> None:
+    weight = _weights(301, inner, threads, dtype)
+    bias = mx.random.normal((301,)).astype(dtype)
+    x = mx.random.normal((1, 9, inner)).astype(dtype)
     window = cpu_kernel.bf16_product(x, weight, bias, threads)
     assert window is not None
     for i in range(9):
@@ -174,19 +184,23 @@ def test_bf16_draft_for_a_float32_target_is_lossless(
     assert sum(r.stats.accepted for r in results) > 0  # the bf16 copy agrees often
 
 
-def test_bf16_target_speculates_losslessly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_bf16_target_speculates_losslessly(tmp_path: Path, dtype: str) -> None:
+    """bf16 (and float16) targets on the kernel: windows equal single steps."""
     target = write_tiny_model(tmp_path / "target")
     prompts = ["def fibonacci(n):", "Hello world! Hello world!"]
     limits = GenerationLimits(max_tokens=16)
     sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=2)
     plain = (
-        load(str(target), dtype="bfloat16")
+        load(str(target), dtype=dtype)
         .unwrap()
         .generate_batch(prompts, sampling, limits)
     )
     spec = load(
-        str(target), draft="ngram", num_draft_tokens=4, dtype="bfloat16", adaptive=False
+        str(target), draft="ngram", num_draft_tokens=4, dtype=dtype, adaptive=False
     ).unwrap()
+    layer = spec.target.model.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+    assert cpu_kernel.usable(layer.weight)
     results = spec.generate_batch(prompts, sampling, limits).unwrap()
     assert [r.tokens for r in results] == [r.tokens for r in plain.unwrap()]
 
