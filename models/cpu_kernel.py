@@ -72,7 +72,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-sha
 MIN_THREADED_WEIGHTS = 1 << 21
 
 
-def _cpu_supports_avx2_fma() -> bool:
+def _cpu_supported() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
@@ -114,7 +114,7 @@ def _library() -> ctypes.CDLL | str:
     """The loaded kernel, or why it is not available."""
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
         return f"{ENV}=off"
-    if not _cpu_supports_avx2_fma():
+    if not _cpu_supported():
         return "this CPU is not x86-64 with AVX2, FMA and F16C"
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:

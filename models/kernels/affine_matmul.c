@@ -2,7 +2,7 @@
  * (w = scale * q + bias per group of `group` values (16, 32, 64 or 128:
  * a GGUF's Q6_K blocks are groups of 16); q packed `bits` wide,
  * value k at bit k * bits of the row's little-endian bit stream), float32
- * inputs and outputs, for x86-64 with AVX2 and FMA (models/cpu_kernel.py).
+ * inputs and outputs, for x86-64 with AVX2 and FMA (models/cpu_kernel.py; built with F16C too).
  *
  * MLX's CPU quantized product reads every input row over the packed weight
  * separately: a 5-row verify window costs five single-token products

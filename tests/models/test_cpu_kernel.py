@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.skipif(
-        not cpu_kernel._cpu_supports_avx2_fma(),
-        reason="the kernel is for x86-64 CPUs with AVX2 and FMA",
+        not cpu_kernel._cpu_supported(),
+        reason="the kernel is for x86-64 CPUs with AVX2, FMA and F16C",
     ),
     # CPU products only: on MLX's CUDA build the default device is the GPU
     pytest.mark.usefixtures("cpu_default"),
