@@ -126,6 +126,10 @@
 #  2.4 needs httpx2: `rm -rf $HOME/site/huggingface_hub*` after setup). Next, first on an H200: `setup-min
 #  retime`; on any GPU, with .whlC: pytest tests/models/test_mtp_cuda.py (the NVRTC option, checked off the GPU
 #  with 13.0 only))
+# (thirty-fifth session, five leases asked for an H200, an H100 each time: with .whlC, `setup-min` then
+#  pytest tests/models/test_mtp_cuda.py (85 of 86: the -ATT_PIPE arm spills 4 bytes on NVRTC 13.0, allowed
+#  since), the kept-GGUF tests (test_gguf_quant, test_gguf_gemma4, test_gemma4_assistant: 117 of 118, the
+#  one fixed); next, on an H200: `setup-min retime` as above; nothing is waiting for an H100)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

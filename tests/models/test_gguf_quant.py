@@ -570,3 +570,30 @@ def test_each_quantized_form_is_calibrated_apart(
     )
     plain = load(str(path), gguf_quantized=False).unwrap()
     assert _precision_key(plain, None) == "native"
+
+
+def test_a_kept_fixture_folder_of_an_earlier_form_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fixture's kept folder is converted again in the current form
+    (`KEPT_FORM`: Q6_K kept since 2) and the earlier forms' folders are
+    removed once the new one is written; the float folder is left alone."""
+    import importlib
+
+    spload = importlib.import_module(
+        "specpipe.load"
+    )  # (the package's `load` is a function)
+    path = _tiny(tmp_path, Q.Q4_0)
+    monkeypatch.setattr(spload, "install_fixture", lambda _name: Success(path))
+    monkeypatch.setattr(spload, "cache_root", lambda: tmp_path / "cache")
+    models = tmp_path / "cache" / "models"
+    stale = [models / "tiny-gguf-quantized", models / "tiny-gguf-quantized.v1"]
+    for folder in [*stale, models / "tiny"]:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    made = spload.fixture_folder("tiny", kept=True).unwrap()
+    assert made == models / f"tiny-gguf-quantized.v{spload.KEPT_FORM}"
+    assert (made / "config.json").is_file() and any(made.glob("*.safetensors"))
+    assert not any(folder.exists() for folder in stale)
+    assert (models / "tiny" / "config.json").is_file()
+    assert spload.fixture_folder("tiny", kept=True).unwrap() == made  # reused
