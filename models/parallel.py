@@ -244,8 +244,8 @@ def dequantized(
     bits: int,
 ) -> mx.array:  # [..., I] float32
     """An affine weight's values, scale * q + bias (each rounded, as the CPU
-    kernel computes them), for any group size (MLX's `dequantize` takes 32,
-    64 and 128 only)."""
+    kernel computes them), for any group size (MLX's own operations take
+    groups of 16 in some cases only: `MLX_GROUP_SIZES`)."""
     q = unpacked(weight, bits).astype(mx.float32)
     lead = tuple(q.shape[:-1])
     grouped = q.reshape(*lead, -1, group_size)
