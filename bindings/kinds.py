@@ -431,7 +431,7 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     from models.layers import model_dtype
     from schemas.converter import hf, structure
     from schemas.hf import DecoderArgs, normalize_hf_config
-    from schemas.hf_gemma4 import Gemma4Args
+    from schemas.hf_gemma4 import is_gemma4
     from specpipe.drafts.dspark import DSparkDrafter
 
     opened = _artifact_config(request, own_head="a DSpark")
@@ -451,7 +451,7 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     gemma = GEMMA4_ARCHITECTURE in architectures or str(
         config.get("model_type", "")
     ).startswith("gemma4")
-    if gemma and not isinstance(target.args, Gemma4Args):
+    if gemma and not is_gemma4(target.args):
         return Failure(
             BindingError(
                 f"{where}: a Gemma-4 DSpark draft ({GEMMA4_ARCHITECTURE}) reads a "

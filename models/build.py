@@ -127,6 +127,8 @@ _MODELS: dict[str, Callable[[DecoderArgs], Model]] = {
     "gemma4_text": _gemma4,
     "gemma4_unified": _gemma4,
     "gemma4_unified_text": _gemma4,
+    "gemma3_text": _gemma4,  # Gemma-3's text model on the Gemma-4 decoder
+    "gemma3": _gemma4,
 }
 
 # mypy proves here that every model satisfies the pipeline's protocol.

@@ -3,7 +3,14 @@
 and the multimodal `gemma4_unified` run as its text part), whose decoder is
 this one without per-layer embeddings and without the MoE block (its
 layers, norms, RoPE, embedding scale, attention and kv sharing are
-transformers' Gemma-4 ones; schemas/hf_gemma4.py reads its other defaults).
+transformers' Gemma-4 ones; schemas/hf_gemma4.py reads its other defaults);
+and Gemma-3's (`gemma3_text`, the multimodal `gemma3` as its text part):
+this decoder with Gemma-3's softmax scale (query_pre_attn_scalar^-0.5 for
+Gemma-4's 1), no value norm, RMSNorms of x / rms(x) * (1 + weight)
+(`OffsetRMSNorm`), no `layer_scalar`, "default" RoPE on both layer types
+("linear" where a larger model's config asks it), no per-layer embeddings,
+MoE block or kv sharing (reference: transformers
+`models/gemma3/modeling_gemma3.py`).
 
 Notable:
 - Two layer types (`layer_types`): "sliding_attention" layers see the keys
@@ -114,6 +121,27 @@ class RMSNorm(nn.RMSNorm):
     layers say which norm they use."""
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma-3's RMSNorm: x / rms(x) * (1 + weight), the checkpoint's weight
+    as stored (zeros: the identity scale)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.zeros((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+
+
+Norm = RMSNorm | OffsetRMSNorm
+
+
+def norm_of(args: Gemma4Args) -> type[RMSNorm] | type[OffsetRMSNorm]:
+    """The RMSNorm class of a model: Gemma-4's, or Gemma-3's offset one."""
+    return OffsetRMSNorm if args.norm_offset else RMSNorm
+
+
 class LayerRoPE(nn.Module):
     """One layer type's RoPE over heads of `dims` (rotate-half layout)."""
 
@@ -122,7 +150,10 @@ class LayerRoPE(nn.Module):
         self.dims = dims
         self._base: float | None = rope.theta
         self._freqs: mx.array | None = None
-        if rope.rope_type == "proportional":
+        self._scale = 1.0
+        if rope.rope_type == "linear":  # positions divided by the factor
+            self._scale = 1.0 / rope.factor
+        elif rope.rope_type == "proportional":
             # mx.fast.rope takes periods (position / period is the angle);
             # an infinite period leaves its pair unrotated
             pairs = dims // 2
@@ -141,7 +172,7 @@ class LayerRoPE(nn.Module):
             self.dims,
             traditional=False,
             base=self._base,
-            scale=1.0,
+            scale=self._scale,
             offset=offset,
             freqs=self._freqs,
         )
@@ -294,16 +325,19 @@ class Attention(nn.Module):
         self.eps = args.rms_norm_eps
         hidden, bias = args.hidden_size, args.attention_bias
         width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.scale = args.attention_scale
+        self.value_norm = args.value_norm
+        norm = norm_of(args)
         self.q_proj = Linear(hidden, width, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, eps=self.eps)
+        self.q_norm = norm(self.head_dim, eps=self.eps)
         self.k_proj: nn.Linear | None = None
         self.v_proj: nn.Linear | None = None
-        self.k_norm: RMSNorm | None = None
+        self.k_norm: Norm | None = None
         if not self.kv_shared:
             self.k_proj = Linear(hidden, kv_width, bias=bias)
             if not self.keys_are_values:
                 self.v_proj = Linear(hidden, kv_width, bias=bias)
-            self.k_norm = RMSNorm(self.head_dim, eps=self.eps)
+            self.k_norm = norm(self.head_dim, eps=self.eps)
         self.o_proj = Linear(width, hidden, bias=bias)
         self.rope = LayerRoPE(self.head_dim, args.rope_of(kind))
         self._qkv: FusedProjection | None = None
@@ -362,8 +396,10 @@ class Attention(nn.Module):
         batch, length, _ = k.shape
         shape = (batch, length, self.kv_heads, self.head_dim)
         keys = self.rope(self.k_norm(k.reshape(shape)).transpose(0, 2, 1, 3), rope_at)
-        values = _v_norm(v.reshape(shape), self.eps).transpose(0, 2, 1, 3)
-        return keys, values
+        values = v.reshape(shape)
+        if self.value_norm:
+            values = _v_norm(values, self.eps)
+        return keys, values.transpose(0, 2, 1, 3)
 
     def attend(
         self,
@@ -372,9 +408,10 @@ class Attention(nn.Module):
         values: mx.array,  # [B, Hkv, S, D]
         mask: Mask,
     ) -> mx.array:  # [B, L, H]
-        """output(softmax(q k^T) v) at scale 1, under `mask`."""
+        """output(softmax(q k^T * scale) v) under `mask` (scale 1 for
+        Gemma-4, query_pre_attn_scalar^-0.5 for Gemma-3)."""
         out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=1.0, mask=mask
+            queries, keys, values, scale=self.scale, mask=mask
         )
         return self.output(out)
 
@@ -505,11 +542,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention(args, layer)
         wide = 2 if args.use_double_wide_mlp and args.is_kv_shared(layer) else 1
         self.mlp = MLP(hidden, args.intermediate_size * wide)
-        self.input_layernorm = RMSNorm(hidden, eps=eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps=eps)
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps=eps)
-        self.layer_scalar = mx.ones((1,))
+        norm = norm_of(args)
+        self.input_layernorm = norm(hidden, eps=eps)
+        self.post_attention_layernorm = norm(hidden, eps=eps)
+        self.pre_feedforward_layernorm = norm(hidden, eps=eps)
+        self.post_feedforward_layernorm = norm(hidden, eps=eps)
+        if args.layer_scalar:
+            self.layer_scalar = mx.ones((1,))
         self.router: Router | None = None
         self.experts: Experts | None = None
         self.pre_feedforward_layernorm_2: RMSNorm | None = None
@@ -564,7 +603,7 @@ class DecoderLayer(nn.Module):
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         elif per_layer_input is not None:
             raise ValueError("this layer has no per-layer embeddings (PLE)")
-        return h * self.layer_scalar
+        return h * self.layer_scalar if "layer_scalar" in self else h
 
 
 class Gemma4TextModel(nn.Module):
@@ -577,7 +616,7 @@ class Gemma4TextModel(nn.Module):
             args.vocab_size, hidden
         )
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(hidden, eps=eps)
+        self.norm = norm_of(args)(hidden, eps=eps)
         self.layer_count = args.num_hidden_layers
         self.per_layer = args.hidden_size_per_layer_input
         self.embed_tokens_per_layer: nn.Embedding | nn.QuantizedEmbedding | None = None
@@ -736,7 +775,13 @@ class Model(nn.Module, Tapping):
         return sanitize_weights(weights, self.gemma)
 
 
-_TOWERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
+_TOWERS = (
+    "vision_tower.",
+    "audio_tower.",
+    "embed_vision.",
+    "embed_audio.",
+    "multi_modal_projector.",  # Gemma-3's
+)
 _SHARED_SKIPPED = re.compile(
     r"^model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\."
 )

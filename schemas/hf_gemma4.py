@@ -66,11 +66,17 @@ GEMMA4_TEXT = "gemma4_text"
 GEMMA4_MULTIMODAL = "gemma4"
 GEMMA4_UNIFIED_TEXT = "gemma4_unified_text"
 GEMMA4_UNIFIED = "gemma4_unified"
+# Gemma-3's text model runs on the same decoder (`Gemma3Args`-free: the
+# Gemma4Args switches `gemma3_settings` sets)
+GEMMA3_TEXT = "gemma3_text"
+GEMMA3_MULTIMODAL = "gemma3"
+GEMMA3_MODEL_TYPES = (GEMMA3_TEXT, GEMMA3_MULTIMODAL)
 GEMMA4_MODEL_TYPES = (
     GEMMA4_TEXT,
     GEMMA4_MULTIMODAL,
     GEMMA4_UNIFIED_TEXT,
     GEMMA4_UNIFIED,
+    *GEMMA3_MODEL_TYPES,
 )
 UNIFIED_MODEL_TYPES = (GEMMA4_UNIFIED_TEXT, GEMMA4_UNIFIED)
 # a multimodal wrapper's model_type -> its text model's, and transformers'
@@ -78,13 +84,14 @@ UNIFIED_MODEL_TYPES = (GEMMA4_UNIFIED_TEXT, GEMMA4_UNIFIED)
 TEXT_MODELS: dict[str, tuple[str, str]] = {
     GEMMA4_MULTIMODAL: (GEMMA4_TEXT, "Gemma4ForCausalLM"),
     GEMMA4_UNIFIED: (GEMMA4_UNIFIED_TEXT, "Gemma4UnifiedForCausalLM"),
+    GEMMA3_MULTIMODAL: (GEMMA3_TEXT, "Gemma3ForCausalLM"),
 }
 
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION)
 
-ROPE_TYPES = ("default", "proportional")
+ROPE_TYPES = ("default", "proportional", "linear")
 # transformers' per-type defaults when a config has no `rope_parameters`
 _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -131,6 +138,17 @@ _NULLABLE = (
     "num_global_key_value_heads",
     "use_bidirectional_attention",
 )
+# transformers' Gemma3TextConfig defaults where they differ from Gemma-4's
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "num_hidden_layers": 26,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+}
+_GEMMA3_ROPE: dict[str, dict[str, Any]] = {
+    SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL_ATTENTION: {"rope_type": "default", "rope_theta": 1_000_000.0},
+}
 # the per-layer overrides (`per_layer_config`) this model reads
 _OVERRIDES = ("head_dim", "num_key_value_heads")
 _SLIDING_PATTERN = 6  # transformers' default: five sliding layers, then a full one
@@ -142,7 +160,8 @@ class LayerRope:
     frequencies theta^(-2i/D) (`partial_rotary_factor` unused, as in
     transformers). "proportional": the first `partial_rotary_factor * D / 2`
     rotate-half pairs (i, i + D/2) rotate at theta^(-2i/D) / factor, the
-    rest not at all (frequency 0)."""
+    rest not at all (frequency 0). "linear" (Gemma-3's full layers in its
+    larger models): "default" at positions divided by `factor`."""
 
     rope_type: str = "default"
     theta: float = 10_000.0
@@ -181,6 +200,13 @@ class Gemma4Args(DecoderArgs):
     full_rope: LayerRope = field(
         factory=lambda: LayerRope("proportional", 1_000_000.0, 0.25)
     )
+    # Gemma-3's text model (`gemma3_text`) on this decoder: softmax scale
+    # query_pre_attn_scalar^-0.5 (Gemma-4: 1), no value norm, RMSNorms of
+    # x / rms(x) * (1 + weight), no per-layer `layer_scalar`
+    attention_scale: float = 1.0
+    value_norm: bool = True
+    norm_offset: bool = False
+    layer_scalar: bool = True
 
     @property
     def first_kv_shared(self) -> int:
@@ -228,6 +254,13 @@ class Gemma4Args(DecoderArgs):
         return sum(
             1 for i in range(self.first_kv_shared) if self.layer_types[i] == layer_type
         )
+
+
+def is_gemma4(args: DecoderArgs) -> bool:
+    """Whether `args` are a Gemma-4 (or Unified) decoder's, not Gemma-3's on
+    the same decoder: what Gemma-4's own drafters (the KV-borrowing
+    assistant, DeepSpec's Gemma-4 DSpark) were trained against."""
+    return isinstance(args, Gemma4Args) and args.model_type not in GEMMA3_MODEL_TYPES
 
 
 def layout_problem(args: Gemma4Args) -> str | None:
@@ -479,6 +512,12 @@ def normalize_gemma4_config(raw: dict[str, Any]) -> dict[str, Any] | str:
     if given["model_type"] in UNIFIED_MODEL_TYPES:
         defaults = {**_DEFAULTS, **_UNIFIED_DEFAULTS}
         given = {**given, **_NOT_UNIFIED}  # as transformers, whatever the keys say
+    if given["model_type"] in GEMMA3_MODEL_TYPES:
+        problem = _gemma3_problem(given)
+        if problem is not None:
+            return problem
+        defaults = {**_DEFAULTS, **_GEMMA3_DEFAULTS}
+        given = {**defaults, **given, **_gemma3_settings({**defaults, **given})}
     cfg = normalize_hf_config({**defaults, **given})
     layers = cfg["num_hidden_layers"]
     if not isinstance(layers, int) or layers < 1:
@@ -497,6 +536,53 @@ def normalize_gemma4_config(raw: dict[str, Any]) -> dict[str, Any] | str:
     for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
         cfg[key] = given.get(key) or 0
     return cfg
+
+
+def _gemma3_problem(given: dict[str, Any]) -> str | None:
+    """What of a `gemma3_text` config this decoder does not implement."""
+    if given.get("attn_logit_softcapping") is not None:
+        return (
+            f"attn_logit_softcapping ({given['attn_logit_softcapping']}) is not "
+            "supported (Gemma-2's attention softcapping; Gemma-3 sets it null)"
+        )
+    if given.get("use_bidirectional_attention"):
+        return (
+            "use_bidirectional_attention makes every token attend both ways: "
+            "not a causal language model, cannot decode"
+        )
+    return None
+
+
+def _gemma3_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """A `gemma3_text` config as this decoder's keys: Gemma-3's RoPE
+    defaults and scale, its full layers as wide as its sliding ones, and no
+    per-layer embeddings, MoE block, kv sharing or value norm."""
+    ropes = given.get("rope_parameters")
+    if ropes is None:  # transformers 4.x keys (mlx-community's configs)
+        full = given.get("rope_scaling") or {"rope_type": "default"}
+        ropes = {
+            SLIDING_ATTENTION: {
+                "rope_type": "default",
+                "rope_theta": given.get("rope_local_base_freq", 10_000.0),
+            },
+            FULL_ATTENTION: {
+                **full,
+                "rope_theta": given.get("rope_theta", 1_000_000.0),
+            },
+        }
+    return {
+        **_NOT_UNIFIED,
+        "rope_parameters": ropes,
+        "global_head_dim": given["head_dim"],
+        "num_global_key_value_heads": None,
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "attention_scale": float(given["query_pre_attn_scalar"]) ** -0.5,
+        "value_norm": False,
+        "norm_offset": True,
+        "layer_scalar": False,
+    }
 
 
 def gemma4_text_args(
