@@ -1,6 +1,9 @@
 """Import of llama.cpp GGUF checkpoints: HF config, float32 weights, tokenizer.
-Architectures: llama, qwen2, qwen3, and gemma4 (read as a `gemma4_text`
-config and transformers' Gemma4ForCausalLM weight names).
+Architectures: llama, qwen2, qwen3, gemma3 (read as a `gemma3_text` config,
+its RMSNorm weights less the one llama.cpp's converter adds, and what its
+graph fixes rather than stores: every sixth layer full, the sliding layers'
+RoPE base 10,000) and gemma4 (read as a `gemma4_text` config and
+transformers' Gemma4ForCausalLM weight names).
 
 Notable:
 - The header (metadata and tensor table) is parsed here, with bounds checks, so
@@ -57,11 +60,17 @@ from returns.result import Failure, Result, Success
 from models.gguf_quant import AFFINE_TYPES, read_affine, row_blocks
 from models.tokenizer import gguf_tokenizer
 from schemas.errors import LoadError
-from schemas.hf_gemma4 import FULL_ATTENTION, GEMMA4_TEXT, SLIDING_ATTENTION
+from schemas.hf_gemma4 import (
+    FULL_ATTENTION,
+    GEMMA3_TEXT,
+    GEMMA4_TEXT,
+    SLIDING_ATTENTION,
+)
 
 MAGIC = b"GGUF"
 GEMMA4 = "gemma4"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", GEMMA4)
+GEMMA3 = "gemma3"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", GEMMA3, GEMMA4)
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -338,6 +347,8 @@ def gguf_config(header: GgufHeader) -> dict[str, Any] | LoadError:
         )
     if arch == GEMMA4:
         return gemma4_config(header)
+    if arch == GEMMA3:
+        return gemma3_config(header)
     names = {t.name: t for t in header.tensors}
     embed = names.get("token_embd.weight")
     if embed is None:
@@ -359,15 +370,9 @@ def gguf_config(header: GgufHeader) -> dict[str, Any] | LoadError:
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    required = (
-        "embedding_length",
-        "block_count",
-        "feed_forward_length",
-        "attention.head_count",
-    )
-    missing = [key(k) for k in required if key(k) not in meta]
-    if missing:
-        return LoadError(f"{header.path}: metadata lacks {', '.join(missing)}")
+    lacking = _lacking(header, arch, _REQUIRED)
+    if lacking is not None:
+        return lacking
     heads = int(meta[key("attention.head_count")])
     config: dict[str, Any] = {
         "architectures": [_ARCH_CLASS[arch]],
@@ -401,6 +406,25 @@ def gguf_config(header: GgufHeader) -> dict[str, Any] | LoadError:
             )
         config["rope_scaling"] = rope_scaling
     return {**config, **_token_ids(meta)}
+
+
+# the metadata every decoder architecture's config needs (under `<arch>.`)
+_REQUIRED = (
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+)
+
+
+def _lacking(
+    header: GgufHeader, arch: str, required: tuple[str, ...]
+) -> LoadError | None:
+    """The error naming the `<arch>.` metadata keys the file lacks, if any."""
+    missing = [f"{arch}.{k}" for k in required if f"{arch}.{k}" not in header.metadata]
+    if missing:
+        return LoadError(f"{header.path}: metadata lacks {', '.join(missing)}")
+    return None
 
 
 def _token_ids(meta: dict[str, Any]) -> dict[str, int]:
@@ -454,7 +478,8 @@ def _load_weights(
             "attn_k": config["num_key_value_heads"],
         }
     gemma = config["model_type"] == GEMMA4_TEXT
-    weight_name = gemma4_weight_name if gemma else hf_weight_name
+    gemma3 = config["model_type"] == GEMMA3_TEXT
+    weight_name = gemma4_weight_name if gemma or gemma3 else hf_weight_name
     weights: dict[str, mx.array] = {}
     try:
         with header.path.open("rb") as handle:
@@ -466,7 +491,13 @@ def _load_weights(
                 if keep_quantized and _kept(info):
                     weights.update(_read_affine(handle.fileno(), info, name, n_heads))
                     continue
-                weights[name] = mx.array(_read_tensor(handle.fileno(), info, n_heads))
+                value = _read_tensor(handle.fileno(), info, n_heads)
+                if gemma3 and name.endswith("norm.weight"):
+                    # llama.cpp stores Gemma-3's RMSNorm weights plus one
+                    # (its norm multiplies by the weight); transformers'
+                    # Gemma-3 norm adds the one itself
+                    value = value - np.float32(1.0)
+                weights[name] = mx.array(value)
     except (OSError, ValueError, NotImplementedError) as exc:
         return LoadError(f"{header.path}: cannot read tensor data: {exc}")
     return _join_split_experts(weights) if gemma else weights
@@ -599,6 +630,73 @@ def gemma4_weight_name(name: str) -> str | None:
         if rest is not None:
             return f"model.layers.{parts[1]}.{rest}"
     return None
+
+
+def gemma3_config(header: GgufHeader) -> dict[str, Any] | LoadError:
+    """The `gemma3_text` config.json equivalent of a gemma3 GGUF, with what
+    llama.cpp's gemma3 graph fixes rather than reads: every sixth layer full
+    attention, the sliding layers' RoPE at base 10,000, the softmax scale
+    head_dim^-0.5 (hidden / heads for the 62-layer 27B)."""
+    meta = header.metadata
+    tensors = {t.name: t for t in header.tensors}
+    unknown = [n for n in tensors if gemma4_weight_name(n) is None]
+    embed = tensors.get("token_embd.weight")
+    if unknown or embed is None:
+        return LoadError(
+            f"{header.path}: "
+            + (
+                "tensors with no place in a Gemma-3 text model: "
+                + ", ".join(unknown[:5])
+                if unknown
+                else "no token_embd.weight tensor"
+            )
+        )
+
+    def key(name: str) -> str:
+        return f"{GEMMA3}.{name}"
+
+    required = (*_REQUIRED, "attention.key_length", "attention.sliding_window")
+    lacking = _lacking(header, GEMMA3, required)
+    if lacking is not None:
+        return lacking
+    layers = int(meta[key("block_count")])
+    hidden = int(meta[key("embedding_length")])
+    heads = int(meta[key("attention.head_count")])
+    head_dim = int(meta[key("attention.key_length")])
+    full: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(meta.get(key("rope.freq_base"), 1_000_000.0)),
+    }
+    if meta.get(key("rope.scaling.type")) == "linear":
+        full = {**full, "rope_type": "linear"}
+        full["factor"] = float(meta.get(key("rope.scaling.factor"), 1.0))
+    config: dict[str, Any] = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": GEMMA3_TEXT,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": int(meta[key("feed_forward_length")]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(key("attention.head_count_kv"), heads)),
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "sliding_window": int(meta[key("attention.sliding_window")]),
+        "layer_types": [
+            FULL_ATTENTION if (i + 1) % 6 == 0 else SLIDING_ATTENTION
+            for i in range(layers)
+        ],
+        "rope_parameters": {
+            SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL_ATTENTION: full,
+        },
+        "vocab_size": embed.shape[0],
+        "rms_norm_eps": float(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        "max_position_embeddings": int(meta.get(key("context_length"), 32_768)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "final_logit_softcapping": meta.get(key("final_logit_softcapping")),
+        "torch_dtype": "float32",
+    }
+    return {**config, **_token_ids(meta)}
 
 
 def gemma4_config(header: GgufHeader) -> dict[str, Any] | LoadError:

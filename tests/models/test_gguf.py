@@ -204,10 +204,21 @@ def test_corrupt_length_field(tiny_file: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     tokens, _ = tiny_tokens()
+    path = tmp_path / "phi.gguf"
+    write_tiny_gguf(path, tiny_weights(0, len(tokens)), arch="phi3")
+    message = _error(path)
+    assert "architecture 'phi3' is not supported" in message and str(path) in message
+
+
+def test_a_gemma3_file_lacking_its_keys_is_named(tmp_path: Path) -> None:
+    """A gemma3 GGUF needs its head width and sliding window (llama.cpp's
+    converter writes both); the message names the keys."""
+    tokens, _ = tiny_tokens()
     path = tmp_path / "gemma.gguf"
     write_tiny_gguf(path, tiny_weights(0, len(tokens)), arch="gemma3")
     message = _error(path)
-    assert "architecture 'gemma3' is not supported" in message and str(path) in message
+    assert "metadata lacks gemma3.attention.key_length" in message
+    assert "gemma3.attention.sliding_window" in message and str(path) in message
 
 
 @pytest.mark.parametrize(

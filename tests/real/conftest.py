@@ -16,6 +16,7 @@ from specpipe.api import Pipeline, load
 SMOLLM2 = "smollm2-135m-instruct"
 QWEN_05 = "qwen2.5-coder-0.5b-instruct"
 QWEN_15 = "qwen2.5-coder-1.5b-instruct"
+GEMMA3 = "gemma-3-270m"
 
 
 def _load(ref: str, **kwargs: object) -> Pipeline:
@@ -43,3 +44,9 @@ def smollm2_float() -> Pipeline:
 @pytest.fixture(scope="session")
 def qwen05_float() -> Pipeline:
     return _load(QWEN_05, gguf_quantized=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Pipeline:
+    """Gemma-3 270M (Q4_K_M: Q5_0, Q4_K, Q8_0 and Q6_K blocks, all kept)."""
+    return _load(GEMMA3)

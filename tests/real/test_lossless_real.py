@@ -10,7 +10,7 @@ from attrs import evolve
 
 from schemas.request import GenerationLimits, SamplingParams
 from specpipe.api import Pipeline, load
-from tests.real.conftest import QWEN_05, QWEN_15, SMOLLM2
+from tests.real.conftest import GEMMA3, QWEN_05, QWEN_15, SMOLLM2
 
 CODE_EDIT = (
     "Rename the variable `total` to `acc` in this function and return it unchanged otherwise:\n"
@@ -137,3 +137,20 @@ def test_a_kept_fixture_loads_from_its_cached_folder_as_from_its_gguf() -> None:
         for m in (cached, direct)
     ]
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+@pytest.mark.fixture
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.7-topp-topk"])
+def test_ngram_on_gemma3(gemma3: Pipeline, sampling: SamplingParams) -> None:
+    """Gemma-3 270M (a base model: plain prompts, no chat template), its
+    sliding-window layers and kept K blocks: n-gram speculation gives plain
+    decoding's tokens, three rows at once."""
+    ngram = (
+        load(GEMMA3, draft="ngram", num_draft_tokens=6, adaptive=False).unwrap().draft
+    )
+    spec = evolve(gemma3, draft=ngram)
+    limits = GenerationLimits(max_tokens=24)
+    plain = gemma3.generate_batch(PROMPTS, sampling, limits).unwrap()
+    got = spec.generate_batch(PROMPTS, sampling, limits).unwrap()
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+    assert sum(r.stats.drafted for r in got) > 0

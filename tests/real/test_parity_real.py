@@ -75,3 +75,36 @@ def test_smollm2_matches_transformers(smollm2: Pipeline) -> None:
 @pytest.mark.fixture
 def test_qwen05_matches_transformers(qwen05: Pipeline) -> None:
     _compare(qwen05, "qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.mark.fixture
+def test_gemma3_matches_transformers(gemma3: Pipeline) -> None:
+    """A gemma3 GGUF (llama.cpp's norms stored plus one, its fixed sliding
+    pattern and RoPE bases) read as transformers reads it."""
+    kinds = {
+        (module.bits, module.group_size)
+        for _, module in gemma3.target.model.named_modules()
+        if type(module).__name__.startswith("Quantized")
+    }
+    assert (6, 16) in kinds and (5, 32) in kinds  # Q6_K and Q5_0 kept
+    _compare(gemma3, "gemma-3-270m")
+
+
+@pytest.mark.fixture
+def test_gemma3_tokenizer_matches_transformers(gemma3: Pipeline) -> None:
+    """The GGUF's SentencePiece vocabulary (no space prefix, byte fallback,
+    Gemma's turn markers) encodes as transformers' GGUF tokenizer does."""
+    from transformers import AutoTokenizer
+
+    path = install_fixture("gemma-3-270m", progress=False).unwrap()
+    reference = AutoTokenizer.from_pretrained(
+        str(Path(path).parent), gguf_file=Path(path).name
+    )
+    for text in [
+        *PROMPTS,
+        "  Hello,  wörld! 日本語 <start_of_turn>user\nhi<end_of_turn>",
+        "émoji 🎉 and tabs\tand\nnewlines",
+    ]:
+        ours = list(gemma3.encode(text).unwrap())
+        assert ours == reference(text)["input_ids"], text
+        assert gemma3.target.tokenizer.decode(ours[1:]) == text
