@@ -129,7 +129,9 @@
 # (thirty-fifth session, five leases asked for an H200, an H100 each time: with .whlC, `setup-min` then
 #  pytest tests/models/test_mtp_cuda.py (85 of 86: the -ATT_PIPE arm spills 4 bytes on NVRTC 13.0, allowed
 #  since), the kept-GGUF tests (test_gguf_quant, test_gguf_gemma4, test_gemma4_assistant: 117 of 118, the
-#  one fixed); next, on an H200: `setup-min retime` as above; nothing is waiting for an H100)
+#  one fixed); then six H200-only tries that started no machine (~90 s of device time each); next, on an
+#  H200: `setup-min retime` as above, or with little time left the 512-expert `switches` line alone;
+#  nothing is waiting for an H100)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
