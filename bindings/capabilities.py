@@ -16,7 +16,7 @@ from returns.result import Failure, Result, Success
 
 from schemas.errors import BindingError
 from schemas.hf import DecoderArgs
-from schemas.hf_gemma4 import Gemma4Args, is_gemma4
+from schemas.hf_gemma4 import is_gemma4
 from schemas.hf_hybrid import HybridArgs
 
 LayerKind = Literal["attention", "linear_recurrent"]
@@ -103,7 +103,7 @@ def lent_kv(args: DecoderArgs) -> tuple[LentKV, ...]:
     """The keys and values a Gemma-4 target's graph lends a KV-borrowing
     draft: per layer type, its last non-shared layer's (none for others,
     Gemma-3 on the same decoder among them)."""
-    if not isinstance(args, Gemma4Args) or not is_gemma4(args):
+    if not is_gemma4(args):
         return ()
     return tuple(
         LentKV(kind, args.kv_heads_of(kind), args.head_dim_of(kind))

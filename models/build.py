@@ -34,7 +34,7 @@ from models import (
 )
 from models.base import CausalLM
 from models.layers import flat_parameters, model_dtype
-from models.parallel import MLX_GROUP_SIZES, Embedding, Linear, dequantized
+from models.parallel import Embedding, Linear, dequantized, other_groups
 from schemas.errors import ConfigError, LoadError
 from schemas.hf import DecoderArgs, QuantizationConfig
 from schemas.hf_gemma4 import Gemma4Args
@@ -198,27 +198,31 @@ def quantize_model(model: Model, bits: int, group_size: int) -> None:
 
 def float_other_groups(module: nn.Module) -> int:
     """Replace each quantized layer whose groups MLX's own operations do not
-    take (a GGUF's Q2_K, Q3_K and Q6_K groups of 16, `models.parallel.MLX_GROUP_SIZES`) by a
-    float layer of the same weights, in its scales' dtype, so that MLX and
-    mlx-lm load a folder written from `module`; returns how many."""
+    take (a GGUF's Q2_K, Q3_K and Q6_K groups of 16: `parallel.other_groups`)
+    by a float layer of the same weights, in its scales' dtype, so that MLX
+    and mlx-lm load a folder written from `module`; returns how many."""
     replaced: list[tuple[str, nn.Module]] = []
     for path, layer in module.named_modules():
-        if isinstance(layer, qwen3_next.QuantizedSwitchLinear):
-            if layer.group_size not in MLX_GROUP_SIZES:
-                replaced.append((path, _float_experts(layer)))
+        if not isinstance(
+            layer,
+            nn.QuantizedLinear
+            | nn.QuantizedEmbedding
+            | qwen3_next.QuantizedSwitchLinear,
+        ):
             continue
-        if not isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding):
-            continue
-        if layer.group_size in MLX_GROUP_SIZES or layer.mode != "affine":
+        experts = isinstance(layer, qwen3_next.QuantizedSwitchLinear)
+        if not other_groups(layer.group_size, getattr(layer, "mode", "affine")):
             continue
         biases = layer.get("biases")
         assert biases is not None, f"{path}: an affine layer without biases"
         weight = dequantized(
             layer["weight"], layer["scales"], biases, layer.group_size, layer.bits
         ).astype(layer["scales"].dtype)
-        rows, inputs = (int(d) for d in weight.shape)
+        *stack, rows, inputs = (int(d) for d in weight.shape)
         floated: nn.Module
-        if isinstance(layer, nn.QuantizedEmbedding):
+        if experts:
+            floated = qwen3_next.SwitchLinear(inputs, rows, *stack)
+        elif isinstance(layer, nn.QuantizedEmbedding):
             floated = Embedding(rows, inputs)
         else:
             floated = Linear(inputs, rows, bias="bias" in layer)
@@ -229,17 +233,6 @@ def float_other_groups(module: nn.Module) -> int:
     if replaced:
         module.update_modules(tree_unflatten(replaced))
     return len(replaced)
-
-
-def _float_experts(layer: qwen3_next.QuantizedSwitchLinear) -> nn.Module:
-    """Stacked quantized experts as float ones of the same weights."""
-    weight = dequantized(
-        layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits
-    ).astype(layer.scales.dtype)
-    experts, rows, inputs = (int(d) for d in weight.shape)
-    floated = qwen3_next.SwitchLinear(inputs, rows, experts)
-    floated.weight = weight
-    return floated
 
 
 def quantize_layers(
@@ -278,17 +271,24 @@ def is_router(path: str) -> bool:
     return any(path == s or path.endswith("." + s) for s in _ROUTERS)
 
 
-def quantization_block(module: nn.Module) -> dict[str, Any] | None:
-    """The config `quantization` block that describes a model's or head's
-    quantized layers (None when all are float): the most common bits and
-    group size, and a per-layer entry (keyed by the layer's path, as mlx-lm
-    writes them) for each layer that differs from them."""
+def quantized_forms(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each quantized layer of `module` (one with `scales`): its path ->
+    (group size, bits)."""
     layers: dict[str, tuple[int, int]] = {}
     for path, layer in module.named_modules():
         group_size = getattr(layer, "group_size", None)
         bits = getattr(layer, "bits", None)
         if isinstance(group_size, int) and isinstance(bits, int) and "scales" in layer:
             layers[path] = (group_size, bits)
+    return layers
+
+
+def quantization_block(module: nn.Module) -> dict[str, Any] | None:
+    """The config `quantization` block that describes a model's or head's
+    quantized layers (None when all are float): the most common bits and
+    group size, and a per-layer entry (keyed by the layer's path, as mlx-lm
+    writes them) for each layer that differs from them."""
+    layers = quantized_forms(module)
     if not layers:
         return None
     (group_size, bits), _ = Counter(layers.values()).most_common(1)[0]

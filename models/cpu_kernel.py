@@ -168,14 +168,17 @@ def available() -> bool:
     return True
 
 
+def runs_here() -> bool:
+    """Whether products on MLX's default device run on these kernels: it is
+    the CPU, and the kernels are built and loaded (a notice when not)."""
+    return mx.default_device().type == mx.DeviceType.cpu and available()
+
+
 def usable(weight: mx.array) -> bool:
     """Whether `x @ weight.T` can run on the kernel here: a 2-D bf16 (or
     float16) weight on the CPU, laid out row after row."""
     return (
-        weight.dtype in (mx.bfloat16, mx.float16)
-        and weight.ndim == 2
-        and mx.default_device().type == mx.DeviceType.cpu
-        and available()
+        weight.dtype in (mx.bfloat16, mx.float16) and weight.ndim == 2 and runs_here()
     )
 
 
@@ -235,7 +238,7 @@ def takes(module: nn.Module) -> bool:
     """Whether any of `module`'s products runs on a CPU kernel here (a bf16
     or affine-quantized layer on the CPU): kernels evaluate their inputs, so
     a step that holds one is better left eager than traced."""
-    if mx.default_device().type != mx.DeviceType.cpu or not available():
+    if not runs_here():
         return False
     for _, layer in module.named_modules():
         weight = layer.get("weight") if isinstance(layer, nn.Module) else None
@@ -309,8 +312,7 @@ def affine_usable(
         and weight.ndim == (3 if stacked else 2)
         and weight.dtype == mx.uint32
         and (int(weight.shape[-1]) * 32 // bits) % max(group_size, 32) == 0
-        and mx.default_device().type == mx.DeviceType.cpu
-        and available()
+        and runs_here()
     )
 
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.gemma4 import Attention, Gemma4TextModel
-from models.parallel import MLX_GROUP_SIZES, Linear, dequantized
+from models.parallel import Linear, dequantized, other_groups
 from models.vocab_head import HeadWeights
 from schemas.hf_gemma4_assistant import AssistantArgs
 
@@ -75,7 +75,7 @@ def _head_rows(head: HeadWeights, ids: mx.array) -> mx.array:  # [N] -> [N, H]
     if taken.bits == 0:
         return taken.weight
     assert taken.scales is not None
-    if taken.group_size not in MLX_GROUP_SIZES:  # a GGUF's K groups of 16
+    if other_groups(taken.group_size):  # a GGUF's K groups of 16
         assert taken.biases is not None
         return dequantized(
             taken.weight, taken.scales, taken.biases, taken.group_size, taken.bits

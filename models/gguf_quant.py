@@ -167,7 +167,7 @@ def _q2_k(blocks: np.ndarray) -> Affine:
 
 
 def _groups(qtype: GGMLQuantizationType, raw: np.ndarray) -> Affine:
-    """Unpacked values [G, group] (uint8; group 32, Q6_K's 16) with their
+    """Unpacked values [G, group] (uint8; group 32, `GROUP_SIZES`'s 16) with their
     scales and biases [G, 1], G groups in row order, from whole blocks of
     `qtype`."""
     _, size = GGML_QUANT_SIZES[qtype]

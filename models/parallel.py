@@ -154,7 +154,7 @@ def project(
                 return mx.addmm(bias[rows], x, weight[rows].T, stream=stream)
             return mx.matmul(x, weight[rows].T, stream=stream)
         assert scales is not None, "a quantized product needs its scales"
-        if _other_group(group_size, mode):
+        if other_groups(group_size, mode):
             # (K types' groups of 16 off the CPU kernel: its weights in float32,
             # the product accumulated in float32 as the kernel's is)
             assert biases is not None, "an affine product needs its biases"
@@ -193,7 +193,7 @@ def project(
         if out is not None:
             return out
     rows = int(weight.shape[0])
-    count = 1 if bits and _other_group(group_size, mode) else _blocks(x, rows)
+    count = 1 if bits and other_groups(group_size, mode) else _blocks(x, rows)
     if count == 1:
         y = product(slice(None), None)
     else:
@@ -278,8 +278,9 @@ def _placeholder(
     return layer
 
 
-def _other_group(group_size: int | None, mode: str) -> bool:
-    """Whether an affine layer's groups are ones MLX's operations do not take."""
+def other_groups(group_size: int | None, mode: str = "affine") -> bool:
+    """Whether an affine layer's groups are ones MLX's operations do not take
+    (a GGUF's K types' 16): the CPU kernel's, or `dequantized`'s."""
     return (
         mode == "affine"
         and group_size is not None
@@ -375,7 +376,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         bits: int | None = None,
         mode: str = "affine",
     ) -> QuantizedLinear:
-        if not _other_group(group_size, mode):
+        if not other_groups(group_size, mode):
             layer = super().from_linear(linear_layer, group_size, bits, mode)
             assert isinstance(layer, QuantizedLinear)
             return layer
@@ -409,7 +410,7 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     (and which holds K types' groups of 16 too)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _other_group(self.group_size, self.mode):
+        if not other_groups(self.group_size, self.mode):
             return super().__call__(x)
         biases = self.get("biases")
         assert biases is not None, "an affine embedding needs its biases"
@@ -428,7 +429,7 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         bits: int | None = None,
         mode: str = "affine",
     ) -> QuantizedEmbedding:
-        if not _other_group(group_size, mode):
+        if not other_groups(group_size, mode):
             layer = super().from_embedding(embedding_layer, group_size, bits, mode)
             assert isinstance(layer, QuantizedEmbedding)
             return layer

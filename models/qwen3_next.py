@@ -37,11 +37,11 @@ from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
 from models.layers import MLP, PreNormLayer, model_dtype
 from models.parallel import (
-    MLX_GROUP_SIZES,
     Embedding,
     Linear,
     cpu_threads,
     dequantized,
+    other_groups,
 )
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
@@ -155,7 +155,7 @@ class SwitchLinear(nn.Module):
         assert mode == "affine", "experts quantize MLX affine only"
         experts, output_dims, input_dims = self.weight.shape
         out = QuantizedSwitchLinear(input_dims, output_dims, experts, group_size, bits)
-        if group_size not in MLX_GROUP_SIZES:
+        if other_groups(group_size):
             return out
         out.weight, out.scales, out.biases = mx.quantize(
             self.weight, group_size=group_size, bits=bits
@@ -205,7 +205,7 @@ class QuantizedSwitchLinear(nn.Module):
             )
             if out is not None:
                 return out
-        if self.group_size not in MLX_GROUP_SIZES:
+        if other_groups(self.group_size):
             # (K types' groups of 16 off the kernel: the chosen experts'
             # weights expanded, the products in float32 as the kernel's)
             weights = dequantized(

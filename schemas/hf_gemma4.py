@@ -52,7 +52,7 @@ Reference: transformers `models/gemma4/configuration_gemma4.py`,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from attrs import field, frozen
 from returns.result import Failure, Result, Success
@@ -66,8 +66,8 @@ GEMMA4_TEXT = "gemma4_text"
 GEMMA4_MULTIMODAL = "gemma4"
 GEMMA4_UNIFIED_TEXT = "gemma4_unified_text"
 GEMMA4_UNIFIED = "gemma4_unified"
-# Gemma-3's text model runs on the same decoder (`Gemma3Args`-free: the
-# Gemma4Args switches `gemma3_settings` sets)
+# Gemma-3's text model runs on the same decoder (no args class of its own:
+# the Gemma4Args switches `_gemma3_settings` sets)
 GEMMA3_TEXT = "gemma3_text"
 GEMMA3_MULTIMODAL = "gemma3"
 GEMMA3_MODEL_TYPES = (GEMMA3_TEXT, GEMMA3_MULTIMODAL)
@@ -144,10 +144,6 @@ _GEMMA3_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 26,
     "sliding_window": 4096,
     "query_pre_attn_scalar": 256,
-}
-_GEMMA3_ROPE: dict[str, dict[str, Any]] = {
-    SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
-    FULL_ATTENTION: {"rope_type": "default", "rope_theta": 1_000_000.0},
 }
 # the per-layer overrides (`per_layer_config`) this model reads
 _OVERRIDES = ("head_dim", "num_key_value_heads")
@@ -256,7 +252,7 @@ class Gemma4Args(DecoderArgs):
         )
 
 
-def is_gemma4(args: DecoderArgs) -> bool:
+def is_gemma4(args: DecoderArgs) -> TypeGuard[Gemma4Args]:
     """Whether `args` are a Gemma-4 (or Unified) decoder's, not Gemma-3's on
     the same decoder: what Gemma-4's own drafters (the KV-borrowing
     assistant, DeepSpec's Gemma-4 DSpark) were trained against."""

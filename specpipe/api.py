@@ -16,6 +16,7 @@ from returns.result import Failure, Result, Success
 from bindings.capabilities import GraphCapabilities, NativeDraft
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
+from models.build import quantized_forms
 from models.cache import on_gpu
 from models.dflash import bits_problem
 from schemas.errors import LoadError, RequestError, SpecpipeError
@@ -736,12 +737,5 @@ def _quantized_forms(model: object) -> str:
     it holds none)."""
     if not isinstance(model, nn.Module):
         return ""
-
-    def form(layer: nn.Module) -> tuple[int, int] | None:
-        bits, group = getattr(layer, "bits", None), getattr(layer, "group_size", None)
-        if isinstance(bits, int) and isinstance(group, int) and "scales" in layer:
-            return bits, group
-        return None
-
-    counts = Counter(f for _, layer in model.named_modules() if (f := form(layer)))
+    counts = Counter((bits, group) for group, bits in quantized_forms(model).values())
     return ",".join(f"q{b}g{g}x{n}" for (b, g), n in sorted(counts.items()))

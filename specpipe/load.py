@@ -131,8 +131,7 @@ def _device_groups(loaded: LoadedModel) -> LoadedModel:
     it does not (a GPU, a CPU without the kernel) they are expanded to float
     once here, rather than at every product."""
     model = loaded.model
-    on_kernel = mx.default_device().type == mx.DeviceType.cpu and cpu_kernel.available()
-    if isinstance(model, nn.Module) and not on_kernel:
+    if isinstance(model, nn.Module) and not cpu_kernel.runs_here():
         float_other_groups(model)
     return loaded
 
@@ -570,8 +569,8 @@ _ARCHITECTURES = {
 }
 
 
-# The form of a kept fixture's cached folder: 2 since K blocks of groups of 16 are kept
-# too (groups of 16); a folder of an earlier form is converted again.
+# The form of a kept fixture's cached folder: 2 since its K blocks of groups
+# of 16 (Q6_K) are kept too; a folder of an earlier form is converted again.
 KEPT_FORM = 2
 
 
