@@ -1,4 +1,4 @@
-"""Import of llama.cpp GGUF checkpoints: HF config, float32 weights, tokenizer.
+"""Import of llama.cpp GGUF checkpoints: HF config, weights, tokenizer.
 Architectures: llama, qwen2, qwen3, gemma3 (read as a `gemma3_text` config,
 its RMSNorm weights less the one llama.cpp's converter adds, and what its
 graph fixes rather than stores: every sixth layer full, the sliding layers'
@@ -12,6 +12,11 @@ Notable:
 - Tensors are dequantised one at a time (and big ones in row blocks) with
   `gguf.quants.dequantize`, which knows every llama.cpp quant type, so peak
   memory is the float32 model plus about two copies of its largest tensor.
+- A file whose weight matrices are all F16, or all BF16 (F32 beside them
+  only where llama.cpp's converter keeps it: norms, biases, MoE routers),
+  loads in that dtype, as an HF float16 / bfloat16 checkpoint does: its
+  matrices as stored, without a float32 copy, the F32 tensors cast
+  (`file_dtype`). Any other file loads as float32.
   With `keep_quantized`, Q4_*, Q5_*, Q8_0 and K-type (Q2_K to Q6_K)
   matrices are read into
   MLX affine triples instead, exactly (models/gguf_quant.py).
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import re
 import struct
 from pathlib import Path
@@ -290,10 +296,15 @@ def _parse_header(path: Path, cursor: _Cursor) -> Result[GgufHeader, LoadError]:
 
 
 def read_gguf(
-    path: Path, load_weights: bool = True, keep_quantized: bool = False
+    path: Path,
+    load_weights: bool = True,
+    keep_quantized: bool = False,
+    dtype: mx.Dtype | None = None,
 ) -> Result[GgufModel, LoadError]:
-    """Config, float32 HF-layout weights and tokenizer of a llama, qwen2, qwen3
-    or gemma4 GGUF.
+    """Config, HF-layout weights and tokenizer of a llama, qwen2, qwen3,
+    gemma3 or gemma4 GGUF. The float weights are in `dtype`; None: the
+    file's (`file_dtype`, the config's `torch_dtype`): float32, or float16 /
+    bfloat16 for a file of F16 / BF16 matrices, read as stored.
 
     With `load_weights=False` only the header is read (config and tokenizer),
     and a gemma4 file's `rope_freqs` (its RoPE, a few floats).
@@ -305,12 +316,15 @@ def read_gguf(
     the rest are dequantized as without it.
     """
     return read_gguf_header(path).bind(
-        lambda h: _model(h, load_weights, keep_quantized)
+        lambda h: _model(h, load_weights, keep_quantized, dtype)
     )
 
 
 def _model(
-    header: GgufHeader, load_weights: bool, keep_quantized: bool = False
+    header: GgufHeader,
+    load_weights: bool,
+    keep_quantized: bool = False,
+    dtype: mx.Dtype | None = None,
 ) -> Result[GgufModel, LoadError]:
     config = gguf_config(header)
     if isinstance(config, LoadError):
@@ -321,7 +335,9 @@ def _model(
     backend, tokenizer_config = tokenizer
     weights: dict[str, mx.array] = {}
     if load_weights:
-        loaded = _load_weights(header, config, keep_quantized)
+        loaded = _load_weights(
+            header, config, keep_quantized, dtype or _DTYPES[config["torch_dtype"]]
+        )
         if isinstance(loaded, LoadError):
             return Failure(loaded)
         weights = loaded
@@ -388,7 +404,7 @@ def gguf_config(header: GgufHeader) -> dict[str, Any] | LoadError:
         "max_position_embeddings": int(meta.get(key("context_length"), 2048)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "torch_dtype": "float32",
+        "torch_dtype": file_dtype(header),
     }
     head_dim = meta.get(key("attention.key_length"))
     if head_dim is None and arch == "llama":
@@ -469,7 +485,10 @@ def unpermute_rope_rows(
 
 
 def _load_weights(
-    header: GgufHeader, config: dict[str, Any], keep_quantized: bool = False
+    header: GgufHeader,
+    config: dict[str, Any],
+    keep_quantized: bool,
+    dtype: mx.Dtype,  # the float weights' (kept triples stay float32)
 ) -> dict[str, mx.array] | LoadError:
     heads: dict[str, int] = {}
     if config["model_type"] == "llama":
@@ -491,16 +510,61 @@ def _load_weights(
                 if keep_quantized and _kept(info):
                     weights.update(_read_affine(handle.fileno(), info, name, n_heads))
                     continue
+                stored = _read_stored(handle.fileno(), info, n_heads, dtype)
+                if stored is not None:
+                    weights[name] = stored
+                    continue
                 value = _read_tensor(handle.fileno(), info, n_heads)
                 if gemma3 and name.endswith("norm.weight"):
                     # llama.cpp stores Gemma-3's RMSNorm weights plus one
                     # (its norm multiplies by the weight); transformers'
                     # Gemma-3 norm adds the one itself
                     value = value - np.float32(1.0)
-                weights[name] = mx.array(value)
+                weights[name] = mx.array(value).astype(dtype)
     except (OSError, ValueError, NotImplementedError) as exc:
         return LoadError(f"{header.path}: cannot read tensor data: {exc}")
     return _join_split_experts(weights) if gemma else weights
+
+
+_FLOAT_FILES = {
+    GGMLQuantizationType.F16: "float16",
+    GGMLQuantizationType.BF16: "bfloat16",
+}
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def file_dtype(header: GgufHeader) -> str:
+    """The dtype a file's weights load in: "float16" ("bfloat16") when every
+    weight matrix that is not F32 is F16 (BF16), as llama.cpp's `--outtype
+    f16` (`bf16`) writes a model; else "float32", which holds every other
+    type's dequantized values exactly."""
+    kinds = {
+        info.qtype
+        for info in header.tensors
+        if len(info.shape) >= 2 and info.qtype != GGMLQuantizationType.F32
+    }
+    if len(kinds) != 1:
+        return "float32"
+    return _FLOAT_FILES.get(next(iter(kinds)), "float32")
+
+
+def _read_stored(
+    fd: int, info: TensorInfo, n_heads: int | None, dtype: mx.Dtype
+) -> mx.array | None:
+    """An F16 (BF16) tensor of a float16 (bfloat16) file as stored, in HF row
+    order, without a float32 copy; None for any other tensor."""
+    if info.qtype not in _FLOAT_FILES or _DTYPES[_FLOAT_FILES[info.qtype]] != dtype:
+        return None
+    raw = os.pread(fd, info.nbytes, info.offset)
+    if len(raw) != info.nbytes:
+        raise ValueError(f"{info.name}: short read ({len(raw)} of {info.nbytes} bytes)")
+    # numpy has no bfloat16: its 16 bits travel as uint16 and are viewed as it
+    bits = np.frombuffer(raw, dtype=np.float16 if dtype == mx.float16 else np.uint16)
+    value = bits.reshape(info.shape)
+    if n_heads is not None:
+        value = unpermute_rope_rows(value, n_heads)
+    array = mx.array(np.ascontiguousarray(value))
+    return array if dtype == mx.float16 else array.view(mx.bfloat16)
 
 
 def _kept(info: TensorInfo) -> bool:
@@ -694,7 +758,7 @@ def gemma3_config(header: GgufHeader) -> dict[str, Any] | LoadError:
         "max_position_embeddings": int(meta.get(key("context_length"), 32_768)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "final_logit_softcapping": meta.get(key("final_logit_softcapping")),
-        "torch_dtype": "float32",
+        "torch_dtype": file_dtype(header),
     }
     return {**config, **_token_ids(meta)}
 
@@ -819,7 +883,7 @@ def _gemma4_config(header: GgufHeader) -> dict[str, Any]:
         "final_logit_softcapping": float(softcap) if softcap else None,
         "attention_bias": False,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "torch_dtype": "float32",
+        "torch_dtype": file_dtype(header),
     }
     return {**config, **_token_ids(meta)}
 

@@ -104,7 +104,10 @@ def load(
     other reference refused; False: every matrix dequantized to float.
     `dtype` casts the scales and biases as it casts float weights: float32
     (the default) keeps every weight exact, float16 those of Q4_0, Q4_1,
-    Q5_0, Q5_1 and Q8_0. Other references are refused with it."""
+    Q5_0, Q5_1 and Q8_0. Other references are refused with it.
+    `dtype` None (the default) keeps a checkpoint's own: a folder's, and for
+    a .gguf float16 (bfloat16) when its matrices are all F16 (BF16),
+    float32 otherwise (`models.gguf.file_dtype`)."""
     return (
         checkpoint(ref, dtype, gguf_quantized)
         .map(_device_groups)
@@ -357,7 +360,9 @@ def load_gguf(
             )
         )
 
-    return read_gguf(path, keep_quantized=keep_quantized).bind(build)
+    # the float weights read in `dtype` (not the file's and then cast: an F32
+    # norm of a float16 file stays exact with dtype float32)
+    return read_gguf(path, keep_quantized=keep_quantized, dtype=dtype).bind(build)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 from gguf_support import (
     HEAD_DIM,
     TINY,
@@ -25,12 +26,14 @@ from gguf_support import (
     tiny_weights,
     write_tiny_gguf,
 )
+from mlx.utils import tree_flatten
 from returns.result import Failure, Success
 
 from models.gguf import GgufModel, read_gguf, unpermute_rope_rows
 from schemas.converter import hf, structure
 from schemas.errors import LoadError
 from schemas.hf import DecoderArgs, normalize_hf_config
+from specpipe.load import load
 
 Q = GGMLQuantizationType
 
@@ -52,18 +55,28 @@ def _error(path: Path) -> str:
 def _assert_weights(
     model: GgufModel,
     expected: dict[str, np.ndarray],  # HF name -> [O, I] / [V, H] / [O] float32
+    dtype: mx.Dtype = mx.float32,
 ) -> None:
+    """The weights are `expected` in `dtype` (the F32 norms of a float16 or
+    bfloat16 file rounded to it, as an HF checkpoint in that dtype holds
+    them)."""
     assert set(model.weights) == set(expected)
     for name, want in expected.items():
         got = model.weights[name]
-        assert got.dtype == mx.float32, name
-        np.testing.assert_array_equal(np.array(got), want, err_msg=name)
+        assert got.dtype == dtype, name
+        rounded = np.array(mx.array(want).astype(dtype).astype(mx.float32))
+        np.testing.assert_array_equal(
+            np.array(got.astype(mx.float32)), rounded, err_msg=name
+        )
 
 
 # -- tiny files ---------------------------------------------------------------
 
+# a file of F16 (BF16) matrices loads as float16 (bfloat16); any other as float32
+_FILE_DTYPE = {Q.F16: mx.float16, Q.BF16: mx.bfloat16}
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.BF16, Q.Q4_1, Q.Q5_0, Q.Q8_0])
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_1, Q.Q5_0, Q.Q8_0])
 def test_tiny_llama_round_trip_undoes_the_qk_permutation(
     tmp_path: Path, qtype: GGMLQuantizationType
 ) -> None:
@@ -71,12 +84,82 @@ def test_tiny_llama_round_trip_undoes_the_qk_permutation(
     weights = tiny_weights(0, len(tokens))
     expected = write_tiny_gguf(tmp_path / "tiny.gguf", weights, qtype=qtype)
     model = _ok(tmp_path / "tiny.gguf")
-    _assert_weights(model, expected)
+    dtype = _FILE_DTYPE.get(qtype, mx.float32)
+    _assert_weights(model, expected, dtype)
+    assert model.config["torch_dtype"] == str(dtype).removeprefix("mlx.core.")
     assert model.config["model_type"] == "llama"
     assert model.config["tie_word_embeddings"] is True
     assert model.config["num_key_value_heads"] == TINY["num_key_value_heads"]
     assert model.config["rope_theta"] == 50000.0
     assert model.config["rms_norm_eps"] == 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_a_half_precision_file_loads_in_its_own_dtype(
+    tmp_path: Path, qtype: GGMLQuantizationType
+) -> None:
+    """A file of F16 (BF16) matrices, as llama.cpp's `--outtype f16` (`bf16`)
+    writes one, loads in float16 (bfloat16): half the bytes of the float32
+    load `--dtype float32` still gives, the same values, logits within the
+    dtype's rounding."""
+    tokens, _ = tiny_tokens()
+    path = tmp_path / "half.gguf"
+    weights = tiny_weights(3, len(tokens), model_type="qwen2")
+    write_tiny_gguf(path, weights, arch="qwen2", qtype=qtype)
+    own = load(str(path)).unwrap()
+    wide = load(str(path), dtype="float32").unwrap()
+    dtype = _FILE_DTYPE[qtype]
+    own_params = dict(tree_flatten(own.model.parameters()))
+    wide_params = dict(tree_flatten(wide.model.parameters()))
+    assert {v.dtype for v in own_params.values()} == {dtype}
+    assert {v.dtype for v in wide_params.values()} == {mx.float32}
+    for name, value in own_params.items():
+        np.testing.assert_array_equal(
+            np.array(value.astype(mx.float32)),
+            np.array(wide_params[name].astype(dtype).astype(mx.float32)),
+            err_msg=name,
+        )
+    assert 2 * sum(v.nbytes for v in own_params.values()) == sum(
+        v.nbytes for v in wide_params.values()
+    )
+    ids = mx.array([[1, 5, 9, 12, 3, 7]])
+    got, want = (
+        m.model(ids, m.model.make_cache(1), [0]).logits.astype(mx.float32)
+        for m in (own, wide)
+    )
+    assert got.dtype == mx.float32 and not bool(mx.any(mx.isnan(got)))
+    # float16 (bfloat16) activations: the logits (up to ~30 here) differ
+    # by 2e-3 (1e-2) of their scale, measured
+    scale = float(mx.abs(want).max())
+    tolerance = (5e-3 if qtype == Q.F16 else 2.5e-2) * scale
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("other", "dtype"),
+    [(Q.F32, "float16"), (Q.Q8_0, "float32"), (Q.BF16, "float32")],
+    ids=["f32-router", "q8_0", "bf16"],
+)
+def test_a_file_mixing_matrix_types_loads_as_float32(
+    tmp_path: Path, other: GGMLQuantizationType, dtype: str
+) -> None:
+    """F16 matrices beside one of another type: F32 (as llama.cpp keeps an
+    MoE router) leaves the file float16; a quantized or BF16 matrix makes it
+    float32, which holds both exactly."""
+    tokens, _ = tiny_tokens()
+    weights = tiny_weights(5, len(tokens))
+    name = "model.layers.0.mlp.down_proj.weight"
+    value = weights[name]
+    raw = (
+        value.view(np.uint8)
+        if other == Q.F32
+        else gguf_quantize(value, other).reshape(value.shape[0], -1)
+    )
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, weights, qtype=Q.F16, blocks={name: (raw, other)})
+    model = _ok(path)
+    assert model.config["torch_dtype"] == dtype
+    assert {str(v.dtype) for v in model.weights.values()} == {f"mlx.core.{dtype}"}
 
 
 def test_tiny_qwen2_is_not_permuted_and_keeps_biases(tmp_path: Path) -> None:

@@ -133,10 +133,16 @@ def test_weights_come_back_with_transformers_names(
     expected = write(path, case, hf, qtype=qtype, split_experts=split_experts)
     model = read(path)
     assert set(model.weights) == set(expected)
+    # a file of F16 matrices loads as float16, its F32 vectors rounded to it
+    dtype = mx.float16 if qtype == Q.F16 else mx.float32
+    assert model.config["torch_dtype"] == str(dtype).removeprefix("mlx.core.")
     for name, want in expected.items():
         got = model.weights[name]
-        assert got.dtype == mx.float32, name
-        np.testing.assert_array_equal(np.array(got), want, err_msg=name)
+        assert got.dtype == dtype, name
+        rounded = np.array(mx.array(want).astype(dtype).astype(mx.float32))
+        np.testing.assert_array_equal(
+            np.array(got.astype(mx.float32)), rounded, err_msg=name
+        )
     assert model.config["model_type"] == "gemma4_text"
 
 
@@ -159,8 +165,8 @@ def test_config_round_trips_as_transformers_reads_it(
 # -- parity ----------------------------------------------------------------------
 
 
-def loaded(path: Path) -> LoadedModel:
-    result = load(str(path))
+def loaded(path: Path, dtype: str | None = None) -> LoadedModel:
+    result = load(str(path), dtype)
     assert isinstance(result, Success), result
     return result.unwrap()
 
@@ -195,14 +201,19 @@ def test_logits_equal_transformers(
     """A quantized file's matrices load kept quantized (the default for a
     GGUF; stacked experts and rows that are not whole blocks, which the
     converter stores as F16, as floats), holding the weights transformers is
-    given."""
+    given. An F16 file, which loads as float16, is compared in float32
+    (`--dtype float32`), as transformers computes."""
     hf = gemma_hf(case)
     expected = write(tmp_path / "g.gguf", case, hf, qtype=qtype)
     # transformers on the weights the file holds (rounded by its stored types)
     hf.load_state_dict(
         {k: torch.from_numpy(v) for k, v in expected.items()}, strict=False
     )
-    model = loaded(tmp_path / "g.gguf").model
+    if qtype == Q.F16:
+        half = loaded(tmp_path / "g.gguf").model
+        assert half.model.embed_tokens.weight.dtype == mx.float16
+    dtype = "float32" if qtype == Q.F16 else None
+    model = loaded(tmp_path / "g.gguf", dtype).model
     kinds = {type(m).__name__ for _, m in model.named_modules()}
     assert ("QuantizedLinear" in kinds) is (qtype == Q.Q8_0)
     assert ("QuantizedSwitchLinear" in kinds) is (
