@@ -219,6 +219,27 @@ class PromptCache:
 
         return Prepared(apply)
 
+    def surviving(self, incoming: Sequence[Checkpoint]) -> list[Checkpoint]:
+        """The checkpoints of `incoming` that inserting them all, in order,
+        would leave kept: the inserts' evictions played on sizes alone, so
+        checkpoints read lazily (a file's) are read only where kept."""
+        order = OrderedDict(
+            (key, (c, self._sizes[key])) for key, c in self._entries.items()
+        )
+        total = self.nbytes
+        for checkpoint in incoming:
+            size = checkpoint.nbytes
+            if size > self.max_bytes:
+                continue
+            key = self._key(checkpoint)
+            total -= order.pop(key, (checkpoint, 0))[1]
+            order[key] = (checkpoint, size)
+            total += size
+            while total > self.max_bytes or len(order) > self.max_entries:
+                total -= order.popitem(last=False)[1][1]
+        kept = {id(c) for c, _ in order.values()}
+        return [c for c in incoming if id(c) in kept]
+
     def clear(self) -> None:
         self._entries.clear()
         self._sizes.clear()

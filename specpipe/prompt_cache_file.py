@@ -11,7 +11,9 @@ an exclusive lock (`<file>.lock` beside it, left in place), it reads the
 checkpoints the file already holds, adds its own as the most recently used
 (its own replacing one of the same tokens and drafter), keeps what the
 cache's byte budget and entry count admit, least recently used out first,
-and writes the result; so processes sharing one file (two chats on one
+and writes the result (MLX reads a file's arrays lazily, and only the
+checkpoints kept are read: a save or a load needs no more memory than the
+budget, whatever the file holds); so processes sharing one file (two chats on one
 document) each add their checkpoints instead of the last to save replacing
 the others' (`merge=False`: replace the file). The file is written to a
 temporary name of its own first and moved into place, so an interrupted
@@ -112,12 +114,14 @@ def _with_file(cache: PromptCache, path: Path) -> Result[PromptCache, LoadError]
         max_entries=cache.max_entries,
         capture_prompts=cache.capture_prompts,
     )
-    loaded = load_prompt_cache(path, merged)
-    if not isinstance(loaded, Success):
-        return loaded
-    for checkpoint in cache.checkpoints():
-        merged.prepare_insert(checkpoint).commit()
-    return Success(merged)
+
+    def merge(theirs: list[Checkpoint]) -> PromptCache:
+        # only the file's checkpoints kept beside `cache`'s are read from it
+        for checkpoint in merged.surviving([*theirs, *cache.checkpoints()]):
+            merged.prepare_insert(checkpoint).commit()
+        return merged
+
+    return read_prompt_cache(path, cache.model).map(merge)
 
 
 def _write(cache: PromptCache, path: Path) -> Result[Path, LoadError]:
@@ -159,7 +163,20 @@ def _write(cache: PromptCache, path: Path) -> Result[Path, LoadError]:
 
 def load_prompt_cache(path: Path, cache: PromptCache) -> Result[PromptCache, LoadError]:
     """`cache` with the checkpoints of the file at `path` added (in their
-    order of use; the budget evicts as it does for any insert)."""
+    order of use; the budget evicts as it does for any insert, and what it
+    would evict is not read)."""
+
+    def add(checkpoints: list[Checkpoint]) -> PromptCache:
+        for checkpoint in cache.surviving(checkpoints):
+            cache.prepare_insert(checkpoint).commit()
+        return cache
+
+    return read_prompt_cache(path, cache.model).map(add)
+
+
+def read_prompt_cache(path: Path, model: Any) -> Result[list[Checkpoint], LoadError]:
+    """The checkpoints of the file at `path` (`model`'s, else refused), least
+    recently used first, their arrays not yet read (MLX loads lazily)."""
     path = Path(path)
     try:
         loaded = mx.load(str(path), format="safetensors", return_metadata=True)
@@ -185,7 +202,7 @@ def load_prompt_cache(path: Path, cache: PromptCache) -> Result[PromptCache, Loa
                 f"specpipe reads {VERSION}; delete the file to start a new one"
             )
         )
-    expected = model_fingerprint(cache.model)
+    expected = model_fingerprint(model)
     if record.get("model") != expected:
         return Failure(
             LoadError(
@@ -207,9 +224,7 @@ def load_prompt_cache(path: Path, cache: PromptCache) -> Result[PromptCache, Loa
         return Failure(
             LoadError(f"{path}: a damaged prompt-cache record ({exc}); delete it")
         )
-    for checkpoint in checkpoints:
-        cache.prepare_insert(checkpoint).commit()
-    return Success(cache)
+    return Success(checkpoints)
 
 
 def _cache_out(cache: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str, Any]:

@@ -16,7 +16,9 @@ and restored for later prompts.
   disposed changes nothing; another model's cache is refused.
 - Files: a saved cache read into a new one serves the next turn as the
   original does; another model's file, a damaged one and an unwritable path
-  are clear errors.
+  are clear errors. Loading and merging keep what inserting would keep and
+  read from the file only that (a file larger than the budget is not read
+  whole).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from spec_support import PROMPTS, CollectSink, tiny_model
 from test_dflash import dflash2_config, dflash_config, random_draft
 from test_glm_mtp import glm_args
@@ -539,3 +544,93 @@ def test_a_merging_save_keeps_the_newest_within_the_budget_and_refuses_a_foreign
     assert "made for another model" in refused.message
     assert path.read_bytes() == before and not list(tmp_path.glob("*partial*"))
     assert save_prompt_cache(foreign, path, merge=False).unwrap() == path
+
+
+@attrs.frozen
+class _Sized:
+    """A target state of `size` float32 values (what a checkpoint's size and
+    evaluation need)."""
+
+    size: int
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return (mx.zeros(self.size),)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    held=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 12)), max_size=6),
+    incoming=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 12)), max_size=8),
+    max_values=st.integers(4, 30),
+    max_entries=st.integers(1, 5),
+)
+def test_surviving_is_what_inserting_keeps(
+    dense: CausalLM,
+    held: list[tuple[int, int]],
+    incoming: list[tuple[int, int]],
+    max_values: int,
+    max_entries: int,
+) -> None:
+    """The checkpoints `surviving` picks from their sizes alone are the ones
+    inserting them all keeps (repeated tokens replacing, larger-than-budget
+    ones left out, the least recently used evicted); inserting only those
+    keeps at least what inserting all does (more of the cache's own where a
+    checkpoint later replaced would have evicted them)."""
+
+    def made(pairs: list[tuple[int, int]]) -> list[Checkpoint]:
+        return [Checkpoint((key,), _Sized(size)) for key, size in pairs]
+
+    budget = 4 * max_values  # bytes: float32 values
+    before = made(held)
+
+    def store() -> PromptCache:
+        cache = PromptCache(dense, max_bytes=budget, max_entries=max_entries)
+        for checkpoint in before:
+            cache.prepare_insert(checkpoint).commit()
+        return cache
+
+    arriving = made(incoming)
+    inserted = store()
+    for checkpoint in arriving:
+        inserted.prepare_insert(checkpoint).commit()
+    picked = store()
+    chosen = picked.surviving(arriving)
+    for checkpoint in chosen:
+        picked.prepare_insert(checkpoint).commit()
+    kept = [id(c) for c in inserted.checkpoints()]
+    assert [id(c) for c in chosen] == [id(c) for c in arriving if id(c) in kept]
+    assert set(kept) <= {id(c) for c in picked.checkpoints()}
+
+
+def test_loading_or_merging_reads_only_the_checkpoints_kept(
+    dense: CausalLM, tmp_path: Path
+) -> None:
+    """A file of many checkpoints loaded into (or merged with) a cache that
+    keeps one reads that one: the peak memory of the load and of the merging
+    save stays far below the file's arrays (it was the whole file before)."""
+    many = PromptCache(dense)
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(40)] for i in range(24)]
+    generate(dense, prompts, SAMPLINGS["greedy"], None, 0, many)
+    path = save_prompt_cache(many, tmp_path / "cache.safetensors").unwrap()
+    whole = many.nbytes
+    assert len(many) == 2 * len(prompts) and whole > 4_000_000
+    newest = many.checkpoints()[-1].tokens
+    del many
+    one = PromptCache(dense, max_entries=1)
+    generate(dense, [[3, 1, 4, 1, 5, 9, 2, 6]], SAMPLINGS["greedy"], None, 0, one)
+    mx.clear_cache()
+
+    def peak(action: Callable[[], object]) -> int:
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        action()
+        return mx.get_peak_memory() - base
+
+    loaded = PromptCache(dense, max_entries=1)
+    assert peak(lambda: load_prompt_cache(path, loaded).unwrap()) < whole / 20
+    assert [c.tokens for c in loaded.checkpoints()] == [newest]
+    assert peak(lambda: save_prompt_cache(one, path).unwrap()) < whole / 20
+    merged = load_prompt_cache(path, PromptCache(dense)).unwrap()
+    assert [c.tokens for c in merged.checkpoints()] == [
+        c.tokens for c in one.checkpoints()
+    ]
