@@ -1,14 +1,15 @@
 """Records for generation requests: sampling parameters and per-request limits.
 
 Named constructors validate and return `Result`; the records themselves are
-plain frozen values.
+plain frozen values, so one built directly is checked where it is used
+(`checked`: the pipeline's entry points refuse it as `create` would).
 """
 
 from __future__ import annotations
 
 import math
 
-from attrs import evolve, frozen
+from attrs import asdict, evolve, frozen
 from returns.result import Failure, Result, Success
 
 from schemas.errors import RequestError
@@ -37,6 +38,11 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         return self.repetition_penalty != 1.0
+
+    def checked(self) -> Result[SamplingParams, RequestError]:
+        """This record, or `create`'s error for its values (a record built
+        directly skips `create`'s checks)."""
+        return SamplingParams.create(**asdict(self))
 
     @classmethod
     def create(
@@ -89,6 +95,12 @@ class GenerationLimits:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+
+    def checked(self) -> Result[GenerationLimits, RequestError]:
+        """This record, or `create`'s error for its values."""
+        return GenerationLimits.create(
+            max_tokens=self.max_tokens, stop=self.stop, logprobs=self.logprobs
+        )
 
     @classmethod
     def create(

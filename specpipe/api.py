@@ -322,8 +322,13 @@ class Pipeline:
         chat: bool,
         on_text: Callable[[int, str], None] | None,
     ) -> Result[_PreparedBatch, RequestError]:
-        sampling = sampling or SamplingParams()
-        limits = limits or GenerationLimits()
+        checked_sampling = (sampling or SamplingParams()).checked()
+        if not isinstance(checked_sampling, Success):
+            return Failure(checked_sampling.failure())
+        checked_limits = (limits or GenerationLimits()).checked()
+        if not isinstance(checked_limits, Success):
+            return Failure(checked_limits.failure())
+        sampling, limits = checked_sampling.unwrap(), checked_limits.unwrap()
         encoded: list[tuple[int, ...]] = []
         for prompt in prompts:
             result = self.encode(prompt, chat)

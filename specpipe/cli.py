@@ -113,6 +113,8 @@ def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pip
 
 
 def _generate(args: argparse.Namespace) -> None:
+    if args.logprobs and not (args.json or args.prompts_file):
+        _fail("--logprobs needs --json (the log-probabilities are in its object)")
     sampling = _sampling(args)
     limits = _limits(args, args.logprobs)
     if args.prompts_file:
@@ -123,6 +125,11 @@ def _generate(args: argparse.Namespace) -> None:
         prompts = [args.prompt]
     elif not sys.stdin.isatty():
         prompts = [sys.stdin.read()]
+        if not prompts[0]:
+            _fail(
+                "no prompt: stdin was empty; give PROMPT, --prompts-file F.jsonl "
+                "or pipe text in"
+            )
     else:
         _fail(
             'no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")'
@@ -274,12 +281,21 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        metavar="STR",
+        help="a stop string; repeat the option for more (--stop A --stop B)",
+    )
     parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None
     )
     parser.add_argument(
-        "--draft", default="none", help="none | ngram | auto | a draft model reference"
+        "--draft",
+        default="none",
+        help="none | ngram | mtp | auto | a draft model reference: a second "
+        "model, a DFlash / DFlash2 / DSpark drafter, a Gemma-4 assistant or an "
+        "mtp/ companion folder",
     )
     parser.add_argument(
         "--draft-dtype",
@@ -330,8 +346,9 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         choices=tuple(_SWITCH),
         default="auto",
         help="launch the next round's drafts before a round's host read, from "
-        "device values only (an MTP head's rounds; auto: on a GPU, where rounds "
-        "measured 1.1-1.55x shorter, not on a CPU; bench/RESULTS.md)",
+        "device values only (an MTP head's rounds; auto: on a GPU, where one "
+        "row's rounds measured 1.01-1.33x shorter and three rows' 1.46-1.75x, "
+        "not on a CPU; bench/RESULTS.md)",
     )
     parser.add_argument(
         "--phase-timing",
@@ -483,7 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument(
         "--corpus", nargs="+", required=True, help="text files to count tokens in"
     )
-    vocab.add_argument("--size", type=int, required=True, help="number of ids to keep")
+    vocab.add_argument(
+        "--size",
+        type=int,
+        required=True,
+        help="ids to keep: the N most frequent (fewer where the corpus has fewer "
+        "distinct tokens)",
+    )
     vocab.add_argument("-o", "--out", required=True, help="output draft_vocab.json")
     vocab.set_defaults(func=_draft_vocab)
     return parser

@@ -317,3 +317,30 @@ def test_bad_messages_and_budgets_are_clear_errors(tiny_model: Path) -> None:
     assert "not a mix of them" in mixed.failure().message
     budget = load(str(tiny_model), prompt_cache=-1).failure()
     assert "positive byte budget" in str(budget)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "limits", "expected"),
+    [
+        (SamplingParams(temperature=-1.0), None, "temperature must be >= 0"),
+        (SamplingParams(top_p=0.0, top_k=-2), None, "top-p must be in (0, 1]"),
+        (None, GenerationLimits(max_tokens=0), "max-tokens must be a positive"),
+        (None, GenerationLimits(stop=("",)), "stop strings must not be empty"),
+    ],
+)
+def test_records_built_directly_are_checked_where_they_are_used(
+    tiny_model: Path,
+    sampling: SamplingParams | None,
+    limits: GenerationLimits | None,
+    expected: str,
+) -> None:
+    """A `SamplingParams` or `GenerationLimits` made without `create` is
+    refused by generate, stream and a conversation as `create` refuses it,
+    before any forward."""
+    pipeline = load(str(tiny_model)).unwrap()
+    failure = pipeline.generate("Hi", sampling, limits).failure()
+    assert expected in failure.message
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+        next(iter(pipeline.stream("Hi", sampling, limits)))
+    said = Conversation().say(pipeline, "Hi", sampling, limits)
+    assert expected in said.failure().message

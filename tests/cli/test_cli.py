@@ -549,3 +549,19 @@ def test_a_prompt_cache_file_serves_a_later_run(
         "--prompt-cache-file",
         str(path),
     )
+
+
+def test_logprobs_need_json_and_an_empty_stdin_is_no_prompt(
+    tiny_model: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--logprobs` without `--json` (whose object carries them) is refused
+    rather than ignored; an empty stdin is refused rather than generating
+    from nothing."""
+    model = ("--model", str(tiny_model), "--max-tokens", "3")
+    fails_with(capsys, "--logprobs needs --json", "generate", "x", *model, "--logprobs")
+    code, out, _ = run(capsys, "generate", "x", *model, "--logprobs", "--json")
+    assert code == 0 and len(json.loads(out)["logprobs"]) == 3
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    fails_with(capsys, "stdin was empty", "generate", *model)
