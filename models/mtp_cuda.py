@@ -364,14 +364,6 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
-# Whether a row's router top-k past 128 experts is split over the block's
-# warps: each warp the top-k of its share of the experts (NWARP / B warps a
-# row; Qwen3-Next's 512 at one row: 64 a warp, ranked by shuffles at once),
-# then one warp the top-k of their candidates, instead of one warp's KE rounds
-# of an argmax over all of them (8.5 us of a 100.8 us FR-Spec step on the H200,
-# thirty-sixth session's segments). The same experts, ties to the lower id;
-# their softmax mass sums the warps' shares. Off: one warp per row.
-TOPK_WARPS = True
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -401,61 +393,11 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
-// The warp's K largest of its values (lane l holds slots l, l + 32, ...: v[j]
-// of id id(j), an id at or past `limit` none), larger first, ties to the
-// lower id: emit(rank, value, id) for each of them. N <= 4: every value
-// ranked against all by shuffles at once, emitted by the lane holding it;
-// more: K rounds of a warp argmax, emitted by lane 0 (an id past `limit`
-// where fewer than K are left). IDS false: id(j) is base + l + 32 j (not
-// shuffled). ROLLED: the ranking's loop over the lanes kept a loop (fewer
-// registers live: the split top-k of 512 experts spills unrolled).
-template <int N, int K, bool IDS, bool ROLLED, typename Id, typename Emit>
-__device__ __forceinline__ void warp_top(const float (&v)[N], Id id, int limit, Emit emit) {
-  const int lane = threadIdx.x & 31;
-  if constexpr (N <= 4) {
-    int rank[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) rank[j] = 0;
-    auto against = [&](int src) {  // this lane's values against lane src's
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const float o = __shfl_sync(0xffffffffu, v[i], src);
-        const int oi = IDS ? __shfl_sync(0xffffffffu, id(i), src) : id(i) - lane + src;
-#pragma unroll
-        for (int j = 0; j < N; ++j) rank[j] += oi < limit && (o > v[j] || (o == v[j] && oi < id(j)));
-      }
-    };
-    if constexpr (ROLLED) {
-#pragma unroll 1
-      for (int src = 0; src < 32; ++src) against(src);
-    } else {
-      for (int src = 0; src < 32; ++src) against(src);
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      if (id(j) < limit && rank[j] < K) emit(rank[j], v[j], id(j));
-    __syncwarp();
-  } else {
-    unsigned int taken = 0u;
-    for (int c = 0; c < K; ++c) {
-      float bv = -SP_INF;
-      int bi = 0x7fffffff;
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (id(j) < limit && !((taken >> j) & 1u) && (v[j] > bv || (v[j] == bv && id(j) < bi))) {
-          bv = v[j];
-          bi = id(j);
-        }
-      warp_argmax(bv, bi);
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (id(j) == bi && bi < limit) taken |= 1u << j;
-      if (lane == 0) emit(c, bv, bi);
-      __syncwarp();
-    }
-  }
-}
-
+// Element i of the elements of W packed in raw. With SP_BF16_SHIFTS
+// (`BF16_SHIFTS`) bfloat16 by a shift or a mask of its 32-bit word (the same
+// value): the compiler's own conversion of a word's high half inserts it
+// into its result register's old bits, which keeps that register live from
+// the kernel's start.
 template <typename W, typename P>
 __device__ __forceinline__ float elem(const P& raw, int i) {
   if constexpr (SP_BF16_SHIFTS && cuda::std::is_same<W, __nv_bfloat16>::value) {
@@ -1843,82 +1785,76 @@ _SOURCE = r"""
           });
       barrier();
     }
-    // every block: softmax top-KE of each row's router, by one warp per row,
-    // or (TOPK_WARPS, past 128 experts) by RG warps per row, each the
-    // top-KE of its share of the experts, then the row's warp the top-KE of
-    // their candidates (the row's softmax from the shares' maxima and sums)
-    constexpr int EPL = (E + 31) / 32;
-    constexpr int RG = (TOPK_WARPS && EPL > 4 && NWARP / B > 1) ? NWARP / B : 1;
-    constexpr int ECH = (E + RG - 1) / RG;  // a warp's share of the experts
-    constexpr int EPC = (ECH + 31) / 32;
-    static_assert(RG == 1 || B * RG * KE <= TOPN, "the warps' candidates fit s_topv");
-    if (warp < B * RG) {
-      const int b = warp / RG, first = (warp % RG) * ECH, end = min(first + ECH, E);
+    // every block: softmax top-KE of each row's router (warp b for row b)
+    if (warp < B) {
+      const int b = warp;
       const float* lg = S + O_ROUT + (size_t)b * (E + 1);
-      // the share's logits read once, lane j holding experts first + j,
-      // first + j + 32, ...
-      auto id = [&](int j) { return first + lane + 32 * j; };
-      float lv[EPC];
+      // the row's logits read once, lane j holding experts j, j + 32, ...
+      // (more than 128 experts: KE rounds of a warp argmax, a chosen
+      // expert's bit set in its lane's mask)
+      constexpr int EPL = (E + 31) / 32;
+      float lv[EPL];
       float top = -SP_INF;
 #pragma unroll
-      for (int j = 0; j < EPC; ++j) {
-        const bool in = id(j) < end;
-        lv[j] = in ? (FOLD ? s_rlog[b * EP + id(j)] : __ldcg(lg + id(j))) : -SP_INF;
-        if (in) top = fmaxf(top, lv[j]);
+      for (int j = 0; j < EPL; ++j) {
+        const int e = lane + 32 * j;
+        lv[j] = e < E ? (FOLD ? s_rlog[b * EP + e] : __ldcg(lg + e)) : -SP_INF;
+        if (e < E) top = fmaxf(top, lv[j]);
       }
       top = warp_max(top);
       float z = 0.0f;
 #pragma unroll
-      for (int j = 0; j < EPC; ++j)
-        if (id(j) < end) z += expf(lv[j] - top);
+      for (int j = 0; j < EPL; ++j)
+        if (lane + 32 * j < E) z += expf(lv[j] - top);
       z = warp_sum(z);
-      if constexpr (RG == 1) {
-        warp_top<EPC, KE, false, false>(lv, id, end, [&](int rank, float v, int e) {
-          s_eid[b][rank] = e;
-          s_ew[b][rank] = expf(v - top) / z;
-        });
-      } else {
-        float* cv = s_topv + (size_t)warp * KE;
-        int* ci = s_topi + (size_t)warp * KE;
-        if (lane == 0) {
-          s_m[warp] = top;
-          s_l[warp] = z;
+      if constexpr (EPL <= 4) {
+        // each expert's rank among the row's (larger first, ties to the
+        // lower id), every lane its EPL experts against all E by shuffles at
+        // once: the chosen are the ranks below KE, in the order the KE
+        // rounds of a warp argmax (~3.5 us on the H200) picked them
+        int rank[EPL];
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) rank[j] = 0;
+        for (int src = 0; src < 32; ++src) {
+#pragma unroll
+          for (int i = 0; i < EPL; ++i) {
+            const float o = __shfl_sync(0xffffffffu, lv[i], src);
+            const int oe = src + 32 * i;
+#pragma unroll
+            for (int j = 0; j < EPL; ++j) {
+              const int e = lane + 32 * j;
+              rank[j] += oe < E && (o > lv[j] || (o == lv[j] && oe < e));
+            }
+          }
         }
-        if (lane < KE) {  // none, where a share holds fewer than KE experts
-          cv[lane] = -SP_INF;
-          ci[lane] = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+          const int e = lane + 32 * j;
+          if (e < E && rank[j] < KE) {
+            s_eid[b][rank[j]] = e;
+            s_ew[b][rank[j]] = expf(lv[j] - top) / z;
+          }
         }
         __syncwarp();
-        warp_top<EPC, KE, false, true>(lv, id, end, [&](int rank, float v, int e) {
-          cv[rank] = v;
-          ci[rank] = e;
-        });
-      }
-    }
-    if constexpr (RG > 1) {
-      __syncthreads();
-      if (warp < B) {
-        const int b = warp;
-        float top = -SP_INF, z = 0.0f;
-        for (int g = 0; g < RG; ++g) top = fmaxf(top, s_m[b * RG + g]);
-        for (int g = 0; g < RG; ++g) z += s_l[b * RG + g] * expf(s_m[b * RG + g] - top);
-        constexpr int NC = RG * KE, CPL = (NC + 31) / 32;
-        float cv[CPL];
-        int ci[CPL];
+      } else {
+        unsigned int taken = 0u;
+        for (int c = 0; c < KE; ++c) {
+          float bv = -SP_INF;
+          int bi = 0x7fffffff;
 #pragma unroll
-        for (int j = 0; j < CPL; ++j) {
-          const int slot = lane + 32 * j;
-          cv[j] = slot < NC ? s_topv[b * NC + slot] : -SP_INF;
-          ci[j] = slot < NC ? s_topi[b * NC + slot] : 0x7fffffff;
+          for (int j = 0; j < EPL; ++j) {
+            const int e = lane + 32 * j;
+            if (e < E && !((taken >> j) & 1u) && (lv[j] > bv || (lv[j] == bv && e < bi))) {
+              bv = lv[j];
+              bi = e;
+            }
+          }
+          warp_argmax(bv, bi);
+          if ((bi & 31) == lane && bi < E) taken |= 1u << (bi >> 5);
+          if (lane == 0) { s_eid[b][c] = bi; s_ew[b][c] = expf(bv - top) / z; }
+          __syncwarp();
         }
-        warp_top<CPL, KE, true, true>(cv, [&](int j) { return ci[j]; }, E, [&](int rank, float v, int e) {
-          s_eid[b][rank] = e;
-          s_ew[b][rank] = expf(v - top) / z;
-        });
       }
-    }
-    if (warp < B) {
-      const int b = warp;
       // NaN logits (a broken hidden state) tie ranks or are never picked,
       // so a slot may be left as it was (an earlier step's expert, or before
       // any, whatever the memory held) or past E (the argmax's none): an id
@@ -3049,7 +2985,6 @@ class FusedStep:
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
-            ("TOPK_WARPS", TOPK_WARPS),
             ("DERIVE", derive is not None),
         ]
         window = (
