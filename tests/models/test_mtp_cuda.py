@@ -543,8 +543,11 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
             ("PREFETCH_L2", "-EVICT_ALL", "ATT_SHARE=0", "-WIDE_LOADS"),
         ),
         # "NAME=N": the template constant as compiled (the router's top-k
-        # past 128 experts takes its KE rounds of a warp argmax)
+        # past 128 experts takes its KE rounds of a warp argmax; one, two
+        # and three rows)
         ("moe", True, False, False, 1, 1, 1, ("E=512",)),
+        ("moe", False, False, True, 2, 1, 2, ("E=512",)),
+        ("moe", False, False, False, 3, 1, 2, ("E=512",)),
         # the router in a phase of its own (FOLD_ROUTER's off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("-FOLD_ROUTER",)),
         ("moe", False, False, False, 3, 1, 2, ("-FOLD_ROUTER",)),
