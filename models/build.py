@@ -140,7 +140,8 @@ _GLM4_MOE_AS_CAUSAL_LM: Callable[[Glm4MoeArgs], CausalLM] = glm4_moe.Model
 _GLM_MOE_DSA_AS_CAUSAL_LM: Callable[[GlmMoeDsaArgs], CausalLM] = glm_moe_dsa.Model
 _GEMMA4_AS_CAUSAL_LM: Callable[[Gemma4Args], CausalLM] = gemma4.Model
 
-_AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUPS = (32, 64, 128)  # MLX's affine group sizes
 # Layers with `to_quantized` (the stacked experts of qwen3_next, glm4_moe,
 # glm_moe_dsa and gemma4 included; GLM's router is a plain array and stays
 # float, Gemma-4's `router.proj` is a Linear)
@@ -245,8 +246,8 @@ def quantize_layers(
     float Linear / Embedding / stacked-expert layer whose input width is a
     multiple of `group_size` (and, given `where`, that `where(path, layer)`
     picks); norms and other layers stay in float."""
-    assert bits in _AFFINE_BITS, f"bits must be one of {_AFFINE_BITS}"
-    assert group_size in (32, 64, 128), "group_size must be 32, 64 or 128"
+    assert bits in AFFINE_BITS, f"bits must be one of {AFFINE_BITS}"
+    assert group_size in AFFINE_GROUPS, f"group_size must be one of {AFFINE_GROUPS}"
     router = {
         "group_size": group_size,
         "bits": max(bits, ROUTER_BITS),
@@ -346,7 +347,7 @@ def _quantized_shape(
     groups = weights[f"{path}.scales"].shape[-1]
     bits, bits_rest = divmod(words * 32, in_dims)
     group_size, group_rest = divmod(in_dims, groups) if groups else (0, 1)
-    if bits_rest or group_rest or bits not in _AFFINE_BITS:
+    if bits_rest or group_rest or bits not in AFFINE_BITS:
         return (
             f"{path}: packed weight width {words} and {groups} scale groups do not fit "
             f"an affine quantization of {in_dims} inputs"

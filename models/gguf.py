@@ -229,7 +229,9 @@ def read_gguf_header(path: Path) -> Result[GgufHeader, LoadError]:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
                 return _parse_header(path, _Cursor(buffer))
     except _Corrupt as exc:
-        return Failure(LoadError(f"{path}: corrupt or truncated GGUF: {exc}"))
+        return Failure(
+            LoadError(f"{path}: corrupt or truncated GGUF ({exc}): download it again")
+        )
     except OSError as exc:
         return Failure(LoadError(f"cannot read GGUF file {path}: {exc}"))
 

@@ -512,6 +512,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def apply_chat_template(
         self,
         messages: list[dict[str, str]],
@@ -540,7 +544,10 @@ class Tokenizer:
         """Write tokenizer.json and tokenizer_config.json (HF AutoTokenizer reads them)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(folder / "tokenizer.json"))
+        try:
+            self.backend.save(str(folder / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library's own (a full disk)
+            raise OSError(f"cannot write tokenizer.json: {exc}") from exc
         config = {k: v for k, v in self.config.items() if v is not None}
         (folder / "tokenizer_config.json").write_text(
             json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"

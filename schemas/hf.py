@@ -68,7 +68,8 @@ class DecoderArgs:
 
 
 def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fold the upstream key variants into the shape `DecoderArgs` expects."""
+    """Fold the upstream key variants into the shape `DecoderArgs` expects
+    (ValueError naming a key whose value cannot be read)."""
     cfg = dict(raw)
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -79,8 +80,14 @@ def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if isinstance(theta, bool) or not isinstance(theta, int | float | str):
+        raise ValueError(f"rope_theta must be a number, got {theta!r}")
+    try:
+        theta = float(theta)
+    except ValueError:
+        raise ValueError(f"rope_theta must be a number, got {theta!r}") from None
     rope: dict[str, Any] = {
-        "theta": float(theta),
+        "theta": theta,
         "traditional": bool(cfg.get("rope_traditional", False)),
         "rope_type": str(rope_type),
     }

@@ -3,6 +3,7 @@ stream text. Boundary errors come back as `Result` failures."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,10 @@ from specpipe.output import TextSink
 from specpipe.precision import notice_tf32
 from specpipe.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
+
+# the widest draft a round may verify (--num-draft-tokens): no drafter's block
+# or chain comes near it, and a wider window only costs a verify forward
+MAX_DRAFT_TOKENS = 128
 
 # a chat message: {"role": ..., "content": ...}
 Message = Mapping[str, str]
@@ -226,11 +231,12 @@ class Pipeline:
                 )
             ids = tuple(cast(list[int], items))
         else:
-            text = (
-                tok.apply_chat_template([{"role": "user", "content": prompt}])
-                if chat
-                else prompt
-            )
+            text = prompt
+            if chat:
+                rendered = _render(tok, [{"role": "user", "content": prompt}])
+                if not isinstance(rendered, Success):
+                    return Failure(rendered.failure())
+                text = rendered.unwrap()
             ids = tuple(tok.encode(text, add_special_tokens=not chat))
         if not ids:
             bos = tok.bos_token_id
@@ -481,8 +487,13 @@ def _render(tokenizer: Any, messages: list[Message]) -> Result[str, RequestError
             )
     try:
         return Success(tokenizer.apply_chat_template([dict(m) for m in messages]))
-    except ValueError as exc:  # no template
-        return Failure(RequestError(f"{exc}: give the prompt as text or token ids"))
+    except ValueError as exc:  # no template (a base model)
+        return Failure(
+            RequestError(
+                f"{exc} (a base model): give the prompt as plain text or token ids, "
+                "without chat formatting (no --chat; `specpipe chat` needs a chat model)"
+            )
+        )
     except jinja2.TemplateError as exc:  # e.g. the template's raise_exception
         return Failure(RequestError(f"the chat template refused the messages: {exc}"))
 
@@ -554,9 +565,29 @@ def load(
         )
     ahead = on_gpu() if draft_ahead is None else draft_ahead
     registry = registry or default_registry()
-    if num_draft_tokens is not None and num_draft_tokens <= 0:
+    if num_draft_tokens is not None and not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
         return Failure(
-            RequestError(f"num-draft-tokens must be >= 1, got {num_draft_tokens}")
+            RequestError(
+                f"num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got "
+                f"{num_draft_tokens} (a round verifies that many positions at once)"
+            )
+        )
+    if draft is not None and not draft.strip():
+        return Failure(
+            RequestError(
+                "the draft is empty: give none, ngram, mtp, auto or a draft model "
+                "reference"
+            )
+        )
+    draft_temperature = policy.temperature if policy is not None else None
+    if draft_temperature is not None and not (
+        math.isfinite(draft_temperature) and draft_temperature > 0
+    ):
+        return Failure(
+            RequestError(
+                f"draft temperature must be > 0, got {draft_temperature} (leave it "
+                "out to draft at the request's own temperature; --greedy-draft for argmax)"
+            )
         )
     loaded = load_model(ref, dtype, gguf_quantized)
     if not isinstance(loaded, Success):

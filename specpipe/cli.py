@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any, NoReturn
 
 from returns.result import Success
 
-from models.build import float_other_groups
+from models.build import AFFINE_GROUPS, float_other_groups
 from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
@@ -172,6 +173,12 @@ def _chat(args: argparse.Namespace) -> None:
     sampling = _sampling(args)
     limits = _limits(args)
     pipeline = _with_cache_file(_pipeline(args, args.prompt_cache_mb << 20), args)
+    if not pipeline.target.tokenizer.has_chat_template:
+        _fail(
+            f"{args.model} has no chat template (a base model): "
+            "`specpipe chat` needs a chat model; run `specpipe generate` with the "
+            "prompt as plain text instead"
+        )
     conversation = Conversation(
         ({"role": "system", "content": args.system},) if args.system else ()
     )
@@ -198,6 +205,8 @@ def _chat(args: argparse.Namespace) -> None:
             pipeline, text, sampling, limits, on_text=None if args.json else on_text
         )
         if not isinstance(turn, Success):
+            if not interactive:  # a script's turn failed: say so by the status
+                _fail(str(turn.failure()), code=1)
             print(f"specpipe: error: {turn.failure()}", file=sys.stderr)
             continue
         conversation, result = turn.unwrap()
@@ -220,6 +229,8 @@ def _chat(args: argparse.Namespace) -> None:
 def _with_cache_file(pipeline: Pipeline, args: argparse.Namespace) -> Pipeline:
     """The pipeline with `--prompt-cache-file`'s checkpoints, where it exists."""
     path = args.prompt_cache_file
+    if path is not None and Path(path).is_dir():
+        _fail(f"--prompt-cache-file {path} is a folder; give a file path")
     if path is None or not Path(path).exists():
         return pipeline
     loaded: Pipeline = _unwrap(pipeline.load_prompt_cache(path))
@@ -233,12 +244,20 @@ def _save_cache_file(pipeline: Pipeline, args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace) -> None:
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        _fail(f"{out} is a file, not a folder; give a folder path for the model")
     if out.exists() and any(out.iterdir()) and not args.force:
         _fail(f"{out} exists and is not empty; pass --force to replace it")
     keep = args.quantize in ("keep", "keep-mlx")
     quantize = (
         None if args.quantize in ("none", "keep", "keep-mlx") else int(args.quantize)
     )
+    group_size = args.group_size
+    if group_size not in AFFINE_GROUPS:
+        _fail(
+            f"--group-size must be one of {', '.join(map(str, AFFINE_GROUPS))} "
+            f"(MLX's affine groups), got {group_size}"
+        )
     loaded = _unwrap(checkpoint(args.src, args.dtype, gguf_quantized=keep))
     if args.quantize == "keep-mlx":
         floated = float_other_groups(loaded.model)
@@ -248,7 +267,7 @@ def _convert(args: argparse.Namespace) -> None:
                 "(Q2_K, Q3_K, Q6_K: MLX's quantized layers and mlx-lm take no groups of 16)",
                 file=sys.stderr,
             )
-    path = _unwrap(save_folder(loaded, out, quantize, args.group_size))
+    path = _unwrap(save_folder(loaded, out, quantize, group_size))
     print(f"specpipe: wrote {path}", file=sys.stderr)
 
 
@@ -467,7 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
         "keep-mlx: the same with the groups of 16 as float, a folder MLX and "
         "mlx-lm load too; none (default): float",
     )
-    conv.add_argument("--group-size", type=int, default=64)
+    conv.add_argument(
+        "--group-size",
+        type=int,
+        default=64,
+        help="the affine groups of --quantize 2-8: 32, 64 (default) or 128",
+    )
     conv.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None
     )
@@ -559,7 +583,7 @@ def _draft_vocab(args: argparse.Namespace) -> None:
             counts, args.size, vocab_size, loaded.tokenizer.eos_token_ids
         )
     )
-    result.write(Path(args.out))
+    _unwrap(result.write(Path(args.out)))
     print(
         f"specpipe: wrote {args.out}: {result.size} ids covering "
         f"{sum(counts[i] for i in result.ids) / sum(counts.values()):.1%} of the corpus tokens",
@@ -575,7 +599,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         cpu_threads()
     except ValueError as exc:
         _fail(f"{exc}")
-    args.func(args)
+    try:
+        args.func(args)
+    except BrokenPipeError:
+        # the reader went away (`specpipe generate ... | head`): stop quietly,
+        # as other command-line tools do, instead of a traceback at exit too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a tool killed by it
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ mass outside the list: same uniform, same order, same token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -85,10 +86,23 @@ class DraftVocabulary:
             return Failure(ConfigError(f'{path}: expected exactly {{"ids": [...]}}'))
         return cls.create(data["ids"], vocab_size, str(path))
 
-    def write(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"ids": list(self.ids)}))
-        os.replace(tmp, path)
+    def write(self, path: Path) -> Result[Path, ConfigError]:
+        """The list as `{"ids": [...]}` at `path`, whole or not at all (a
+        staging file beside it, moved into place; removed on failure)."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"ids": list(self.ids)}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return Failure(
+                ConfigError(
+                    f"{path}: cannot write the draft vocabulary ({exc.strerror or exc}); "
+                    "give a writable file path (its folder must exist)"
+                )
+            )
+        return Success(path)
 
     @classmethod
     def from_counts(

@@ -25,6 +25,8 @@ from returns.result import Failure, Result, Success
 from models import cpu_kernel
 from models.base import CausalLM
 from models.build import (
+    AFFINE_BITS,
+    AFFINE_GROUPS,
     build_model,
     float_other_groups,
     load_weights,
@@ -238,6 +240,48 @@ _FAMILY_READERS: tuple[
 
 
 def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, LoadError]:
+    """The config's args (its family's reader), or an error naming `where`
+    and the key at fault: an unknown model_type, a value of the wrong kind,
+    sizes no model has (`_sizes_problem`)."""
+    try:
+        read = _family_args(raw, where)
+    except ValueError as exc:
+        return Failure(LoadError(f"{where}: {exc}"))
+    return read.bind(lambda args: _sized(args, where))
+
+
+def _sized(args: DecoderArgs, where: str) -> Result[DecoderArgs, LoadError]:
+    problem = _sizes_problem(args)
+    if problem is None:
+        return Success(args)
+    return Failure(LoadError(f"{where}: {problem}; fix config.json"))
+
+
+def _sizes_problem(args: DecoderArgs) -> str | None:
+    """What makes the config's sizes no model's: a count or width that is
+    not positive, key/value heads that do not divide the query heads."""
+    for name in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
+        value = getattr(args, name)
+        if value <= 0:
+            return f"{name} must be positive, got {value}"
+    if args.head_dim is not None and args.head_dim <= 0:
+        return f"head_dim must be positive, got {args.head_dim}"
+    if args.num_attention_heads % args.num_key_value_heads:
+        return (
+            f"num_key_value_heads ({args.num_key_value_heads}) must divide "
+            f"num_attention_heads ({args.num_attention_heads})"
+        )
+    return None
+
+
+def _family_args(raw: dict[str, Any], where: str) -> Result[DecoderArgs, LoadError]:
     model_type = raw.get("model_type")
     for model_types, read in _FAMILY_READERS:
         if model_type in model_types:
@@ -308,9 +352,18 @@ def assemble(
             # GLM-5's layer `model.layers.{num_hidden_layers}`), for a native
             # MTP draft
             mtp = model.split_mtp(weights)[1]
-        return load_weights(model, weights, args).map(
-            lambda _: LoadedModel(
-                model, tokenizer, args, source, folder, raw_config or {}, mtp
+        return (
+            load_weights(model, weights, args)
+            .alt(
+                lambda err: LoadError(
+                    f"{source}: {err.message} (the config and the weights disagree: "
+                    "check its config.json, or whether the files are one model's)"
+                )
+            )
+            .map(
+                lambda _: LoadedModel(
+                    model, tokenizer, args, source, folder, raw_config or {}, mtp
+                )
             )
         )
 
@@ -392,6 +445,14 @@ def save_folder(
 
     model: Any = loaded.model
     if quantize is not None:
+        if quantize not in AFFINE_BITS or group_size not in AFFINE_GROUPS:
+            return Failure(
+                LoadError(
+                    f"cannot quantize to {quantize} bits in groups of {group_size}: "
+                    f"MLX's affine quantization takes {', '.join(map(str, AFFINE_BITS))} "
+                    f"bits in groups of {', '.join(map(str, AFFINE_GROUPS))}"
+                )
+            )
         quantize_model(model, quantize, group_size)
     weights = dict(tree_flatten(model.parameters()))
     companion = None
@@ -411,8 +472,13 @@ def save_folder(
             loaded.tokenizer.save(staging)
             if companion is not None:
                 write_companion(staging / MTP_COMPANION, loaded, *companion)
-    except OSError as exc:
-        return Failure(LoadError(f"{out}: cannot write the converted model ({exc})"))
+    except (OSError, RuntimeError) as exc:  # MLX's writer raises RuntimeError
+        return Failure(
+            LoadError(
+                f"{out}: cannot write the converted model ({exc}); check the disk's "
+                "free space and the folder's permissions (nothing was left there)"
+            )
+        )
     return Success(out)
 
 

@@ -177,7 +177,10 @@ def test_prompts_file_batch(
         ("--top-k", "-1", "top-k must be >= 0"),
         ("--min-p", "1.0", "min-p must be in [0, 1)"),
         ("--max-tokens", "0", "max-tokens must be a positive number"),
-        ("--num-draft-tokens", "0", "num-draft-tokens must be >= 1"),
+        ("--num-draft-tokens", "0", "num-draft-tokens must be in [1, 128]"),
+        ("--num-draft-tokens", "100000", "num-draft-tokens must be in [1, 128]"),
+        ("--draft-temperature", "-1", "draft temperature must be > 0"),
+        ("--draft-temperature", "nan", "draft temperature must be > 0"),
     ],
 )
 def test_invalid_values(
@@ -565,3 +568,136 @@ def test_logprobs_need_json_and_an_empty_stdin_is_no_prompt(
     assert code == 0 and len(json.loads(out)["logprobs"]) == 3
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     fails_with(capsys, "stdin was empty", "generate", *model)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("num_attention_heads", 0, "num_attention_heads must be positive, got 0"),
+        ("hidden_size", -1, "hidden_size must be positive, got -1"),
+        ("num_key_value_heads", 3, "num_key_value_heads (3) must divide"),
+        ("rope_theta", "abc", "rope_theta must be a number, got 'abc'"),
+    ],
+)
+def test_config_values_no_model_has_are_named(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    key: str,
+    value: object,
+    needle: str,
+) -> None:
+    """Sizes no model has and values of the wrong kind are refused naming the
+    config file and the key (a division by zero or a bare ValueError before)."""
+    broken = tmp_path / "badvalue"
+    shutil.copytree(tiny_model, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config[key] = value
+    (broken / "config.json").write_text(json.dumps(config))
+    err = fails_with(capsys, needle, "generate", "x", "--model", str(broken))
+    assert "config.json" in err
+
+
+def test_convert_refuses_a_file_and_groups_mlx_does_not_take(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    for force in ((), ("--force",)):
+        fails_with(
+            capsys,
+            "is a file, not a folder",
+            "convert",
+            str(tiny_model),
+            str(target),
+            *force,
+        )
+    assert target.read_text() == "x"
+    out = tmp_path / "out"
+    for group in ("7", "0", "256"):
+        fails_with(
+            capsys,
+            f"--group-size must be one of 32, 64, 128 (MLX's affine groups), got {group}",
+            "convert",
+            str(tiny_model),
+            str(out),
+            "--quantize",
+            "4",
+            "--group-size",
+            group,
+        )
+    assert not out.exists()
+
+
+def test_draft_vocab_that_cannot_be_written_is_a_clear_error(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def fibonacci(n): return n\n" * 4)
+    base = ("draft-vocab", "--model", str(tiny_model), "--corpus", str(corpus))
+    missing = tmp_path / "no-such-folder" / "dv.json"
+    fails_with(
+        capsys,
+        "cannot write the draft vocabulary",
+        *base,
+        "--size",
+        "8",
+        "-o",
+        str(missing),
+    )
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    fails_with(
+        capsys, "give a writable file path", *base, "--size", "8", "-o", str(folder)
+    )
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_chat_needs_a_chat_model_and_a_script_s_failed_turn_fails(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A base model (no chat template) is refused by `chat` at its start and
+    by `generate --chat`; a turn that fails when stdin is a script ends the
+    command with status 1."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    fails_with(
+        capsys, "has no chat template (a base model)", "chat", "--model", str(base)
+    )
+    fails_with(
+        capsys,
+        "no chat template (a base model)",
+        "generate",
+        "hello",
+        "--chat",
+        "--model",
+        str(base),
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello world " * 300 + "\n"))
+    code, _out, err = run(
+        capsys, "chat", "--model", str(tiny_model), "--max-tokens", "2"
+    )
+    assert code == 1 and "context is 256" in err and "Traceback" not in err
+
+
+def test_an_empty_draft_and_a_cache_file_that_is_a_folder_are_named(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = ("--model", str(tiny_model), "--max-tokens", "2")
+    fails_with(capsys, "the draft is empty", "generate", "x", *model, "--draft", "")
+    fails_with(
+        capsys,
+        "is a folder; give a file path",
+        "generate",
+        "x",
+        *model,
+        "--prompt-cache-file",
+        str(tmp_path),
+    )
