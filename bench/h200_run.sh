@@ -474,7 +474,8 @@ for step in "$@"; do
           --launch-skip ${SKIP:-6} --launch-count 1 --section SourceCounters --section WarpStateStats \
           --cache-control all --clock-control none -f -o /tmp/pc-$sampling \
           python3 bench/draft_device.py --worker --labels /tmp/pc-labels.json --heads ${HEADS:-fr} --depths ${DEPTHS:-3} \
-          --rows 1 --repeats 4 --sampling $sampling ${SWITCHES:+--kernel-switches=$SWITCHES} > $OUT/pc-$sampling.log 2>&1 \
+          --rows 1 --repeats 4 --sampling $sampling ${SWITCHES:+--kernel-switches=$SWITCHES} ${EXPERTS:+--experts $EXPERTS} \
+          > $OUT/pc-$sampling.log 2>&1 \
           || echo "STEP FAILED: $?"; tail -c 300 $OUT/pc-$sampling.log
       "${NCU:-ncu}" --import /tmp/pc-$sampling.ncu-rep --page source --csv --print-source sass > $OUT/pc-$sampling-sass.csv \
           2> $OUT/pc-$sampling.err || echo "STEP FAILED: $?"
