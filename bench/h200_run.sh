@@ -135,7 +135,9 @@
 # (thirty-sixth session: an H200 at the third try: `EXPERTS=512 ... setup-min switches` (the 512-expert cut:
 #  greedy 1.96x / 1.98x, Qwen's sampling 1.91x / 1.92x at depths 2 / 3), the 64-expert `switches` line, then
 #  phase_probe.py --experts 512 / 64 by hand (the 512-expert top-k 8.5 us of a 100.8 us FR-Spec step);
-#  next, on any GPU: `setup-min topk` (TOPK_WARPS: drafts, segments, the cut with and without))
+#  on an H100: TOPK_WARPS's agree / phase_probe by hand (20.7 us against 9.0: reverted), then
+#  `EXPERTS=512 SAMPLINGS=greedy setup-min pcsamp` (the top-k's instructions ~2.6 us of the stretch's 9);
+#  next, on any GPU: stamps inside the router-to-experts stretch, then a top-k that keeps its code small)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -434,15 +436,6 @@ for step in "$@"; do
       SETS=none SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=${DEPTHS:-2,3} CONTEXT=${CONTEXT:-48} \
           REPEATS=${REPEATS:-8} EXPERTS=$([ $e = 64 ] || echo $e) bash $0 switches
     done
-    ;;
-  topk)  # the router's top-k split over the warps (TOPK_WARPS, on) at Qwen3-Next's 512 experts: the drafts
-    # against the MLX step's, the step's segments with and without it, then the FR-Spec cut with and without
-    SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS="--experts 512" PROBE_TAG=-e512 LIMIT=${LIMIT:-200} bash $0 agree
-    timeout ${LIMIT:-200} python3 bench/phase_probe.py --experts 512 --contexts 48 --sets "none;-TOPK_WARPS" \
-        --samplings greedy,qwen --heads fr,full --out $OUT/phase-probe-topk-e512-h200.json \
-        | cut -c1-240 || echo "STEP FAILED: $?"
-    EXPERTS=512 SETS=${SETS:-none -TOPK_WARPS} SAMPLINGS=${SAMPLINGS:-greedy qwen} NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 \
-        REPEATS=8 bash $0 switches
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
