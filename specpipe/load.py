@@ -243,6 +243,15 @@ def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, Loa
     """The config's args (its family's reader), or an error naming `where`
     and the key at fault: an unknown model_type, a value of the wrong kind,
     sizes no model has (`_sizes_problem`)."""
+    act = raw.get("hidden_act", "silu")
+    swiglu = raw.get("model_type") in (*SUPPORTED_MODEL_TYPES, *HYBRID_MODEL_TYPES)
+    if swiglu and act not in ("silu", "swish"):
+        return Failure(
+            LoadError(
+                f"{where}: hidden_act {act!r} is not supported; this model_type's MLPs "
+                "are SwiGLU (hidden_act 'silu')"
+            )
+        )
     try:
         read = _family_args(raw, where)
     except ValueError as exc:

@@ -577,6 +577,7 @@ def test_logprobs_need_json_and_an_empty_stdin_is_no_prompt(
         ("hidden_size", -1, "hidden_size must be positive, got -1"),
         ("num_key_value_heads", 3, "num_key_value_heads (3) must divide"),
         ("rope_theta", "abc", "rope_theta must be a number, got 'abc'"),
+        ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
     ],
 )
 def test_config_values_no_model_has_are_named(
