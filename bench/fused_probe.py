@@ -95,8 +95,9 @@ def launch_agreement(reference: Any, fused: Any, count: int) -> dict[str, Any]:
 # 0 start, 1 + 2k / 2 + 2k arrival at / departure from barrier k, then the
 # draw's end (17 with eight barriers), 24 + m the inner points: 24-31 where
 # the products start, 32 / 33 attention's query normed / its angles
-# computed), for a step whose router has its own phase (eight barriers: past
-# FOLD_ROUTER's 127 experts)
+# computed, 34 / 35 the router's logits read (their max and sum) / the
+# experts chosen), for a step whose router has its own phase (eight
+# barriers: past FOLD_ROUTER's 127 experts)
 _SEGMENTS = [
     ("fc_stage", 0, 24),
     ("fc_product", 24, 1),
@@ -112,6 +113,9 @@ _SEGMENTS = [
     ("o_product", 28, 7),
     ("router", 8, 9),
     ("experts_topk", 10, 29),
+    ("topk_logits", 10, 34),
+    ("topk_choice", 34, 35),
+    ("topk_after", 35, 29),
     ("experts_product", 29, 11),
     ("down_stage", 12, 30),
     ("down_product", 30, 13),

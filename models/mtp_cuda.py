@@ -107,8 +107,8 @@ MAX_EXPERTS = 1024  # the router's top-k: 32 logits per lane in registers at mos
 # device's multiprocessor count where it has fewer (`multiprocessors`).
 BLOCKS = 128
 MAX_SHARED = 192 * 1024  # dynamic shared memory of one block, bytes
-PHASE_STAMPS = 34  # floats per block at the scratch's end for `FusedStep.phase_times`
-INNER_STAMPS = 10  # of them, points within phases (`FusedStep.stamp_table`)
+PHASE_STAMPS = 36  # floats per block at the scratch's end for `FusedStep.phase_times`
+INNER_STAMPS = 12  # of them, points within phases (`FusedStep.stamp_table`)
 # Whether a warp takes two rows of a one-input product at once (more loads in
 # flight: a 2048-long q/k/v row is eight 16-byte loads per lane). On: an
 # FR-Spec step 146 us against 155 without, the full head's 265 against
@@ -1807,6 +1807,7 @@ _SOURCE = r"""
       for (int j = 0; j < EPL; ++j)
         if (lane + 32 * j < E) z += expf(lv[j] - top);
       z = warp_sum(z);
+      mark(10);  // (row 0's warp: its logits read, their max and sum)
       if constexpr (EPL <= 4) {
         // each expert's rank among the row's (larger first, ties to the
         // lower id), every lane its EPL experts against all E by shuffles at
@@ -1855,6 +1856,7 @@ _SOURCE = r"""
           __syncwarp();
         }
       }
+      mark(11);  // (the experts chosen)
       // NaN logits (a broken hidden state) tie ranks or are never picked,
       // so a slot may be left as it was (an earlier step's expert, or before
       // any, whatever the memory held) or past E (the argmax's none): an id
