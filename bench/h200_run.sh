@@ -137,7 +137,9 @@
 #  phase_probe.py --experts 512 / 64 by hand (the 512-expert top-k 8.5 us of a 100.8 us FR-Spec step);
 #  on an H100: TOPK_WARPS's agree / phase_probe by hand (20.7 us against 9.0: reverted), then
 #  `EXPERTS=512 SAMPLINGS=greedy setup-min pcsamp` (the top-k's instructions ~2.6 us of the stretch's 9);
-#  next, on any GPU: stamps inside the router-to-experts stretch, then a top-k that keeps its code small)
+#  next, on any GPU: `setup-min`, then python3 bench/phase_probe.py --experts 512 --contexts 48 --sets none
+#  --samplings greedy,qwen --heads fr --out $OUT/phase-probe-e512.json (the stretch split by the stamps added
+#  since: topk_logits / topk_choice / topk_after), then a top-k that keeps its code small; on an H200 the cut)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
