@@ -231,6 +231,13 @@ def _with_cache_file(pipeline: Pipeline, args: argparse.Namespace) -> Pipeline:
     path = args.prompt_cache_file
     if path is not None and Path(path).is_dir():
         _fail(f"--prompt-cache-file {path} is a folder; give a file path")
+    if path is not None:
+        # found now, not after the run it would have saved
+        folder = Path(path).expanduser().absolute().parent
+        if not folder.is_dir():
+            _fail(f"--prompt-cache-file {path}: its folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            _fail(f"--prompt-cache-file {path}: its folder {folder} is not writable")
     if path is None or not Path(path).exists():
         return pipeline
     loaded: Pipeline = _unwrap(pipeline.load_prompt_cache(path))

@@ -702,3 +702,20 @@ def test_an_empty_draft_and_a_cache_file_that_is_a_folder_are_named(
         "--prompt-cache-file",
         str(tmp_path),
     )
+
+
+def test_a_prompt_cache_file_that_cannot_be_saved_is_named_before_the_run(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-folder" / "c.cache"
+    fails_with(
+        capsys,
+        "does not exist",
+        "generate",
+        "x",
+        "--model",
+        str(tiny_model),
+        "--prompt-cache-file",
+        str(missing),
+    )
+    assert not missing.parent.exists()
