@@ -20,6 +20,10 @@ from attrs import frozen
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs, RopeConfig
 
+# the float dtypes a checkpoint's weights come in, by config.json's
+# `torch_dtype` name (and `--dtype`'s)
+FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
 
 class StateDelta(Protocol):
     """States a window produced for layers that cannot roll back by position

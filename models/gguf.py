@@ -63,6 +63,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from returns.result import Failure, Result, Success
 
+from models.base import FLOAT_DTYPES
 from models.gguf_quant import AFFINE_TYPES, read_affine, row_blocks
 from models.tokenizer import gguf_tokenizer
 from schemas.errors import LoadError
@@ -338,7 +339,7 @@ def _model(
     weights: dict[str, mx.array] = {}
     if load_weights:
         loaded = _load_weights(
-            header, config, keep_quantized, dtype or _DTYPES[config["torch_dtype"]]
+            header, config, keep_quantized, dtype or FLOAT_DTYPES[config["torch_dtype"]]
         )
         if isinstance(loaded, LoadError):
             return Failure(loaded)
@@ -532,7 +533,6 @@ _FLOAT_FILES = {
     GGMLQuantizationType.F16: "float16",
     GGMLQuantizationType.BF16: "bfloat16",
 }
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def file_dtype(header: GgufHeader) -> str:
@@ -555,7 +555,10 @@ def _read_stored(
 ) -> mx.array | None:
     """An F16 (BF16) tensor of a float16 (bfloat16) file as stored, in HF row
     order, without a float32 copy; None for any other tensor."""
-    if info.qtype not in _FLOAT_FILES or _DTYPES[_FLOAT_FILES[info.qtype]] != dtype:
+    if (
+        info.qtype not in _FLOAT_FILES
+        or FLOAT_DTYPES[_FLOAT_FILES[info.qtype]] != dtype
+    ):
         return None
     raw = os.pread(fd, info.nbytes, info.offset)
     if len(raw) != info.nbytes:

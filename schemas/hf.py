@@ -80,11 +80,11 @@ def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if isinstance(theta, bool) or not isinstance(theta, int | float | str):
-        raise ValueError(f"rope_theta must be a number, got {theta!r}")
     try:
+        if isinstance(theta, bool):
+            raise TypeError
         theta = float(theta)
-    except ValueError:
+    except (TypeError, ValueError):
         raise ValueError(f"rope_theta must be a number, got {theta!r}") from None
     rope: dict[str, Any] = {
         "theta": theta,

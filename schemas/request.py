@@ -98,9 +98,7 @@ class GenerationLimits:
 
     def checked(self) -> Result[GenerationLimits, RequestError]:
         """This record, or `create`'s error for its values."""
-        return GenerationLimits.create(
-            max_tokens=self.max_tokens, stop=self.stop, logprobs=self.logprobs
-        )
+        return GenerationLimits.create(**asdict(self))
 
     @classmethod
     def create(

@@ -229,11 +229,10 @@ def _chat(args: argparse.Namespace) -> None:
 def _with_cache_file(pipeline: Pipeline, args: argparse.Namespace) -> Pipeline:
     """The pipeline with `--prompt-cache-file`'s checkpoints, where it exists."""
     path = args.prompt_cache_file
-    if path is not None and Path(path).is_dir():
-        _fail(f"--prompt-cache-file {path} is a folder; give a file path")
-    if path is not None:
-        # found now, not after the run it would have saved
-        folder = Path(path).expanduser().absolute().parent
+    if path is not None:  # found now, not after the run it would have saved
+        folder = Path(path).absolute().parent
+        if Path(path).is_dir():
+            _fail(f"--prompt-cache-file {path} is a folder; give a file path")
         if not folder.is_dir():
             _fail(f"--prompt-cache-file {path}: its folder {folder} does not exist")
         if not os.access(folder, os.W_OK):
@@ -259,11 +258,10 @@ def _convert(args: argparse.Namespace) -> None:
     quantize = (
         None if args.quantize in ("none", "keep", "keep-mlx") else int(args.quantize)
     )
-    group_size = args.group_size
-    if group_size not in AFFINE_GROUPS:
+    if args.group_size not in AFFINE_GROUPS:
         _fail(
             f"--group-size must be one of {', '.join(map(str, AFFINE_GROUPS))} "
-            f"(MLX's affine groups), got {group_size}"
+            f"(MLX's affine groups), got {args.group_size}"
         )
     loaded = _unwrap(checkpoint(args.src, args.dtype, gguf_quantized=keep))
     if args.quantize == "keep-mlx":
@@ -274,7 +272,7 @@ def _convert(args: argparse.Namespace) -> None:
                 "(Q2_K, Q3_K, Q6_K: MLX's quantized layers and mlx-lm take no groups of 16)",
                 file=sys.stderr,
             )
-    path = _unwrap(save_folder(loaded, out, quantize, group_size))
+    path = _unwrap(save_folder(loaded, out, quantize, args.group_size))
     print(f"specpipe: wrote {path}", file=sys.stderr)
 
 

@@ -23,7 +23,7 @@ from attrs import field, frozen
 from returns.result import Failure, Result, Success
 
 from models import cpu_kernel
-from models.base import CausalLM
+from models.base import FLOAT_DTYPES, CausalLM
 from models.build import (
     AFFINE_BITS,
     AFFINE_GROUPS,
@@ -59,8 +59,6 @@ from specpipe.fixtures import fixture_names, install_fixture
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
 
 @frozen
 class LoadedModel:
@@ -80,11 +78,13 @@ class LoadedModel:
 def parse_dtype(name: str | None) -> Result[mx.Dtype | None, LoadError]:
     if name is None:
         return Success(None)
-    if name not in _DTYPES:
+    if name not in FLOAT_DTYPES:
         return Failure(
-            LoadError(f"unknown dtype {name!r}; choose one of {', '.join(_DTYPES)}")
+            LoadError(
+                f"unknown dtype {name!r}; choose one of {', '.join(FLOAT_DTYPES)}"
+            )
         )
-    return Success(_DTYPES[name])
+    return Success(FLOAT_DTYPES[name])
 
 
 def load(
@@ -605,7 +605,9 @@ def write_companion(
 
 def config_dict(args: DecoderArgs, weights: dict[str, mx.array]) -> dict[str, Any]:
     dtypes = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
-    dtype_name = next((name for name, dt in _DTYPES.items() if dt in dtypes), "float32")
+    dtype_name = next(
+        (name for name, dt in FLOAT_DTYPES.items() if dt in dtypes), "float32"
+    )
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[args.model_type]],
         "model_type": args.model_type,
