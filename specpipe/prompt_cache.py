@@ -104,6 +104,10 @@ class CacheStats:
     evicted: int = 0
 
 
+# a checkpoint's key: its tokens and its draft state's namespace ("" for none)
+_Key = tuple[tuple[int, ...], str]
+
+
 @define
 class PromptCache:
     """Checkpoints of one target, most recently used last, within a byte budget.
@@ -116,10 +120,10 @@ class PromptCache:
     max_entries: int = DEFAULT_MAX_ENTRIES
     capture_prompts: bool = True
     stats: CacheStats = field(factory=CacheStats)
-    _entries: OrderedDict[tuple[tuple[int, ...], str], Checkpoint] = field(
+    _entries: OrderedDict[_Key, Checkpoint] = field(
         factory=OrderedDict, init=False, repr=False
     )
-    _sizes: dict[tuple[tuple[int, ...], str], int] = field(
+    _sizes: dict[_Key, int] = field(
         factory=dict, init=False, repr=False
     )  # each entry's bytes, measured once when it is inserted
 
@@ -207,38 +211,58 @@ class PromptCache:
             if size > self.max_bytes:
                 return
             key = self._key(checkpoint)
+            evicted = self._admit(self._order(), key, size)
             self._entries.pop(key, None)
             self._entries[key] = checkpoint
             self._sizes[key] = size
+            for dropped in evicted:
+                del self._entries[dropped], self._sizes[dropped]
             self.stats.inserted += 1
-            total = self.nbytes
-            while total > self.max_bytes or len(self._entries) > self.max_entries:
-                dropped, _ = self._entries.popitem(last=False)
-                total -= self._sizes.pop(dropped)
-                self.stats.evicted += 1
+            self.stats.evicted += len(evicted)
 
         return Prepared(apply)
 
     def surviving(self, incoming: Sequence[Checkpoint]) -> list[Checkpoint]:
         """The checkpoints of `incoming` that inserting them all, in order,
         would leave kept: the inserts' evictions played on sizes alone, so
-        checkpoints read lazily (a file's) are read only where kept."""
-        order = OrderedDict(
-            (key, (c, self._sizes[key])) for key, c in self._entries.items()
-        )
-        total = self.nbytes
+        checkpoints read lazily (a file's) are read only where kept.
+        Inserting only these keeps at least what inserting all would when
+        `incoming`'s tokens are distinct (a file's) or the cache is empty (a
+        merge's); otherwise an arrival replaced by a later one may have made
+        room by replacing one of the cache's own first."""
+        order = self._order()
+        owner: dict[_Key, Checkpoint] = {}  # the checkpoint last given each key
         for checkpoint in incoming:
             size = checkpoint.nbytes
             if size > self.max_bytes:
                 continue
             key = self._key(checkpoint)
-            total -= order.pop(key, (checkpoint, 0))[1]
-            order[key] = (checkpoint, size)
-            total += size
-            while total > self.max_bytes or len(order) > self.max_entries:
-                total -= order.popitem(last=False)[1][1]
-        kept = {id(c) for c, _ in order.values()}
-        return [c for c in incoming if id(c) in kept]
+            owner[key] = checkpoint
+            self._admit(order, key, size)
+        return [
+            c
+            for c in incoming
+            if self._key(c) in order and owner.get(self._key(c)) is c
+        ]
+
+    def _order(self) -> OrderedDict[_Key, int]:
+        """The entries' sizes, least recently used first."""
+        return OrderedDict((key, self._sizes[key]) for key in self._entries)
+
+    def _admit(self, order: OrderedDict[_Key, int], key: _Key, size: int) -> list[_Key]:
+        """`key` (`size` bytes) made the most recently used of `order`, then
+        the least recently used evicted while past the byte budget or the
+        entry count: the keys evicted (an insert's, or one played by
+        `surviving`)."""
+        order.pop(key, None)
+        order[key] = size
+        total = sum(order.values())
+        evicted: list[_Key] = []
+        while total > self.max_bytes or len(order) > self.max_entries:
+            dropped, dropped_size = order.popitem(last=False)
+            total -= dropped_size
+            evicted.append(dropped)
+        return evicted
 
     def clear(self) -> None:
         self._entries.clear()
@@ -249,6 +273,6 @@ class PromptCache:
         return list(self._entries.values())
 
     @staticmethod
-    def _key(checkpoint: Checkpoint) -> tuple[tuple[int, ...], str]:
+    def _key(checkpoint: Checkpoint) -> _Key:
         draft = checkpoint.draft
         return checkpoint.tokens, draft.namespace if draft is not None else ""

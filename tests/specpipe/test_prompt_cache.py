@@ -573,9 +573,13 @@ def test_surviving_is_what_inserting_keeps(
 ) -> None:
     """The checkpoints `surviving` picks from their sizes alone are the ones
     inserting them all keeps (repeated tokens replacing, larger-than-budget
-    ones left out, the least recently used evicted); inserting only those
+    ones left out, the least recently used evicted). Inserting only those
     keeps at least what inserting all does (more of the cache's own where a
-    checkpoint later replaced would have evicted them)."""
+    checkpoint later replaced would have evicted them) for what the loaders
+    give it: checkpoints of distinct tokens (a file's), or any into an empty
+    cache (a merge). Not otherwise: an arrival replaced by a later one of
+    the same tokens can, inserted, have made room for the cache's own by
+    replacing one of them first."""
 
     def made(pairs: list[tuple[int, int]]) -> list[Checkpoint]:
         return [Checkpoint((key,), _Sized(size)) for key, size in pairs]
@@ -599,7 +603,8 @@ def test_surviving_is_what_inserting_keeps(
         picked.prepare_insert(checkpoint).commit()
     kept = [id(c) for c in inserted.checkpoints()]
     assert [id(c) for c in chosen] == [id(c) for c in arriving if id(c) in kept]
-    assert set(kept) <= {id(c) for c in picked.checkpoints()}
+    if not held or len({key for key, _ in incoming}) == len(incoming):
+        assert set(kept) <= {id(c) for c in picked.checkpoints()}
 
 
 def test_loading_or_merging_reads_only_the_checkpoints_kept(
