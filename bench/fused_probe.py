@@ -218,6 +218,16 @@ _SWITCHES = [
         "BF16_SHIFTS",
         "bfloat16 to float by a shift or mask of its 32-bit word",
     ),
+    (
+        "redux-topk",
+        "REDUX_TOPK",
+        "the router's top-k in rounds of two warp reductions",
+    ),
+    (
+        "shared-cdf",
+        "SHARED_CDF",
+        "a sampled draw's inverse CDF read from shared memory",
+    ),
 ]
 
 

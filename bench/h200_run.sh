@@ -140,6 +140,12 @@
 #  next, on any GPU: `setup-min`, then python3 bench/phase_probe.py --experts 512 --contexts 48 --sets none
 #  --samplings greedy,qwen --heads fr --out $OUT/phase-probe-e512.json (the stretch split by the stamps added
 #  since: topk_logits / topk_choice / topk_after), then a top-k that keeps its code small; on an H200 the cut)
+# (thirty-seventh session: four tries started no machine (~180 s of device time each); prepared
+#  REDUX_TOPK (the router's top-k by warp reductions: the same experts, ~90 instructions a round against
+#  ~150 branchy ones) and SHARED_CDF, both off. Next, on any GPU: call 2 `bash bench/h200_run.sh setup-min
+#  redux` (stretches, then drafts with both on; EXPERTS=64 for the folded router's form), then
+#  `EXPERTS=512 SETS="none REDUX_TOPK,SHARED_CDF" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48
+#  REPEATS=8 bash bench/h200_run.sh switches`; on an H200 that is the cut)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -441,7 +447,7 @@ for step in "$@"; do
     ;;
   agree)  # the kernel's drafts against the MLX step's (bf16 and float32), PROBE_FLAGS its switches
     timeout ${LIMIT:-280} python3 bench/fused_probe.py --shape qwen3-next --rows ${ROWS:-1,3} --samplings ${SAMPLINGS:-greedy,qwen} \
-        --agree-only --repeats 2 ${PROBE_FLAGS:-} --out $OUT/fused-probe-next${PROBE_TAG:-}-agree-h200.json \
+        --agree-only --repeats 2 ${PROBE_FLAGS:-} ${EXPERTS:+--experts $EXPERTS} --out $OUT/fused-probe-next${PROBE_TAG:-}-agree-h200.json \
         | grep -v '^agree' || echo "STEP FAILED: $?"
     ;;
   draw)  # a sampled draw: its parts' cost (diagnostics, wrong drafts), the blocks' heads merged first
@@ -461,6 +467,14 @@ for step in "$@"; do
           || echo "STEP FAILED: $?"; tail -c 600 $OUT/stalls-$sampling.err
     done
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--draw-heads-k 2" PROBE_TAG=-tight LIMIT=${LIMIT:-200} bash $0 agree
+    ;;
+  redux)  # REDUX_TOPK / SHARED_CDF at EXPERTS (512): each stretch (phase stamps, FR head), then the drafts
+    # against the MLX step's with both on (one and three rows, greedy and Qwen's sampling)
+    e=${EXPERTS:-512}
+    timeout ${LIMIT:-200} python3 bench/phase_probe.py --experts $e --contexts 48 --sets "none;REDUX_TOPK,SHARED_CDF" \
+        --samplings greedy,qwen --heads fr --launches 5 --out $OUT/phase-probe-redux-e$e-h200.json > /dev/null || echo "STEP FAILED: $?"
+    EXPERTS=$e SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS="--redux-topk --shared-cdf" PROBE_TAG=-redux-e$e bash $0 agree
+    python3 bench/probe_summary.py $OUT/phase-probe-redux-e$e-h200.json $OUT/fused-probe-next-redux-e$e-agree-h200.json
     ;;
   pcsamp)  # where a step's warps stall, per SASS instruction (ncu's PC sampling), FR head, depth 3
     "${NCU:-ncu}" --version | tail -1

@@ -192,8 +192,8 @@ LEAN_SHARED = False
 # paths taken (fourteenth session, bench/RESULTS.md).
 DRAW_HEADS = True
 DRAW_HEADS_K = 4
-# Whether a sampled step's sorts, merges and inverse CDF keep their loops
-# rolled (compact code: the step's code is ~300 KB, re-read every step; the
+# Whether a sampled step's sorts, merges and (without SHARED_CDF) inverse
+# CDF keep their loops rolled (compact code: the step's code is ~300 KB, re-read every step; the
 # rolled loops take ~30 KB off). With DRAW_HEADS, H200: 248.7 -> 244.1 us
 # per FR depth-2 launch, 373.8 -> 362.9 at depth 3 (fourteenth session).
 TIGHT_DRAW = True
@@ -364,6 +364,20 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
+# Whether a MoE step picks its router's top-k experts in KE rounds of two
+# one-instruction warp reductions (`__reduce_max_sync` over the logits as
+# order-keyed ints, then `__reduce_min_sync` over the ids holding the
+# largest), each lane keeping its best by a tree over its experts, instead
+# of (up to 128 experts) ranking every expert against all by shuffles or
+# (past 128) KE rounds of a shuffle argmax over branchy per-lane scans. PC
+# sampling on an H100 put those rounds at ~6 us of a 512-expert step, one
+# warp issuing while the block's seven others wait (thirty-sixth session).
+# The same experts in the same order either way (ties to the lower id).
+REDUX_TOPK = False
+# Whether a sampled draw's inverse CDF reads the warp's masses and ids back
+# from shared memory (broadcast reads, unrolled) instead of two shuffles a
+# candidate in a rolled loop; the same sums in the same order.
+SHARED_CDF = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -615,6 +629,35 @@ __device__ __forceinline__ void stage_normed(
     }
   }
   __syncthreads();
+}
+
+// A float's bits as an int in the floats' order (-0 as +0), NaN the least;
+// and back.
+#define SP_KEY_MIN (-2147483647 - 1)
+__device__ __forceinline__ int order_key(float x) {
+  const int u = __float_as_int(x);
+  return x != x ? SP_KEY_MIN : x == 0.0f ? 0 : u >= 0 ? u : u ^ 0x7fffffff;
+}
+__device__ __forceinline__ float key_value(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff); }
+
+// A warp's largest and least int (one instruction from sm_80).
+__device__ __forceinline__ int warp_max_int(int v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+#endif
+}
+__device__ __forceinline__ int warp_min_int(int v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(0xffffffffu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+#endif
 }
 
 // A 16-byte read-only weight load. STREAM (`EVICT_ALL`): under an L2
@@ -1790,8 +1833,6 @@ _SOURCE = r"""
       const int b = warp;
       const float* lg = S + O_ROUT + (size_t)b * (E + 1);
       // the row's logits read once, lane j holding experts j, j + 32, ...
-      // (more than 128 experts: KE rounds of a warp argmax, a chosen
-      // expert's bit set in its lane's mask)
       constexpr int EPL = (E + 31) / 32;
       float lv[EPL];
       float top = -SP_INF;
@@ -1808,7 +1849,7 @@ _SOURCE = r"""
         if (lane + 32 * j < E) z += expf(lv[j] - top);
       z = warp_sum(z);
       mark(10);  // (row 0's warp: its logits read, their max and sum)
-      if constexpr (EPL <= 4) {
+      if constexpr (!REDUX_TOPK && EPL <= 4) {
         // each expert's rank among the row's (larger first, ties to the
         // lower id), every lane its EPL experts against all E by shuffles at
         // once: the chosen are the ranks below KE, in the order the KE
@@ -1837,7 +1878,9 @@ _SOURCE = r"""
           }
         }
         __syncwarp();
-      } else {
+      } else if constexpr (!REDUX_TOPK) {
+        // KE rounds of a warp argmax, a chosen expert's bit set in its
+        // lane's mask
         unsigned int taken = 0u;
         for (int c = 0; c < KE; ++c) {
           float bv = -SP_INF;
@@ -1855,14 +1898,48 @@ _SOURCE = r"""
           if (lane == 0) { s_eid[b][c] = bi; s_ew[b][c] = expf(bv - top) / z; }
           __syncwarp();
         }
+      } else {
+        // KE rounds, each taking the largest logit left (ties to the lower
+        // id), so the slots come best first. A logit's key is an int in the
+        // floats' order (NaN the least), so a round is two one-instruction
+        // warp reductions: the largest key, then the lowest id holding it;
+        // each lane finds its own best by a tree over its EPL keys, and the
+        // winner's key drops to the least (a round past the real experts
+        // finds none: its slot gets an id past E, expert 0 below)
+        int key[EPL];
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) key[j] = lane + 32 * j < E ? order_key(lv[j]) : SP_KEY_MIN;
+        int kept_key = SP_KEY_MIN, kept_id = 0x7fffffff;  // lane c: round c's
+#pragma unroll 1
+        for (int c = 0; c < KE; ++c) {
+          int tk[EPL], tj[EPL];
+#pragma unroll
+          for (int j = 0; j < EPL; ++j) { tk[j] = key[j]; tj[j] = j; }
+#pragma unroll
+          for (int w = 1; w < EPL; w <<= 1)
+#pragma unroll
+            for (int j = 0; j + w < EPL; j += 2 * w)
+              if (tk[j + w] > tk[j]) { tk[j] = tk[j + w]; tj[j] = tj[j + w]; }
+          const int top_key = warp_max_int(tk[0]);
+          const int won = warp_min_int(tk[0] == top_key ? lane + 32 * tj[0] : 0x7fffffff);
+          if (lane == c) { kept_key = top_key; kept_id = top_key == SP_KEY_MIN ? 0x7fffffff : won; }
+#pragma unroll
+          for (int j = 0; j < EPL; ++j)
+            if (lane + 32 * j == won) key[j] = SP_KEY_MIN;
+        }
+        if (lane < KE) {
+          s_eid[b][lane] = kept_id;
+          s_ew[b][lane] = kept_key == SP_KEY_MIN ? 0.0f : expf(key_value(kept_key) - top) / z;
+        }
+        __syncwarp();
       }
       mark(11);  // (the experts chosen)
       // NaN logits (a broken hidden state) tie ranks or are never picked,
-      // so a slot may be left as it was (an earlier step's expert, or before
-      // any, whatever the memory held) or past E (the argmax's none): an id
-      // outside the experts becomes expert 0, so the experts' loads stay
-      // inside their weights (wrong drafts, which verification rejects,
-      // never a fault)
+      // so a slot may be left as it was (ranks: an earlier step's expert,
+      // or before any, whatever the memory held) or past E (the rounds'
+      // none): an id outside the experts becomes expert 0, so the experts'
+      // loads stay inside their weights (wrong drafts, which verification
+      // rejects, never a fault)
       if (lane < KE && (unsigned int)s_eid[b][lane] >= (unsigned int)E) s_eid[b][lane] = 0;
       float total = 0.0f;  // the chosen's mass, summed in their order
       for (int c = 0; c < KE; ++c) total += s_ew[b][c];
@@ -2184,18 +2261,31 @@ _SOURCE = r"""
           const float pmax = __shfl_sync(0xffffffffu, p, 0);
           if (p < min_p * pmax) p = 0.0f;
         }
-        // inverse CDF in id order with the (seed, step) uniform
-        float below = 0.0f;  // mass of ids <= mine
-        auto add_below = [&](int j) {
-          const float pj = __shfl_sync(0xffffffffu, p, j);
-          const int ij = __shfl_sync(0xffffffffu, id, j);
-          if (ij <= id) below += pj;
-        };
-        if constexpr (TIGHT_DRAW) {
-#pragma unroll 1
-          for (int j = 0; j < 32; ++j) add_below(j);
+        // inverse CDF in id order with the (seed, step) uniform: each lane
+        // the mass of the ids <= its own, summed in lane order
+        float below = 0.0f;
+        if constexpr (SHARED_CDF) {
+          // the warp's masses and ids read back as broadcasts from warp 0's
+          // own slots (no other warp reads them before the next row's block
+          // barrier)
+          s_topv[lane] = p;
+          s_topi[lane] = id;
+          __syncwarp();
+#pragma unroll 8
+          for (int j = 0; j < 32; ++j)
+            if (s_topi[j] <= id) below += s_topv[j];
         } else {
-          for (int j = 0; j < 32; ++j) add_below(j);
+          auto add_below = [&](int j) {
+            const float pj = __shfl_sync(0xffffffffu, p, j);
+            const int ij = __shfl_sync(0xffffffffu, id, j);
+            if (ij <= id) below += pj;
+          };
+          if constexpr (TIGHT_DRAW) {
+#pragma unroll 1
+            for (int j = 0; j < 32; ++j) add_below(j);
+          } else {
+            for (int j = 0; j < 32; ++j) add_below(j);
+          }
         }
         const float total = warp_sum(p);
         const float u = step_uniform(s_in_seed[b], s_in_step[b] + (unsigned int)s);
@@ -2987,6 +3077,8 @@ class FusedStep:
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
+            ("REDUX_TOPK", REDUX_TOPK),
+            ("SHARED_CDF", SHARED_CDF),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -319,6 +319,28 @@ def test_prompt_past_context(
     )
 
 
+def test_max_tokens_past_the_context_stop_at_the_context(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt plus --max-tokens past the context: the row is cut where the
+    context ends and finishes with "length" (README's --max-tokens note)."""
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "hello world " * 38,
+        "--model",
+        str(tiny_model),
+        "--max-tokens",
+        "100",
+        "--json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert 200 < result["prompt_tokens"] < 256  # (so 100 more would pass 256)
+    assert result["prompt_tokens"] + result["generated_tokens"] == 256
+    assert result["finish_reason"] == "length"
+
+
 def test_draft_with_other_tokenizer(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -548,6 +548,12 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("moe", True, False, False, 1, 1, 1, ("E=512",)),
         ("moe", False, False, True, 2, 1, 2, ("E=512",)),
         ("moe", False, False, False, 3, 1, 2, ("E=512",)),
+        # the router's top-k by warp reductions (REDUX_TOPK, off), the sampled
+        # inverse CDF from shared memory (SHARED_CDF, off): 512 experts and 64
+        ("moe", True, False, False, 1, 1, 1, ("E=512", "REDUX_TOPK")),
+        ("moe", False, False, False, 3, 1, 2, ("E=512", "REDUX_TOPK", "SHARED_CDF")),
+        ("moe", True, True, True, 1, 2, 3, ("REDUX_TOPK",)),
+        ("moe", False, True, True, 2, 2, 3, ("REDUX_TOPK", "SHARED_CDF")),
         # the router in a phase of its own (FOLD_ROUTER's off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("-FOLD_ROUTER",)),
         ("moe", False, False, False, 3, 1, 2, ("-FOLD_ROUTER",)),
@@ -738,6 +744,9 @@ QWEN3_NEXT_CONSTANTS = {
         (3, 2, True, 64, ()),
         (3, 2, False, 64, ()),
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
+        (1, 3, True, 512, ("REDUX_TOPK",)),
+        (1, 3, False, 512, ("REDUX_TOPK", "SHARED_CDF")),
+        (3, 2, False, 64, ("REDUX_TOPK", "SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
         # conversion (BF16_SHIFTS, on, off)
         (1, 3, True, 64, ("ATT_GROUPED",)),
