@@ -140,12 +140,13 @@
 #  next, on any GPU: `setup-min`, then python3 bench/phase_probe.py --experts 512 --contexts 48 --sets none
 #  --samplings greedy,qwen --heads fr --out $OUT/phase-probe-e512.json (the stretch split by the stamps added
 #  since: topk_logits / topk_choice / topk_after), then a top-k that keeps its code small; on an H200 the cut)
-# (thirty-seventh session: four tries started no machine (~180 s of device time each); prepared
-#  REDUX_TOPK (the router's top-k by warp reductions: the same experts, ~90 instructions a round against
-#  ~150 branchy ones) and SHARED_CDF, both off. Next, on any GPU: call 2 `bash bench/h200_run.sh setup-min
-#  redux` (stretches, then drafts with both on; EXPERTS=64 for the folded router's form), then
-#  `EXPERTS=512 SETS="none REDUX_TOPK,SHARED_CDF" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48
-#  REPEATS=8 bash bench/h200_run.sh switches`; on an H200 that is the cut)
+# (thirty-seventh session: five requests started no machine (~180 s of device time each but one), then an
+#  H100: `setup-min redux` (REDUX_TOPK / SHARED_CDF: the 512-expert top-k 7.7 -> 1.9 us, drafts agree),
+#  `EXPERTS=512 SETS="none REDUX_TOPK,SHARED_CDF" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48
+#  REPEATS=5 LIMIT=95 switches` (2.07x -> 2.13x greedy, 2.06x -> 2.10x sampled), then `EXPERTS=64 ROWS=1,3
+#  PROBE_FLAGS="--redux-topk --shared-cdf" agree`; both switches on since. Next, on an H200 (the goal's
+#  machine): call 2 `bash bench/h200_run.sh setup-min retime` (the new defaults' cut, 64 and 512 experts,
+#  greedy and Qwen's sampling, depths 2 and 3))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

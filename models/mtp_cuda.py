@@ -367,17 +367,27 @@ FOLD_ROUTER = True
 # Whether a MoE step picks its router's top-k experts in KE rounds of two
 # one-instruction warp reductions (`__reduce_max_sync` over the logits as
 # order-keyed ints, then `__reduce_min_sync` over the ids holding the
-# largest), each lane keeping its best by a tree over its experts, instead
-# of (up to 128 experts) ranking every expert against all by shuffles or
-# (past 128) KE rounds of a shuffle argmax over branchy per-lane scans. PC
-# sampling on an H100 put those rounds at ~6 us of a 512-expert step, one
-# warp issuing while the block's seven others wait (thirty-sixth session).
-# The same experts in the same order either way (ties to the lower id).
-REDUX_TOPK = False
+# largest), each lane keeping its best by a branch-free tree over its
+# experts (~93 instructions a round), instead of (up to 128 experts) ranking
+# every expert against all by shuffles or (past 128) KE rounds of a shuffle
+# argmax over branchy per-lane scans (293 a round). One warp issues these
+# while the block's seven others wait (PC sampling on an H100: ~9 us of a
+# 512-expert step, thirty-sixth session's samples re-read). The same experts
+# in the same order either way (ties to the lower id). On: H100, 512
+# experts, FR-Spec step (phase stamps) 123.4 -> 116.8 us greedy, the top-k
+# 7.7 -> 1.9 us; depth-2 launches with SHARED_CDF 590.0 / 284.6 -> 582.2 /
+# 273.8 us greedy (2.07x -> 2.13x), 617.2 / 300.3 -> 605.9 / 288.3 Qwen's
+# (2.06x -> 2.10x); drafts against the float32 MLX step as the old path's,
+# 64 experts (one and three rows) and 512 (one row) (thirty-seventh
+# session, bench/RESULTS.md).
+REDUX_TOPK = True
 # Whether a sampled draw's inverse CDF reads the warp's masses and ids back
 # from shared memory (broadcast reads, unrolled) instead of two shuffles a
-# candidate in a rolled loop; the same sums in the same order.
-SHARED_CDF = False
+# candidate in a rolled loop; the same sums in the same order. On: the draw
+# 5.7 -> 4.8 us a step (H100, with REDUX_TOPK, thirty-seventh session).
+# With ATT_PIPE off it spills 8 bytes at three sampled rows (not an arm
+# the tests compile).
+SHARED_CDF = True
 
 _HEADER = r"""
 namespace specpipe_mtp {
