@@ -140,7 +140,7 @@
 #  next, on any GPU: `setup-min`, then python3 bench/phase_probe.py --experts 512 --contexts 48 --sets none
 #  --samplings greedy,qwen --heads fr --out $OUT/phase-probe-e512.json (the stretch split by the stamps added
 #  since: topk_logits / topk_choice / topk_after), then a top-k that keeps its code small; on an H200 the cut)
-# (thirty-seventh session: five requests started no machine (~180 s of device time each but one), then an
+# (thirty-seventh session: seven requests started no machine (~1,025 s of device time in all), then an
 #  H100: `setup-min redux` (REDUX_TOPK / SHARED_CDF: the 512-expert top-k 7.7 -> 1.9 us, drafts agree),
 #  `EXPERTS=512 SETS="none REDUX_TOPK,SHARED_CDF" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48
 #  REPEATS=5 LIMIT=95 switches` (2.07x -> 2.13x greedy, 2.06x -> 2.10x sampled), then `EXPERTS=64 ROWS=1,3

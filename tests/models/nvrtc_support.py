@@ -99,13 +99,6 @@ def _nvrtc() -> Any:
     return ctypes.CDLL(str(lib / "libnvrtc.so.13"))
 
 
-def nvrtc_version() -> tuple[int, int]:
-    """The NVRTC in use (major, minor): the dev extra's, or the machine's."""
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    assert _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0
-    return major.value, minor.value
-
-
 def source(
     name: str,
     header: str,
