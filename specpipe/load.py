@@ -252,11 +252,45 @@ def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, Loa
                 "are SwiGLU (hidden_act 'silu')"
             )
         )
+    typed = _size_type_problem(raw)
+    if typed is not None:
+        return Failure(LoadError(f"{where}: {typed}; fix config.json"))
     try:
         read = _family_args(raw, where)
     except ValueError as exc:
         return Failure(LoadError(f"{where}: {exc}"))
     return read.bind(lambda args: _sized(args, where))
+
+
+_SIZE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def _size_type_problem(raw: dict[str, Any]) -> str | None:
+    """A size written as something other than a whole number (a string such
+    as "576", a float, a bool), at the top level or in a `text_config`:
+    named instead of read as a number (transformers keeps such a value as
+    it is, and the model fails later)."""
+    text = raw.get("text_config")
+    for scope, config in (("", raw), ("text_config.", text)):
+        if not isinstance(config, dict):
+            continue
+        for name in _SIZE_KEYS:
+            value = config.get(name)
+            if value is None or (
+                isinstance(value, int) and not isinstance(value, bool)
+            ):
+                continue
+            kind = type(value).__name__
+            return f"{scope}{name} must be a whole number, got {value!r} (a {kind})"
+    return None
 
 
 def _sized(args: DecoderArgs, where: str) -> Result[DecoderArgs, LoadError]:

@@ -600,6 +600,9 @@ def test_logprobs_need_json_and_an_empty_stdin_is_no_prompt(
         ("num_key_value_heads", 3, "num_key_value_heads (3) must divide"),
         ("rope_theta", "abc", "rope_theta must be a number, got 'abc'"),
         ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+        # (read as 576 before: transformers keeps the string and fails later)
+        ("hidden_size", "576", "hidden_size must be a whole number, got '576' (a str)"),
+        ("vocab_size", 300.0, "vocab_size must be a whole number, got 300.0 (a float)"),
     ],
 )
 def test_config_values_no_model_has_are_named(
