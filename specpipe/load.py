@@ -262,14 +262,16 @@ def args_from_config(raw: dict[str, Any], where: str) -> Result[DecoderArgs, Loa
     return read.bind(lambda args: _sized(args, where))
 
 
+# the config's sizes: whole numbers (`_size_type_problem`), positive where
+# given (`_sizes_problem`; head_dim may be left out)
 _SIZE_KEYS = (
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
-    "head_dim",
     "vocab_size",
     "max_position_embeddings",
+    "head_dim",
 )
 
 
@@ -303,19 +305,10 @@ def _sized(args: DecoderArgs, where: str) -> Result[DecoderArgs, LoadError]:
 def _sizes_problem(args: DecoderArgs) -> str | None:
     """What makes the config's sizes no model's: a count or width that is
     not positive, key/value heads that do not divide the query heads."""
-    for name in (
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "vocab_size",
-        "max_position_embeddings",
-    ):
+    for name in _SIZE_KEYS:
         value = getattr(args, name)
-        if value <= 0:
+        if value is not None and value <= 0:
             return f"{name} must be positive, got {value}"
-    if args.head_dim is not None and args.head_dim <= 0:
-        return f"head_dim must be positive, got {args.head_dim}"
     if args.num_attention_heads % args.num_key_value_heads:
         return (
             f"num_key_value_heads ({args.num_key_value_heads}) must divide "
