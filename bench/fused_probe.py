@@ -228,6 +228,16 @@ _SWITCHES = [
         "SHARED_CDF",
         "a sampled draw's inverse CDF read from shared memory",
     ),
+    (
+        "draw-runs",
+        "DRAW_RUNS",
+        "a sampled draw's head runs sorted interleaved, first stages skipped",
+    ),
+    (
+        "router-rows",
+        "ROUTER_ROWS",
+        "the unfolded router's logits as rows of the fc and o_proj products",
+    ),
 ]
 
 

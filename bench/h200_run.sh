@@ -469,15 +469,21 @@ for step in "$@"; do
     done
     SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS="--draw-heads-k 2" PROBE_TAG=-tight LIMIT=${LIMIT:-200} bash $0 agree
     ;;
-  redux)  # REDUX_TOPK / SHARED_CDF at EXPERTS (512): each stretch (phase stamps, FR head), then the drafts
-    # against the MLX step's with both on (ROWS, one: a 512-expert agreement run at three rows timed out
-    # before; greedy and Qwen's sampling)
+  redux)  # REDUX_TOPK / SHARED_CDF at EXPERTS (512), against the old defaults (`stretches`)
+    PHASE_SETS="none;REDUX_TOPK,SHARED_CDF" PROBE_FLAGS="--redux-topk --shared-cdf" NAME=redux bash $0 stretches
+    ;;
+  rows)  # ROUTER_ROWS / DRAW_RUNS at EXPERTS (512), against the defaults (`stretches`)
+    PHASE_SETS="none;ROUTER_ROWS,DRAW_RUNS" PROBE_FLAGS="--router-rows --draw-runs" NAME=rows bash $0 stretches
+    ;;
+  stretches)  # PHASE_SETS at EXPERTS (512): each stretch (phase stamps, FR head), then the drafts against
+    # the MLX step's with PROBE_FLAGS (ROWS, one: a 512-expert agreement run at three rows timed out before;
+    # greedy and Qwen's sampling); NAME tags the files
     e=${EXPERTS:-512}
-    timeout ${LIMIT:-200} python3 bench/phase_probe.py --experts $e --contexts 48 --sets "none;REDUX_TOPK,SHARED_CDF" \
-        --samplings greedy,qwen --heads fr --launches 5 --out $OUT/phase-probe-redux-e$e-h200.json > /dev/null || echo "STEP FAILED: $?"
-    EXPERTS=$e SAMPLINGS=greedy,qwen ROWS=${ROWS:-1} LIMIT=${AGREE_LIMIT:-240} PROBE_FLAGS="--redux-topk --shared-cdf" \
-        PROBE_TAG=-redux-e$e bash $0 agree
-    python3 bench/probe_summary.py $OUT/phase-probe-redux-e$e-h200.json $OUT/fused-probe-next-redux-e$e-agree-h200.json
+    timeout ${LIMIT:-200} python3 bench/phase_probe.py --experts $e --contexts 48 --sets "$PHASE_SETS" \
+        --samplings greedy,qwen --heads fr --launches 5 --out $OUT/phase-probe-$NAME-e$e-h200.json > /dev/null \
+        || echo "STEP FAILED: $?"
+    EXPERTS=$e SAMPLINGS=greedy,qwen ROWS=${ROWS:-1} LIMIT=${AGREE_LIMIT:-240} PROBE_TAG=-$NAME-e$e bash $0 agree
+    python3 bench/probe_summary.py $OUT/phase-probe-$NAME-e$e-h200.json $OUT/fused-probe-next-$NAME-e$e-agree-h200.json
     ;;
   pcsamp)  # where a step's warps stall, per SASS instruction (ncu's PC sampling), FR head, depth 3
     "${NCU:-ncu}" --version | tail -1
