@@ -238,11 +238,6 @@ _SWITCHES = [
         "ROUTER_ROWS",
         "the unfolded router's logits as rows of the fc and o_proj products",
     ),
-    (
-        "att-early",
-        "ATT_EARLY",
-        "attention's first cached keys and the gate loaded before the query's norm",
-    ),
 ]
 
 

@@ -320,19 +320,6 @@ ATT_MIN_SHARE = 16
 # float32 MLX step's in every launch form, and to the bf16 step's where the
 # defaults' are. On since.
 ATT_SHARE = 64
-# Whether the per-query-head form's item issues its slowest loads before it
-# computes its query (an L2 load of the query's row, its RMS norm by a warp
-# sum, the angles' sincosf, the rotation) instead of after: the first AU
-# cached keys and values attention's PIPE prologue loads (DRAM: the same
-# positions and addresses, only where that prologue loads them: ATT_PIPE on,
-# ATT_UNROLL > 1, the warp's first position inside the split's cached
-# ones), and, for a (row, head) in one split (ATT_SHARE), each thread's
-# sigmoid gate value, read from L2 at the item's very end otherwise. The
-# same sums in the same order (the same values); the keys' registers are
-# held across the query's computation. Compile-checked (251-254 registers at
-# Qwen3-Next's sizes, no spills; the off arm's machine code unchanged), not
-# yet run on a device.
-ATT_EARLY = False
 # A whole-round launch (`kv_out`) copies the head's KV buffers into its new
 # ones: O(capacity) per round, ~34 us of a depth-2 launch at 32,768 positions
 # on the H200 (twenty-first session's first-step figures). COPY_UNROLL
@@ -1345,36 +1332,23 @@ _SOURCE = r"""
   // (packed, DPL elements of W each), all AU loads in flight together, the
   // dots reduced by interleaved shuffles, one rescale per AU positions
   using KV = typename Packed<DPL * sizeof(W)>::type;
-  // the AU positions of n from j0 on, u_step apart (SPREAD, past the end: no
-  // load, zeros): attend's loads, and ATT_EARLY's first of them
-  auto fetch_kv = [&](auto&& kv, int n, int u_step, int j0, KV (&kf)[AU], KV (&vf)[AU]) {
-#pragma unroll
-    for (int u = 0; u < AU; ++u) {
-      const int j = j0 + u * u_step;
-      if (!SPREAD || j < n) kv(min(j, n - 1), kf[u], vf[u]);
-      else { kf[u] = KV{}; vf[u] = KV{}; }
-    }
-  };
-  // (`early`, none or two: ATT_EARLY's keys and values of the PIPE
-  // prologue's positions, fetch_kv(kv, n, u_step, j_first, ..) as the caller
-  // issued it before its query, where PIPE && j_first < n: taken, not loaded)
   auto attend = [&](const float (&q)[DPL], int n, int j_first, int j_step, int u_step, auto&& kv,
-                    float& mx_, float& l, float (&acc)[DPL], auto&... early) {
-    auto fetch = [&](int j0, KV (&kf)[AU], KV (&vf)[AU]) { fetch_kv(kv, n, u_step, j0, kf, vf); };
+                    float& mx_, float& l, float (&acc)[DPL]) {
+    // the AU positions from j0 on (SPREAD, past the end: no load, zeros)
+    auto fetch = [&](int j0, KV (&kf)[AU], KV (&vf)[AU]) {
+#pragma unroll
+      for (int u = 0; u < AU; ++u) {
+        const int j = j0 + u * u_step;
+        if (!SPREAD || j < n) kv(min(j, n - 1), kf[u], vf[u]);
+        else { kf[u] = KV{}; vf[u] = KV{}; }
+      }
+    };
     // (held as loaded, converted where used: half the registers of
     // floats; at head_dim 256 and eight positions the floats took the
     // kernel to 254 registers, packed 168-182, at the same time per launch)
     KV kr[AU], vr[AU];
     // PIPE (`ATT_PIPE`): the next iteration's loads in flight during this one
-    if constexpr (sizeof...(early) == 0) {
-      if (PIPE && j_first < n) fetch(j_first, kr, vr);
-    } else {
-      auto take = [&](const KV (&kf)[AU], const KV (&vf)[AU]) {
-#pragma unroll
-        for (int u = 0; u < AU; ++u) { kr[u] = kf[u]; vr[u] = vf[u]; }
-      };
-      if (PIPE && j_first < n) take(early...);
-    }
+    if (PIPE && j_first < n) fetch(j_first, kr, vr);
     for (int j0 = j_first; j0 < n; j0 += j_step) {
       KV kn[AU], vn[AU];
       if (!PIPE) fetch(j0, kr, vr);
@@ -1655,30 +1629,6 @@ _SOURCE = r"""
       const int mq = query_vec(b);  // every step's query row (later steps: all rows alike)
       // slot 0 of the window in knew / vnew (KV_OUT: whole buffers, at the start)
       const size_t window_row = KV_OUT ? ((size_t)b * HKV + g) * C + st0 : ((size_t)b * HKV + g) * KW;
-      // ATT_EARLY: the loads attend's PIPE prologue would issue (its first AU
-      // cached positions) and, for a single split, this thread's gate values,
-      // issued before the query's norm and rotation (their latency under its
-      // work); the same values, used where they were
-      constexpr int GN = (D + SP_THREADS - 1) / SP_THREADS;  // gate values per thread
-      KV kr0[AU], vr0[AU];
-      float gate_r[GN];
-      if constexpr (ATT_EARLY) {
-        // (the split's cached positions as below, where the off arm computes
-        // them: moved here, they changed its machine code)
-        const int share = (positions + nsp - 1) / nsp;
-        const int a0 = split * share, n_att = max(0, min(positions, a0 + share) - a0);
-        const int n = max(a0, min(st0, a0 + n_att)) - a0, j_first = SPREAD ? warp : warp * AU;
-        if (PIPE && AU > 1 && j_first < n)
-          fetch_kv(cached_kv(((size_t)b * HKV + g) * C, a0), n, SPREAD ? NWARP : 1, j_first, kr0, vr0);
-        if (ATT_SHARE > 0 && nsp == 1) {
-          const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-  #pragma unroll
-          for (int c = 0; c < GN; ++c) {
-            const int d = tid + c * SP_THREADS;
-            gate_r[c] = d < D ? __ldcg(gate + d) : 0.0f;
-          }
-        }
-      }
       float q[DPL];
       normed_roped(S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D, w_qn, st0 + qslot, q,
                    item == blk ? 8 : -1);
@@ -1694,10 +1644,7 @@ _SOURCE = r"""
       // AU > 1 (`ATT_UNROLL`): the split's positions in the cache (before
       // the window's) AU per warp at once (`attend_cached`)
       const int wa0 = AU > 1 ? max(a0, min(st0, a0 + n_att)) : a0;  // the rest from here on
-      if constexpr (AU > 1 && ATT_EARLY)
-        attend(q, wa0 - a0, SPREAD ? warp : warp * AU, NWARP * AU, SPREAD ? NWARP : 1,
-               cached_kv(cache_row, a0), mx_, l, acc, kr0, vr0);
-      else if constexpr (AU > 1)
+      if constexpr (AU > 1)
         attend(q, wa0 - a0, SPREAD ? warp : warp * AU, NWARP * AU, SPREAD ? NWARP : 1,
                cached_kv(cache_row, a0), mx_, l, acc);
       // one loop, one copy of the window keys' code: first the window slots
@@ -1755,26 +1702,13 @@ _SOURCE = r"""
         for (int w = 0; w < NWARP; ++w)
           if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
         const float wt = 1.0f / den;
-        if constexpr (ATT_EARLY) {  // (the block's threads are SP_THREADS: the same d's)
-  #pragma unroll
-          for (int c = 0; c < GN; ++c) {
-            const int d = tid + c * SP_THREADS;
-            if (d >= D) break;
-            float num = 0.0f;
-            for (int w = 0; w < NWARP; ++w)
-              if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
-            const float out = 0.0f + num * wt;
-            S[O_COMB + (size_t)bh * D + d] = out * sigmoid(gate_r[c]);
-          }
-        } else {
-          const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-          for (int d = tid; d < D; d += blockDim.x) {
-            float num = 0.0f;
-            for (int w = 0; w < NWARP; ++w)
-              if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
-            const float out = 0.0f + num * wt;
-            S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
-          }
+        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+        for (int d = tid; d < D; d += blockDim.x) {
+          float num = 0.0f;
+          for (int w = 0; w < NWARP; ++w)
+            if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
+          const float out = 0.0f + num * wt;
+          S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();  // (s_m, s_l, s_acc: the block's next item)
         continue;
@@ -3289,7 +3223,6 @@ class FusedStep:
             ("ATT_TILE", ATT_TILE),
             ("ATT_MIN_SHARE", ATT_MIN_SHARE),
             ("ATT_SHARE", ATT_SHARE),
-            ("ATT_EARLY", ATT_EARLY),
             ("COPY_UNROLL", COPY_UNROLL),
             ("GCOUNT", 2 + MAX_ROWS * s.heads),
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),

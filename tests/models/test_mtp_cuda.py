@@ -647,16 +647,6 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("moe", False, False, False, 3, 1, 2, ("ATT_GROUPED",)),
         ("dense", False, True, False, 2, 1, 2, ("ATT_GROUPED", "ATT_UNROLL=8")),
         ("dense", True, True, True, 1, 4, 1, ("ATT_GROUPED", "ATT_UNROLL=1")),
-        # attention's first cached keys and values and a single split's gate
-        # loaded before the query's norm (ATT_EARLY, off): greedy and sampled,
-        # dense and MoE; with spread positions, without PIPE's prologue, and
-        # with one position per warp at a time (no early keys: the gate alone)
-        ("moe", True, True, True, 1, 2, 3, ("ATT_EARLY",)),
-        ("moe", False, False, False, 3, 1, 2, ("ATT_EARLY",)),
-        ("dense", False, True, False, 2, 1, 2, ("ATT_EARLY",)),
-        ("moe", False, False, False, 3, 1, 2, ("ATT_EARLY", "ATT_SPREAD")),
-        ("moe", True, False, False, 1, 1, 2, ("ATT_EARLY", "-ATT_PIPE")),
-        ("dense", True, True, True, 1, 4, 1, ("ATT_EARLY", "ATT_UNROLL=1")),
         # bfloat16 converted by the compiler (BF16_SHIFTS, on, off)
         ("moe", False, True, True, 1, 2, 3, ("-BF16_SHIFTS",)),
         ("dense", True, False, False, 1, 1, 4, ("-BF16_SHIFTS", "ATT_GROUPED")),
@@ -841,12 +831,6 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, True, 64, ("ATT_SHARE=0",)),
         (1, 3, False, 64, ("ATT_SHARE=0",)),
         (3, 2, False, 64, ("ATT_SHARE=0",)),
-        # attention's first cached keys and values and a single split's gate
-        # loaded before the query's norm (ATT_EARLY, off)
-        (1, 3, True, 64, ("ATT_EARLY",)),
-        (1, 3, False, 64, ("ATT_EARLY",)),
-        (3, 2, False, 64, ("ATT_EARLY",)),
-        (1, 3, False, 512, ("ATT_EARLY", "ROUTER_ROWS", "DRAW_RUNS")),
     ],
 )
 def test_the_round_at_qwen3_next_shape_compiles_without_spills(
