@@ -233,11 +233,6 @@ _SWITCHES = [
         "DRAW_RUNS",
         "a sampled draw's head runs sorted interleaved, first stages skipped",
     ),
-    (
-        "router-rows",
-        "ROUTER_ROWS",
-        "the unfolded router's logits as rows of the fc and o_proj products",
-    ),
 ]
 
 

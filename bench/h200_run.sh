@@ -472,10 +472,6 @@ for step in "$@"; do
   redux)  # REDUX_TOPK / SHARED_CDF at EXPERTS (512), against the old defaults (`stretches`)
     PHASE_SETS="none;REDUX_TOPK,SHARED_CDF" PROBE_FLAGS="--redux-topk --shared-cdf" NAME=redux bash $0 stretches
     ;;
-  rows)  # ROUTER_ROWS / DRAW_RUNS / ATT_EARLY at EXPERTS (512), against the defaults (`stretches`)
-    PHASE_SETS="none;ROUTER_ROWS,DRAW_RUNS,ATT_EARLY" PROBE_FLAGS="--router-rows --draw-runs --att-early" \
-        NAME=rows bash $0 stretches
-    ;;
   stretches)  # PHASE_SETS at EXPERTS (512): each stretch (phase stamps, FR head), then the drafts against
     # the MLX step's with PROBE_FLAGS (ROWS, one: a 512-expert agreement run at three rows timed out before;
     # greedy and Qwen's sampling); NAME tags the files

@@ -60,16 +60,6 @@ def main() -> None:
         if k.isupper() and type(v) in (bool, int)
     }
     config, hybrid, target, head, subset = probe_head(args)
-    weights = fused_weights(target, head, 0)
-    assert weights is not None, "this head is outside the fused kernel's scope"
-    fused = {
-        name: FusedStep.make(
-            weights,
-            target.head_weights().weight if name == "full" else subset.weights.weight,
-            None if name == "full" else subset.ids,
-        )
-        for name in args.heads.split(",")
-    }
     report: dict[str, Any] = {
         "machine": machine_info(),
         "shape": args.shape,
@@ -83,6 +73,19 @@ def main() -> None:
         for name, value in defaults.items():
             setattr(models.mtp_cuda, name, value)
         apply_switches("" if text.strip() == "none" else text.strip())
+        # (made per set: a switch may change the weights, e.g. ROUTER_ROWS')
+        weights = fused_weights(target, head, 0)
+        assert weights is not None, "this head is outside the fused kernel's scope"
+        fused = {
+            name: FusedStep.make(
+                weights,
+                target.head_weights().weight
+                if name == "full"
+                else subset.weights.weight,
+                None if name == "full" else subset.ids,
+            )
+            for name in args.heads.split(",")
+        }
         for context in (int(c) for c in args.contexts.split(",")):
             cache = head.make_cache(rows)
             cache.reserve(context + 8)

@@ -203,8 +203,12 @@ TIGHT_DRAW = True
 # skips the sorting network's first stages (a run's groups of DRAW_HEADS_K
 # are one block's heads, already in its list's order: loaded reversed where
 # the network wants them worst first). The same runs, sorted: the same
-# draws.
-DRAW_RUNS = False
+# draws. On: H100, 512 experts, Qwen's sampling, the draw 4.8 -> 4.3 us a
+# step (phase stamps, two runs), 603.3 / 287.9 -> 604.4 / 286.0 us per
+# depth-2 launch (full / FR-Spec, 2.10x -> 2.11x); drafts against the
+# float32 MLX step as the defaults' (one and three rows, every launch form;
+# thirty-eighth session, bench/RESULTS.md).
+DRAW_RUNS = True
 # Whether a sampled step merges a block's eight warps' sorted runs pairwise
 # (three merges in a row, a block barrier between) instead of warp 0 taking
 # the seven others' in turn, in each block's candidates and in the draw's
@@ -372,19 +376,6 @@ DIAG_NO_SORT = False
 # (sixteenth session, bench/RESULTS.md). Qwen3-Next's 512 experts are past
 # its limit: there the router keeps its phase.
 FOLD_ROUTER = True
-# Whether a MoE step the fold leaves out (past 127 experts, or FOLD_ROUTER
-# off) computes its router's logits (and the shared expert's gate) as extra
-# rows of the fc and o_proj products instead of in a phase of their own:
-# before its norm's scale the MoE's input is fc's output plus o_proj's, so
-# with G the router rows times the norm's weights the logits are G fc x +
-# G o a (x fc's input, a o_proj's), rows w_rr = [G fc | G o] made once in the
-# weights' dtype (8.4 MB at Qwen3-Next's 512 experts); every block reads the
-# row's E + 1 sums after o_proj's barrier, scaled by the norm. One grid
-# barrier and the router's phase fewer a step, the shared expert's gate / up
-# rows joining the chosen experts' product (as the fold's). The products'
-# weights rounded once more (G fc and G o in the 2-byte dtype): not the same
-# sums as the router's phase.
-ROUTER_ROWS = False
 # Whether a MoE step picks its router's top-k experts in KE rounds of two
 # one-instruction warp reductions (`__reduce_max_sync` over the logits as
 # order-keyed ints, then `__reduce_min_sync` over the ids holding the
@@ -1038,13 +1029,7 @@ _SOURCE = r"""
   // scale, each block's share of them: [B, E + 1, NBLK]
   constexpr int EP = E + 1;
   constexpr size_t O_RP = O_CI + align8((size_t)B * NBLK * KC);
-  // RROWS: the router's (and the shared gate's) logits before the norm's
-  // scale as two products' rows: the fc phase's share [M, E + 1] (through
-  // fc's input), o_proj's [B, E + 1] (through its input, the fc share added)
-  constexpr bool FOLDED = FOLD || RROWS;  // the router's logits past o_proj's barrier
-  constexpr size_t O_RF = O_RP + (FOLD ? align8((size_t)B * EP * NBLK) : 0);
-  constexpr size_t O_RO = O_RF + (RROWS ? align8((size_t)M * EP) : 0);
-  constexpr size_t O_TS = O_RO + (RROWS ? align8((size_t)B * EP) : 0);
+  constexpr size_t O_TS = O_RP + (FOLD ? align8((size_t)B * EP * NBLK) : 0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int blk = blockIdx.x;
@@ -1071,7 +1056,7 @@ _SOURCE = r"""
   __shared__ bool s_combines;
   __shared__ int s_ticket;  // GROUPED: a split's arrival order
   __shared__ float s_ew[B][KE > 0 ? KE : 1];
-  __shared__ float s_inv[B], s_rlog[FOLDED ? B * EP : 1];  // FOLDED: the norm's scale, the router's logits
+  __shared__ float s_inv[B], s_rlog[FOLD ? B * EP : 1];  // FOLD: the norm's scale, the router's logits
 
   if (tid == 0) {  // launches run one after another: the counter is a
     // multiple of NBLK at each start, and no block passes the first barrier
@@ -1230,18 +1215,6 @@ _SOURCE = r"""
           for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       },
       KEEP_FC && s + 1 < STEPS);
-  // RROWS: the router's rows through fc's input, every position: rows
-  // w_rr[e, :2H] (the router rows times the norm's weights, times fc),
-  // their first on the warps past fc's last row (not kept in L2)
-  if constexpr (RROWS)
-    product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
-        EP, 2 * H, (gwarp + NW - H % NW) % NW, NW,
-        [&](int r, int) { return w_rr + (size_t)r * 2 * H; },
-        [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
-        [&](int r, float (&acc)[M][1]) {
-          if (lane == 0)
-            for (int v = 0; v < M; ++v) S[O_RF + (size_t)v * EP + r] = acc[v][0];
-        });
   barrier();
 
   // ---- 2. q(+gate), k, v of every position ---------------------------------
@@ -1837,20 +1810,6 @@ _SOURCE = r"""
         }
       },
       KEEP_O && s + 1 < STEPS);
-  // RROWS: the router's rows through o_proj's input (w_rr[e, 2H:], the
-  // router rows times the norm's weights, times o_proj) plus the fc phase's
-  // share of the row's last position: the logits before the norm's scale
-  if constexpr (RROWS)
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
-        EP, HQ * D, (gwarp + NW - H % NW) % NW, NW,
-        [&](int r, int) { return w_rr + (size_t)EP * 2 * H + (size_t)r * HQ * D; },
-        [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * HQ * D + k, x); },
-        [&](int r, float (&acc)[B][1]) {
-          if (lane == 0)
-            for (int b = 0; b < B; ++b)
-              S[O_RO + (size_t)b * EP + r] =
-                  acc[b][0] + __ldcg(S + O_RF + (size_t)(b * TT + s_in_last[b]) * EP + r);
-        });
   if constexpr (FOLD) {  // the block's share: its warps' sums in warp order
     __syncthreads();  // (xs: the product's input)
 #pragma unroll
@@ -1872,18 +1831,7 @@ _SOURCE = r"""
     if (DENSE) prefetch_share(mlp1, (size_t)H * IM * WB, PF_CAP);
     else prefetch_share(mlp6, (size_t)H * IS * WB, PF_CAP);
   }
-  // RROWS: the router's o_proj-phase sums, their loads in flight while the
-  // MoE's input is staged
-  constexpr int RPT = RROWS ? (B * EP + SP_THREADS - 1) / SP_THREADS : 1;
-  float rrow[RPT];
-  if constexpr (RROWS) {
-#pragma unroll
-    for (int q = 0; q < RPT; ++q) {
-      const int t = tid + q * SP_THREADS;
-      rrow[q] = t < B * EP ? __ldcg(S + O_RO + t) : 0.0f;
-    }
-  }
-  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLDED ? s_inv : nullptr);
+  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
@@ -1919,13 +1867,6 @@ _SOURCE = r"""
         if (lane == 0) s_rlog[t] = part * s_inv[t / EP];
       }
       __syncthreads();
-    } else if constexpr (RROWS) {
-#pragma unroll
-      for (int q = 0; q < RPT; ++q) {
-        const int t = tid + q * SP_THREADS;
-        if (t < B * EP) s_rlog[t] = rrow[q] * s_inv[t / EP];
-      }
-      __syncthreads();
     } else {
       // router logits (E rows), the shared expert's gate (1), its act (IS pairs)
       product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
@@ -1951,7 +1892,7 @@ _SOURCE = r"""
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const int e = lane + 32 * j;
-        lv[j] = e < E ? (FOLDED ? s_rlog[b * EP + e] : __ldcg(lg + e)) : -SP_INF;
+        lv[j] = e < E ? (FOLD ? s_rlog[b * EP + e] : __ldcg(lg + e)) : -SP_INF;
         if (e < E) top = fmaxf(top, lv[j]);
       }
       top = warp_max(top);
@@ -2067,24 +2008,24 @@ _SOURCE = r"""
     mark(5);
     if (PREFETCH && tid < B * KE)  // the chosen experts' down rows
       prefetch_share(mlp4 + (size_t)s_eid[tid / KE][tid % KE] * H * IE, (size_t)H * IE * WB, PF_CAP);
-    // the chosen experts' gate/up: rows (b, c, j); FOLDED: then the shared
+    // the chosen experts' gate/up: rows (b, c, j); FOLD: then the shared
     // expert's (b, row, j)
     constexpr int ROUTED = B * KE * IE;
     product<W, 1, 2, false, WIDE_LOADS, EVICT_ALL>(
-        ROUTED + (FOLDED ? B * IS : 0), H, gwarp, NW,
+        ROUTED + (FOLD ? B * IS : 0), H, gwarp, NW,
         [&](int r, int j) {
-          if (FOLDED && r >= ROUTED) return shared_row(r - ROUTED, j);
+          if (FOLD && r >= ROUTED) return shared_row(r - ROUTED, j);
           const int b = r / (KE * IE), c = (r / IE) % KE, row = r % IE;
           const W* base = j == 0 ? mlp2 : mlp3;
           return base + ((size_t)s_eid[b][c] * IE + row) * H;
         },
         [&](int, int r, int k, float* x) {
-          const int b = (FOLDED && r >= ROUTED) ? (r - ROUTED) / IS : r / (KE * IE);
+          const int b = (FOLD && r >= ROUTED) ? (r - ROUTED) / IS : r / (KE * IE);
           smem8(xs + (size_t)b * H + k, x);
         },
         [&](int r, float (&acc)[1][2]) {
           if (lane == 0) {
-            if (FOLDED && r >= ROUTED) S[O_SACT + (r - ROUTED)] = silu(acc[0][0]) * acc[0][1];
+            if (FOLD && r >= ROUTED) S[O_SACT + (r - ROUTED)] = silu(acc[0][0]) * acc[0][1];
             else S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
           }
         });
@@ -2101,7 +2042,7 @@ _SOURCE = r"""
     constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
     for (int r = gwarp; r < B * H; r += NW) {
       const int b = r / H, hr = r % H;
-      const float sg = sigmoid(FOLDED ? s_rlog[b * EP + E] : __ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
+      const float sg = sigmoid(FOLD ? s_rlog[b * EP + E] : __ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
       float part = 0.0f;
       if constexpr (BATCHED) {
         uint4 raw[KE * CH + SCH > 0 ? KE * CH + SCH : 1];
@@ -2437,7 +2378,7 @@ _BARRIERS = {True: 7, False: 8}
 
 _INPUTS = [
     "ids", "hid", "last", "starts", "keys", "values", "seeds", "steps",
-    "fparams", "inv_freq", "w_rt", "w_rr", "embed", "w_norm_e", "w_norm_h", "w_final", "w_fc",
+    "fparams", "inv_freq", "w_rt", "embed", "w_norm_e", "w_norm_h", "w_final", "w_fc",
     "w_in", "w_qkv", "w_qn", "w_kn", "w_o", "w_post", "mlp0", "mlp1", "mlp2",
     "mlp3", "mlp4", "mlp5", "mlp6", "w_hnorm", "w_head", "sub_ids", "sync",
     "nsteps", "samples", "drafts", "prev",
@@ -2585,7 +2526,6 @@ class LayerShape:
         blocks: int,
         fold: bool = False,
         grouped: bool = False,
-        rows_router: bool = False,
     ) -> int:
         """Floats of the kernel's scratch output (mirrors the source's offsets)."""
         h = self.hidden
@@ -2613,8 +2553,6 @@ class LayerShape:
         parts += [rows * h, rows * blocks * candidates, rows * blocks * candidates]
         if fold:
             parts.append(rows * (self.experts + 1) * blocks)
-        if rows_router:
-            parts += [vectors * (self.experts + 1), rows * (self.experts + 1)]
         return sum(_align8(n) for n in parts) + blocks * PHASE_STAMPS
 
     def shared_bytes(
@@ -2701,9 +2639,6 @@ class FusedWeights:
     # MoE with at most 127 experts: the router's rows and the shared expert's
     # gate times the MoE norm's weights, transposed: [H, E + 1] f32 (`FOLD_ROUTER`)
     router_t: mx.array | None = None
-    # MoE the fold leaves out: those rows (G) times fc, then times o_proj:
-    # [E + 1, 2H + Hq D] in the weights' dtype (`ROUTER_ROWS`)
-    router_rows: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
         """The weights in the kernel's input order (`_INPUTS`, embed .. w_hnorm)."""
@@ -2757,24 +2692,6 @@ def _weight(module: Any) -> mx.array | None:
         return None
     weight: mx.array = module.weight
     return weight
-
-
-def router_rows_of(folded: mx.array, fc: mx.array, o: mx.array) -> mx.array:
-    """`ROUTER_ROWS`' weights: [G fc | G o] ([E + 1, 2H + Hq D]) in fc's
-    dtype, from G ([E + 1, H] float32: the router's rows and the shared
-    expert's gate times the MoE norm's weights), fc [H, 2H] and o_proj
-    [H, Hq D], multiplied in float32 and rounded once (on the CPU: MLX's
-    CUDA float32 products of several rows default to TF32's 10-bit
-    mantissas, coarser than the rounding asked for; a one-time ~8.6 GFLOP
-    at Qwen3-Next's sizes)."""
-    cpu = mx.cpu
-    products = [
-        mx.matmul(folded, part.astype(mx.float32, stream=cpu), stream=cpu)
-        for part in (fc, o)
-    ]
-    rows = mx.concatenate(products, axis=1, stream=cpu).astype(fc.dtype, stream=cpu)
-    mx.eval(rows)
-    return rows
 
 
 def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | None:
@@ -2868,18 +2785,14 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
         return None
     while len(mlp_arrays) < 7:  # unused slots of the dense form
         mlp_arrays.append(mlp_arrays[0][:1, :8])
-    router_t = router_rows = None
-    if not shape.dense:
+    router_t = None
+    if shape.foldable:
         gates = mx.concatenate([mlp_arrays[0], mlp_arrays[1]], axis=0).astype(
             mx.float32
         )
         post = layer.post_attention_layernorm.weight.astype(mx.float32)
-        folded = gates * post[None, :]  # G: [E + 1, H]
-        if shape.foldable:
-            router_t = mx.contiguous(folded.T)
-            mx.eval(router_t)
-        if ROUTER_ROWS and not (FOLD_ROUTER and shape.foldable):
-            router_rows = router_rows_of(folded, fc, o)
+        router_t = mx.contiguous((gates * post[None, :]).T)
+        mx.eval(router_t)
     weights = FusedWeights(
         shape,
         embed.weight,
@@ -2898,7 +2811,6 @@ def fused_weights(target: Any, head: Any, layer_index: int) -> FusedWeights | No
         inv_freq,
         float(head.norm.eps),
         router_t,
-        router_rows,
     )
     return weights if _float2(weights.arrays()) is not None else None
 
@@ -3167,7 +3079,6 @@ class FusedStep:
         vectors = rows * length
         candidates = 1 if greedy else top_k
         fold = self.folds
-        rows_router = self.rows_router
         # MLX lifts a kernel's shared-memory limit only for more than 48000
         # dynamic bytes, and the static arrays count too: ask for at least 64 KiB
         # (one block per multiprocessor anyway), in steps of 16 KiB.
@@ -3228,7 +3139,6 @@ class FusedStep:
             ("DIAG_NO_DRAW", DIAG_NO_DRAW),
             ("DIAG_NO_SORT", DIAG_NO_SORT),
             ("FOLD", fold),
-            ("RROWS", rows_router),
             ("REDUX_TOPK", REDUX_TOPK),
             ("SHARED_CDF", SHARED_CDF),
             ("DERIVE", derive is not None),
@@ -3250,7 +3160,6 @@ class FusedStep:
                 dist,
                 w.inv_freq,
                 w.router_t if fold else w.inv_freq,  # (unread without FOLD)
-                w.router_rows if rows_router else w.head_norm,  # (unread without RROWS)
                 *w.arrays(),
                 self.head,
                 sub_ids,
@@ -3266,7 +3175,7 @@ class FusedStep:
                 (rows, 1, s.hidden),
                 window,
                 window,
-                (s.scratch(vectors, rows, candidates, self.blocks, fold, grouped, rows_router),),
+                (s.scratch(vectors, rows, candidates, self.blocks, fold, grouped),),
                 (rows, 4),
             ],
             output_dtypes=[mx.int32, w.embed.dtype, w.embed.dtype, w.embed.dtype,
@@ -3313,18 +3222,12 @@ class FusedStep:
     @property
     def barriers(self) -> int:
         """Grid barriers of one step (the folded router's phase has none)."""
-        return _BARRIERS[self.weights.shape.dense] - (self.folds or self.rows_router)
+        return _BARRIERS[self.weights.shape.dense] - self.folds
 
     @property
     def folds(self) -> bool:
         """Whether launches fold the router into o_proj's phase (`FOLD_ROUTER`)."""
         return FOLD_ROUTER and self.weights.router_t is not None
-
-    @property
-    def rows_router(self) -> bool:
-        """Whether launches compute the router's logits as rows of the fc and
-        o_proj products (`ROUTER_ROWS`)."""
-        return ROUTER_ROWS and not self.folds and self.weights.router_rows is not None
 
 
 def phases_of(

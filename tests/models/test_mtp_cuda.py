@@ -107,12 +107,10 @@ def test_the_kernel_takes_moe_and_dense_heads(
     assert plain.qkv.shape == (2 * 4 * 64 + 2 * 2 * 64, 256)  # q and gate, k, v
     assert plain.mlp[0].shape == (2 * 768, 256)  # gate and up, fused
     # the weights go to the kernel in its parameter order, between the
-    # router's folded weights and rows (after the RoPE frequencies) and the
-    # projection rows
+    # folded router's weights (after the RoPE frequencies) and the projection rows
     names = mtp_cuda._INPUTS
     assert names.index("w_rt") == names.index("inv_freq") + 1
-    assert names.index("w_rr") == names.index("w_rt") + 1
-    start = names.index("w_rr") + 1
+    start = names.index("w_rt") + 1
     assert len(plain.arrays()) == names.index("w_head") - start
     assert plain.arrays()[names.index("w_qkv") - start] is plain.qkv
     assert plain.arrays()[names.index("mlp1") - start] is plain.mlp[1]
@@ -191,49 +189,6 @@ def test_the_folded_router_weights_give_the_router_s_logits(
     assert mx.allclose(folded, expected, atol=0.05, rtol=0.02).item()
     dense = fused_weights(*built(DENSE), 0)
     assert dense is not None and dense.router_t is None
-
-
-def test_the_router_rows_give_the_router_s_logits_from_fc_s_and_o_proj_s_inputs(
-    moe: tuple[Any, MtpHead], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """ROUTER_ROWS' weights (where the fold is off): a position's logits
-    are its fc input times the rows' first 2H columns plus its o_proj input
-    times the rest, times the MoE norm's scale: the router's and the shared
-    gate's on the normed MoE input (fc's output plus o_proj's). Launches
-    then take seven barriers a step, not eight; with the fold on (or the
-    switch off) no rows are made."""
-    target, head = moe
-    assert fused_weights(target, head, 0).router_rows is None  # type: ignore[union-attr]
-    monkeypatch.setattr(mtp_cuda, "FOLD_ROUTER", False)
-    assert fused_weights(target, head, 0).router_rows is None  # type: ignore[union-attr]
-    monkeypatch.setattr(mtp_cuda, "ROUTER_ROWS", True)
-    weights = fused_weights(target, head, 0)
-    assert weights is not None and weights.router_rows is not None
-    rows = weights.router_rows
-    layer = head.layers[0]
-    hidden, experts = weights.shape.hidden, weights.shape.experts
-    attended = weights.o.shape[1]
-    assert rows.shape == (experts + 1, 2 * hidden + attended)
-    assert rows.dtype == weights.fc.dtype
-    mx.random.seed(5)
-    x = mx.random.normal((2, 2 * hidden))
-    a = mx.random.normal((2, attended))
-    out = x @ weights.fc.astype(mx.float32).T + a @ weights.o.astype(mx.float32).T
-    norm = layer.post_attention_layernorm
-    scale = mx.rsqrt(mx.mean(out * out, axis=-1, keepdims=True) + norm.eps)
-    f32 = rows.astype(mx.float32)
-    logits = (x @ f32[:, : 2 * hidden].T + a @ f32[:, 2 * hidden :].T) * scale
-    normed = norm(out).astype(mx.float32)
-    router = normed @ layer.mlp.gate.weight.astype(mx.float32).T
-    gate = normed @ layer.mlp.shared_expert_gate.weight.astype(mx.float32).T
-    expected = mx.concatenate([router, gate], axis=-1)
-    spread = mx.max(mx.abs(expected)).item()
-    assert mx.max(mx.abs(logits - expected)).item() <= 0.01 * spread
-    step = FusedStep.make(weights, target.head_weights().weight, None, blocks=128)
-    assert step is not None and step.rows_router and not step.folds
-    assert step.barriers == 7
-    monkeypatch.setattr(mtp_cuda, "ROUTER_ROWS", False)
-    assert not step.rows_router and step.barriers == 8
 
 
 def test_the_step_count_is_made_once_per_count() -> None:
@@ -603,20 +558,15 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # the router in a phase of its own (FOLD_ROUTER's off arm; greedy and sampled)
         ("moe", True, True, True, 1, 2, 3, ("-FOLD_ROUTER",)),
         ("moe", False, False, False, 3, 1, 2, ("-FOLD_ROUTER",)),
-        # the router's logits as rows of the fc and o_proj products
-        # (ROUTER_ROWS, where the fold is off; a round, a chain, a first step)
-        ("moe", True, True, True, 1, 2, 3, ("-FOLD_ROUTER", "ROUTER_ROWS")),
-        ("moe", False, False, False, 3, 1, 2, ("-FOLD_ROUTER", "ROUTER_ROWS")),
-        ("moe", False, True, True, 2, 2, 1, ("-FOLD_ROUTER", "ROUTER_ROWS")),
         # the draw's whole-list merge without the blocks' heads first, and
         # unrolled sorts (one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_HEADS", "-TIGHT_DRAW")),
         ("moe", False, False, False, 3, 1, 2, ("-DRAW_HEADS",)),
         ("moe", False, True, True, 1, 2, 3, ("HK=2",)),
-        # the heads' runs sorted with their exchanges interleaved, the
-        # network's first stages skipped (DRAW_RUNS; one row and three)
-        ("moe", False, True, True, 1, 2, 3, ("DRAW_RUNS",)),
-        ("moe", False, False, False, 3, 1, 2, ("DRAW_RUNS", "HK=2")),
+        # the heads' runs sorted one after another, the whole network each
+        # (DRAW_RUNS' off arm; one row and three)
+        ("moe", False, True, True, 1, 2, 3, ("-DRAW_RUNS",)),
+        ("moe", False, False, False, 3, 1, 2, ("-DRAW_RUNS", "HK=2")),
         # the warps' runs merged in turn by warp 0 (TREE_MERGE's off arm; one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-TREE_MERGE",)),
         ("moe", False, False, False, 3, 1, 2, ("-TREE_MERGE", "-DRAW_HEADS")),
@@ -800,12 +750,7 @@ QWEN3_NEXT_CONSTANTS = {
         (3, 2, False, 64, ()),
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
         (1, 3, True, 512, ("-REDUX_TOPK",)),
-        # the router's logits as rows of the fc and o_proj products (ROUTER_ROWS)
-        (1, 3, True, 512, ("ROUTER_ROWS",)),
-        (1, 3, False, 512, ("ROUTER_ROWS",)),
-        (3, 2, False, 512, ("ROUTER_ROWS",)),
-        (1, 3, False, 512, ("ROUTER_ROWS", "DRAW_RUNS")),
-        (3, 2, False, 64, ("DRAW_RUNS",)),
+        (1, 3, False, 512, ("-DRAW_RUNS",)),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
@@ -861,11 +806,9 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
     constants["E"] = str(experts)
     weights = fused_weights(*moe, 0)
     assert weights is not None
-    # as FusedStep.folds / rows_router: past 127 experts, the router has its
-    # own phase, or (ROUTER_ROWS) rows of the fc and o_proj products
+    # as FusedStep.folds: past 127 experts, the router has its own phase
     if not evolve(weights.shape, experts=experts).foldable:
         constants["FOLD"] = "0"
-        constants["RROWS"] = str(int(mtp_cuda.ROUTER_ROWS))
     compiled = compile_source(step_text(seen, constants), tmp_path, "sm_90a")
     assert compiled.ok, compiled.log[:4000]
     # The defaults spill nothing. The arms off by default, kept for timing
