@@ -147,6 +147,13 @@
 #  PROBE_FLAGS="--redux-topk --shared-cdf" agree`; both switches on since. Next, on an H200 (the goal's
 #  machine): call 2 `bash bench/h200_run.sh setup-min retime` (the new defaults' cut, 64 and 512 experts,
 #  greedy and Qwen's sampling, depths 2 and 3))
+# (thirty-eighth session: eight requests started no machine, one an H100: `EXPERTS=512 SETS="none
+#  ROUTER_ROWS,DRAW_RUNS ROUTER_ROWS,DRAW_RUNS,ATT_EARLY" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2
+#  CONTEXT=48 REPEATS=6 LIMIT=100 setup-min switches`, phase_probe.py with those sets by hand, then
+#  `SETS="none DRAW_RUNS" SAMPLINGS=qwen ... switches` and `SAMPLINGS=qwen ROWS=1,3 PROBE_FLAGS=--draw-runs
+#  agree`: ROUTER_ROWS and ATT_EARLY slower (removed), DRAW_RUNS on. Next, on an H200: call 2
+#  `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=120
+#  bash bench/h200_run.sh setup-min switches` (the defaults' cut on the goal's machine))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
