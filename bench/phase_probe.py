@@ -73,7 +73,8 @@ def main() -> None:
         for name, value in defaults.items():
             setattr(models.mtp_cuda, name, value)
         apply_switches("" if text.strip() == "none" else text.strip())
-        # (made per set: a switch may change the weights, e.g. ROUTER_ROWS')
+        # (made per set, after its settings: FusedStep.make reads BLOCKS and
+        # fused_weights the size limits, so a set that changes them applies)
         weights = fused_weights(target, head, 0)
         assert weights is not None, "this head is outside the fused kernel's scope"
         fused = {
