@@ -419,7 +419,7 @@ for step in "$@"; do
     # CONTEXTS and for each of PSETS (';' between sets), FR-Spec head unless HEADS
     timeout ${LIMIT:-240} python3 bench/phase_probe.py --contexts ${CONTEXTS:-48,4096,32768} \
         --sets "${PSETS:-none;-ATT_PIPE;ATT_GROUPED}" --samplings ${PSAMPLINGS:-greedy} \
-        --heads ${HEADS:-fr} --out $OUT/phase-probe${PROBE_TAG:-}-h200.json || echo "STEP FAILED: $?"
+        --heads ${HEADS:-fr} ${EXPERTS:+--experts $EXPERTS} --out $OUT/phase-probe${PROBE_TAG:-}-h200.json || echo "STEP FAILED: $?"
     ;;
   copy)  # a whole round's KV copy one vector per thread at a time against the defaults (COPY_UNROLL=4): time at
     # 32,768 and 4,096 positions (greedy, depth 2), then the drafts and KV buffers at 2,048 (one and three rows)

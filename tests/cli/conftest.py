@@ -1,10 +1,11 @@
 """A tiny random model folder in the HF layout, made on the fly (no downloads), and
-the command run in-process (`run`)."""
+the command run in-process (`run`, `generate_json`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -26,6 +27,15 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def generate_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    """`specpipe generate ARGS --json`: exit code 0, its one JSON object."""
+    code, out, err = run(capsys, "generate", *args, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert isinstance(result, dict), out
+    return result
 
 
 CORPUS = [

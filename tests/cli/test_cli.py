@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.cli.conftest import run, write_tiny_model
+from tests.cli.conftest import generate_json, run, write_tiny_model
 
 
 def fails_with(capsys: pytest.CaptureFixture[str], needle: str, *argv: str) -> str:
@@ -23,18 +23,9 @@ def fails_with(capsys: pytest.CaptureFixture[str], needle: str, *argv: str) -> s
 
 
 def test_json_contract(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(
-        capsys,
-        "generate",
-        "def fib",
-        "--model",
-        str(tiny_model),
-        "--max-tokens",
-        "7",
-        "--json",
+    result = generate_json(
+        capsys, "def fib", "--model", str(tiny_model), "--max-tokens", "7"
     )
-    assert code == 0
-    result = json.loads(out)
     assert set(result) >= {
         "text",
         "tokens",
@@ -64,42 +55,27 @@ def test_streaming_text_equals_json_text(
     _, streamed, _ = run(
         capsys, "generate", "for i in", "--model", str(tiny_model), "--max-tokens", "9"
     )
-    _, out, _ = run(
-        capsys,
-        "generate",
-        "for i in",
-        "--model",
-        str(tiny_model),
-        "--max-tokens",
-        "9",
-        "--json",
+    result = generate_json(
+        capsys, "for i in", "--model", str(tiny_model), "--max-tokens", "9"
     )
-    assert streamed == json.loads(out)["text"] + "\n"
+    assert streamed == result["text"] + "\n"
 
 
-def fib_json(model: Path) -> list[str]:
-    """`generate` of a short code prompt, 12 tokens, as JSON."""
-    return [
-        "generate",
-        "def fib",
-        "--model",
-        str(model),
-        "--max-tokens",
-        "12",
-        "--json",
-    ]
+def fib_args(model: Path) -> list[str]:
+    """`generate`'s arguments for a short code prompt, 12 tokens."""
+    return ["def fib", "--model", str(model), "--max-tokens", "12"]
 
 
 def test_draft_stats_and_same_tokens(
     tiny_model: Path, tiny_draft: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = fib_json(tiny_model)
-    _, plain, _ = run(capsys, *base)
+    base = fib_args(tiny_model)
+    plain = generate_json(capsys, *base)
     for draft in (str(tiny_draft), str(tiny_model), "ngram"):
-        code, out, _ = run(capsys, *base, "--draft", draft, "--num-draft-tokens", "3")
-        assert code == 0
-        result = json.loads(out)
-        assert result["tokens"] == json.loads(plain)["tokens"]
+        result = generate_json(
+            capsys, *base, "--draft", draft, "--num-draft-tokens", "3"
+        )
+        assert result["tokens"] == plain["tokens"]
         assert result["stats"]["draft"] == (
             "ngram" if draft == "ngram" else "two-model"
         )
@@ -109,12 +85,11 @@ def test_draft_stats_and_same_tokens(
 def test_bf16_draft_for_a_float32_target(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["generate", "def fib", "--model", str(tiny_model), "--max-tokens", "12"]
-    _, plain, _ = run(capsys, *base, "--json", "--dtype", "float32")
-    code, out, _ = run(
+    base = ["def fib", "--model", str(tiny_model), "--max-tokens", "12"]
+    plain = generate_json(capsys, *base, "--dtype", "float32")
+    result = generate_json(
         capsys,
         *base,
-        "--json",
         "--dtype",
         "float32",
         "--draft",
@@ -125,11 +100,11 @@ def test_bf16_draft_for_a_float32_target(
         "3",
         "--no-adaptive",
     )
-    assert code == 0
-    result = json.loads(out)
-    assert result["tokens"] == json.loads(plain)["tokens"]
+    assert result["tokens"] == plain["tokens"]
     assert result["stats"]["draft"] == "two-model" and result["stats"]["drafted"] > 0
-    code, _, err = run(capsys, *base, "--draft", "ngram", "--draft-dtype", "int3")
+    code, _, err = run(
+        capsys, "generate", *base, "--draft", "ngram", "--draft-dtype", "int3"
+    )
     assert code != 0 and "--draft-dtype" in err
 
 
@@ -155,17 +130,10 @@ def test_prompts_file_batch(
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 3
     for prompt, line in zip(prompts, lines, strict=True):
-        _, single, _ = run(
-            capsys,
-            "generate",
-            prompt,
-            "--model",
-            str(tiny_model),
-            "--max-tokens",
-            "6",
-            "--json",
+        single = generate_json(
+            capsys, prompt, "--model", str(tiny_model), "--max-tokens", "6"
         )
-        assert line["tokens"] == json.loads(single)["tokens"]
+        assert line["tokens"] == single["tokens"]
 
 
 @pytest.mark.parametrize(
@@ -225,19 +193,19 @@ def test_draft_bits(
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(cli, "load", load)
-    base = [*fib_json(tiny_model), "--no-adaptive"]
-    _, plain, _ = run(capsys, *base)
-    code, out, _ = run(capsys, *base, "--draft", str(folder), "--draft-bits", "8")
-    assert code == 0 and asked == [None, 8]
-    result = json.loads(out)
-    assert result["tokens"] == json.loads(plain)["tokens"]
+    base = [*fib_args(tiny_model), "--no-adaptive"]
+    plain = generate_json(capsys, *base)
+    result = generate_json(capsys, *base, "--draft", str(folder), "--draft-bits", "8")
+    assert asked == [None, 8]
+    assert result["tokens"] == plain["tokens"]
     assert result["stats"]["draft"] == "dflash2" and result["stats"]["drafted"] > 0
-    code, _, err = run(capsys, *base, "--draft", str(folder), "--draft-bits", "5")
+    argv = ["generate", *base, "--json"]
+    code, _, err = run(capsys, *argv, "--draft", str(folder), "--draft-bits", "5")
     assert code == 2 and "--draft-bits: invalid choice: 5" in err
     fails_with(
         capsys,
         "a ngram draft takes none",
-        *base,
+        *argv,
         "--draft",
         "ngram",
         "--draft-bits",
@@ -324,18 +292,9 @@ def test_max_tokens_past_the_context_stop_at_the_context(
 ) -> None:
     """A prompt plus --max-tokens past the context: the row is cut where the
     context ends and finishes with "length" (README's --max-tokens note)."""
-    code, out, _ = run(
-        capsys,
-        "generate",
-        "hello world " * 38,
-        "--model",
-        str(tiny_model),
-        "--max-tokens",
-        "100",
-        "--json",
+    result = generate_json(
+        capsys, "hello world " * 38, "--model", str(tiny_model), "--max-tokens", "100"
     )
-    assert code == 0
-    result = json.loads(out)
     assert 200 < result["prompt_tokens"] < 256  # (so 100 more would pass 256)
     assert result["prompt_tokens"] + result["generated_tokens"] == 256
     assert result["finish_reason"] == "length"
@@ -430,17 +389,8 @@ def test_convert_roundtrip_and_no_half_written_output(
         "group_size": 32,
         "bits": 8,
     }
-    code, text, _ = run(
-        capsys,
-        "generate",
-        "def fib",
-        "--model",
-        str(out),
-        "--max-tokens",
-        "4",
-        "--json",
-    )
-    assert code == 0 and json.loads(text)["generated_tokens"] == 4
+    result = generate_json(capsys, "def fib", "--model", str(out), "--max-tokens", "4")
+    assert result["generated_tokens"] == 4
     missing = tmp_path / "never"
     fails_with(
         capsys, "no such folder", "convert", str(tmp_path / "nope"), str(missing)
@@ -452,14 +402,14 @@ def test_convert_roundtrip_and_no_half_written_output(
 def test_adaptive_is_the_default_and_no_adaptive_drafts_every_round(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = fib_json(tiny_model)
+    base = fib_args(tiny_model)
     base += ["--draft", str(tiny_model), "--num-draft-tokens", "3"]
-    _, default, _ = run(capsys, *base)
-    _, fixed, _ = run(capsys, *base, "--no-adaptive")
-    _, explicit, _ = run(capsys, *base, "--adaptive")
+    default = generate_json(capsys, *base)
+    fixed = generate_json(capsys, *base, "--no-adaptive")
+    explicit = generate_json(capsys, *base, "--adaptive")
     stats = {
-        name: json.loads(out)["stats"]
-        for name, out in (
+        name: result["stats"]
+        for name, result in (
             ("default", default),
             ("fixed", fixed),
             ("explicit", explicit),
@@ -470,9 +420,7 @@ def test_adaptive_is_the_default_and_no_adaptive_drafts_every_round(
     assert "depths" not in stats["fixed"]
     # fixed width: every round drafts 3 (the last rounds may be cut by the budget)
     assert stats["fixed"]["drafted"] >= 3 * (stats["fixed"]["rounds"] - 2)
-    tokens = {
-        json.loads(out)["tokens"].__repr__() for out in (default, fixed, explicit)
-    }
+    tokens = {result["tokens"].__repr__() for result in (default, fixed, explicit)}
     assert len(tokens) == 1  # the width never changes the output
 
 
@@ -545,20 +493,18 @@ def test_a_prompt_cache_file_serves_a_later_run(
     path = tmp_path / "prompt.safetensors"
     runs = []
     for _ in range(2):
-        code, out, err = run(
-            capsys,
-            "generate",
-            "def fibonacci(n):",
-            "--model",
-            str(tiny_model),
-            "--json",
-            "--max-tokens",
-            "6",
-            "--prompt-cache-file",
-            str(path),
+        runs.append(
+            generate_json(
+                capsys,
+                "def fibonacci(n):",
+                "--model",
+                str(tiny_model),
+                "--max-tokens",
+                "6",
+                "--prompt-cache-file",
+                str(path),
+            )
         )
-        assert code == 0, err
-        runs.append(json.loads(out))
         assert path.is_file()
     first, second = runs
     assert first["stats"]["cached_tokens"] == 0
@@ -586,8 +532,7 @@ def test_logprobs_need_json_and_an_empty_stdin_is_no_prompt(
     from nothing."""
     model = ("--model", str(tiny_model), "--max-tokens", "3")
     fails_with(capsys, "--logprobs needs --json", "generate", "x", *model, "--logprobs")
-    code, out, _ = run(capsys, "generate", "x", *model, "--logprobs", "--json")
-    assert code == 0 and len(json.loads(out)["logprobs"]) == 3
+    assert len(generate_json(capsys, "x", *model, "--logprobs")["logprobs"]) == 3
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     fails_with(capsys, "stdin was empty", "generate", *model)
 
