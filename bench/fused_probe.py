@@ -233,6 +233,11 @@ _SWITCHES = [
         "DRAW_RUNS",
         "a sampled draw's head runs sorted interleaved, first stages skipped",
     ),
+    (
+        "fc-split",
+        "FC_SPLIT",
+        "a later step's fc hidden half summed during the last step's draw",
+    ),
 ]
 
 

@@ -400,6 +400,16 @@ REDUX_TOPK = True
 # With ATT_PIPE off it spills 8 bytes at three sampled rows (not an arm
 # the tests compile).
 SHARED_CDF = True
+# Whether a launch's later steps take fc's hidden half ahead: the block's
+# warps (sampled: all but warp 0, while it draws the step's last row;
+# greedy: all, between the block's arrival at the grid barrier before the
+# draw and its wait there, split for it) sum this
+# block's fc rows over the step's normed output (rounded to the weights'
+# dtype, as the next step reads it, times the fc norm's weights), and the
+# next step's fc product reads only the token's half, adding those sums
+# times the hidden norm's scale. A launch's first step is as before, and
+# launches of three rows or more (where the sampled round would spill).
+FC_SPLIT = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -539,6 +549,44 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
       __threadfence();
       atomicAdd(bar, 1ULL);
     }
+    if (!gave_up) {
+      const u64 t0 = now_ns();
+      while (true) {
+        u64 seen;
+        if (ACQ_REL)
+          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(bar) : "memory");
+        else seen = *(volatile u64*)bar;
+        if (seen >= goal) break;
+        if (now_ns() - t0 > 200000000ULL) {
+          gave_up = true;
+          atomicAdd(bar + 1, 1ULL);
+          break;
+        }
+      }
+    }
+    if (!ACQ_REL) __threadfence();
+  }
+  __syncthreads();
+}
+
+// `grid_sync` in two halves, for work between a block's arrival and its
+// wait that reads nothing other blocks write in the phase (`FC_SPLIT`).
+template <bool ACQ_REL = true>
+__device__ __forceinline__ void grid_arrive(u64* bar, u64& goal) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    goal += gridDim.x;
+    if (ACQ_REL) {
+      asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(bar) : "memory");
+    } else {
+      __threadfence();
+      atomicAdd(bar, 1ULL);
+    }
+  }
+}
+template <bool ACQ_REL = true>
+__device__ __forceinline__ void grid_wait(u64* bar, u64 goal, bool& gave_up) {
+  if (threadIdx.x == 0) {
     if (!gave_up) {
       const u64 t0 = now_ns();
       while (true) {
@@ -1035,6 +1083,15 @@ _SOURCE = r"""
   const int blk = blockIdx.x;
   const int gwarp = blk * NWARP + warp;
   constexpr int NW = NBLK * NWARP;
+  // FC_SPLIT: this block's fc rows (the product's rows gwarp + q NW, slot
+  // q NWARP + warp), their hidden half's sums per row, taken during the
+  // last step's draw, and each position's hidden norm scale
+  // (one or two rows: at three the sampled round spills, 80 bytes at
+  // Qwen3-Next's sizes)
+  constexpr bool SPLIT = FC_SPLIT && B <= 2;
+  constexpr int FCQ = (H + NW - 1) / NW;
+  __shared__ float s_fch[SPLIT ? B : 1][SPLIT ? NWARP * FCQ : 1];
+  __shared__ float s_fci[SPLIT ? M : 1];
   const int C = keys_shape[2];
   const float eps = fparams[0];
   float* S = scratch;
@@ -1155,6 +1212,7 @@ _SOURCE = r"""
       }
       ih = rsqrtf(block_sum(s2, red) / H + eps);
     }
+    if (SPLIT && tid == 0) s_fci[m] = ih;
 #pragma unroll
     for (int g = 0; g < NGH; ++g) {
       const int k = (tid + g * SP_THREADS) * 8;
@@ -1207,12 +1265,18 @@ _SOURCE = r"""
       }
     }
   }
+  // (FC_SPLIT, a later step: the token's half, plus the hidden half's sums)
+  const bool fc_split = SPLIT && s > 0;
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC>(
-      H, 2 * H, gwarp, NW, fc_row,
+      H, fc_split ? H : 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
-        if (lane == 0)
-          for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
+        if (lane == 0) {
+          const int slot = (r / NW) * NWARP + warp;
+          for (int v = 0; v < M; ++v)
+            S[O_H0 + (size_t)v * H + r] =
+                fc_split ? acc[v][0] + s_fci[v] * s_fch[v / TT][slot] : acc[v][0];
+        }
       },
       KEEP_FC && s + 1 < STEPS);
   barrier();
@@ -2181,7 +2245,40 @@ _SOURCE = r"""
       __syncthreads();
     }
   }
-  barrier();
+  // FC_SPLIT: the next step's fc, its hidden half: this block's rows over
+  // the step's normed output (xs), rounded as `normed` keeps it, times the
+  // fc norm's weights (its scale the next step's stage finds), by warps h0..
+  auto fc_hidden = [&](int h0) {
+    auto fc_of = [&](int j) { return blk * NWARP + j % NWARP + (j / NWARP) * NW; };
+    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC>(
+        NWARP * FCQ, H, warp - h0, NWARP - h0,
+        [&](int j, int) {
+          const int r = fc_of(j);
+          return w_fc + (size_t)(r < H ? r : 0) * 2 * H + H;
+        },
+        [&](int v, int, int k, float* x) {
+          float a[8], wv[8];
+          smem8(xs + (size_t)v * H + k, a);
+          load8(w_norm_h + k, wv);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(static_cast<W>(a[i])) * wv[i];
+        },
+        [&](int j, float (&acc)[B][1]) {
+          if (lane == 0 && fc_of(j) < H)
+            for (int v = 0; v < B; ++v) s_fch[v][j] = acc[v][0];
+        },
+        KEEP_FC && s + 2 < STEPS);
+  };
+  if constexpr (SPLIT && GREEDY) {
+    // (greedy: every warp, between the block's arrival and its wait)
+    stamp();
+    grid_arrive<ACQ_REL_BARRIER>(bar, goal);
+    if (s + 1 < STEPS) fc_hidden(0);
+    grid_wait<ACQ_REL_BARRIER>(bar, goal, gave_up);
+    stamp();
+  } else {
+    barrier();
+  }
 
   // ---- 8. the draw: greedy, every block draws every row (warp b row b:
   // the next step reads its token from shared memory, no grid barrier
@@ -2368,7 +2465,9 @@ _SOURCE = r"""
       }
     }
   }
-  __syncthreads();  // (s_tok)
+  // (FC_SPLIT, sampled: the warps past warp 0 while it draws the last row)
+  if (SPLIT && !GREEDY && s + 1 < STEPS && warp >= 1) fc_hidden(1);
+  __syncthreads();  // (s_tok; FC_SPLIT: s_fch)
   stamp();
   }  // steps
 """
@@ -3141,6 +3240,7 @@ class FusedStep:
             ("FOLD", fold),
             ("REDUX_TOPK", REDUX_TOPK),
             ("SHARED_CDF", SHARED_CDF),
+            ("FC_SPLIT", FC_SPLIT),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -567,6 +567,12 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # (DRAW_RUNS' off arm; one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_RUNS",)),
         ("moe", False, False, False, 3, 1, 2, ("-DRAW_RUNS", "HK=2")),
+        # fc's hidden half summed during the last step's draw (FC_SPLIT, off):
+        # a round, a chain; greedy and sampled; one row and three
+        ("moe", True, True, True, 1, 2, 3, ("FC_SPLIT",)),
+        ("moe", False, True, True, 1, 2, 3, ("FC_SPLIT",)),
+        ("moe", False, False, False, 3, 1, 2, ("FC_SPLIT",)),
+        ("dense", True, False, False, 2, 1, 2, ("FC_SPLIT",)),
         # the warps' runs merged in turn by warp 0 (TREE_MERGE's off arm; one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-TREE_MERGE",)),
         ("moe", False, False, False, 3, 1, 2, ("-TREE_MERGE", "-DRAW_HEADS")),
@@ -751,6 +757,9 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
         (1, 3, True, 512, ("-REDUX_TOPK",)),
         (1, 3, False, 512, ("-DRAW_RUNS",)),
+        (1, 3, True, 512, ("FC_SPLIT",)),
+        (1, 3, False, 512, ("FC_SPLIT",)),
+        (3, 2, False, 64, ("FC_SPLIT",)),  # (three rows: the old fc)
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
