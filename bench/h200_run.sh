@@ -154,6 +154,13 @@
 #  agree`: ROUTER_ROWS and ATT_EARLY slower (removed), DRAW_RUNS on. Next, on an H200: call 2
 #  `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=120
 #  bash bench/h200_run.sh setup-min switches` (the defaults' cut on the goal's machine))
+# (thirty-ninth session: the fifth request got an H200: `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen"
+#  NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=150 setup-min switches`, then `EXPERTS=512 CONTEXTS=48
+#  PSETS=none PSAMPLINGS=greedy,qwen HEADS=fr,full LIMIT=170 PROBE_TAG=-e512 phases`: 1.999x greedy, 1.98x
+#  sampled drafting 2; six later requests started no machine. Next, FC_SPLIT (prepared, off): call 2
+#  `EXPERTS=512 SETS="none FC_SPLIT" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8
+#  LIMIT=150 bash bench/h200_run.sh setup-min switches`, then `EXPERTS=64 ROWS=1,2 SAMPLINGS=greedy,qwen
+#  PROBE_FLAGS=--fc-split PROBE_TAG=-fcsplit LIMIT=220 bash bench/h200_run.sh agree`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

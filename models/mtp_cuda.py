@@ -532,39 +532,50 @@ __device__ __forceinline__ u64 now_ns() {
   return t;
 }
 
-// Every block's threads arrive; thread 0 counts the block in and waits for
-// all. `goal` (thread 0 only) advances by the grid size per barrier.
+// Thread 0's halves of a grid barrier: the block counted in (`goal`, thread
+// 0's, advances by the grid size per barrier), then the wait for all.
 // ACQ_REL (`ACQ_REL_BARRIER`): the arrival a release reduction and the
 // wait acquire loads (the PTX memory model's release / acquire patterns, as
 // CUTLASS's grid barrier has them) instead of two sequentially consistent
 // fences (`__threadfence`) around a relaxed reduction and volatile loads.
+template <bool ACQ_REL>
+__device__ __forceinline__ void grid_count_in(u64* bar, u64& goal) {
+  goal += gridDim.x;
+  if (ACQ_REL) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(bar) : "memory");
+  } else {
+    __threadfence();
+    atomicAdd(bar, 1ULL);
+  }
+}
+template <bool ACQ_REL>
+__device__ __forceinline__ void grid_await(u64* bar, u64 goal, bool& gave_up) {
+  if (!gave_up) {
+    const u64 t0 = now_ns();
+    while (true) {
+      u64 seen;
+      if (ACQ_REL)
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(bar) : "memory");
+      else seen = *(volatile u64*)bar;
+      if (seen >= goal) break;
+      if (now_ns() - t0 > 200000000ULL) {
+        gave_up = true;
+        atomicAdd(bar + 1, 1ULL);
+        break;
+      }
+    }
+  }
+  if (!ACQ_REL) __threadfence();
+}
+
+// Every block's threads arrive; thread 0 counts the block in and waits for
+// all.
 template <bool ACQ_REL = true>
 __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    goal += gridDim.x;
-    if (ACQ_REL) {
-      asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(bar) : "memory");
-    } else {
-      __threadfence();
-      atomicAdd(bar, 1ULL);
-    }
-    if (!gave_up) {
-      const u64 t0 = now_ns();
-      while (true) {
-        u64 seen;
-        if (ACQ_REL)
-          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(bar) : "memory");
-        else seen = *(volatile u64*)bar;
-        if (seen >= goal) break;
-        if (now_ns() - t0 > 200000000ULL) {
-          gave_up = true;
-          atomicAdd(bar + 1, 1ULL);
-          break;
-        }
-      }
-    }
-    if (!ACQ_REL) __threadfence();
+    grid_count_in<ACQ_REL>(bar, goal);
+    grid_await<ACQ_REL>(bar, goal, gave_up);
   }
   __syncthreads();
 }
@@ -574,36 +585,11 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
 template <bool ACQ_REL = true>
 __device__ __forceinline__ void grid_arrive(u64* bar, u64& goal) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    goal += gridDim.x;
-    if (ACQ_REL) {
-      asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(bar) : "memory");
-    } else {
-      __threadfence();
-      atomicAdd(bar, 1ULL);
-    }
-  }
+  if (threadIdx.x == 0) grid_count_in<ACQ_REL>(bar, goal);
 }
 template <bool ACQ_REL = true>
 __device__ __forceinline__ void grid_wait(u64* bar, u64 goal, bool& gave_up) {
-  if (threadIdx.x == 0) {
-    if (!gave_up) {
-      const u64 t0 = now_ns();
-      while (true) {
-        u64 seen;
-        if (ACQ_REL)
-          asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(bar) : "memory");
-        else seen = *(volatile u64*)bar;
-        if (seen >= goal) break;
-        if (now_ns() - t0 > 200000000ULL) {
-          gave_up = true;
-          atomicAdd(bar + 1, 1ULL);
-          break;
-        }
-      }
-    }
-    if (!ACQ_REL) __threadfence();
-  }
+  if (threadIdx.x == 0) grid_await<ACQ_REL>(bar, goal, gave_up);
   __syncthreads();
 }
 
