@@ -157,10 +157,13 @@
 # (thirty-ninth session: the fifth request got an H200: `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen"
 #  NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=150 setup-min switches`, then `EXPERTS=512 CONTEXTS=48
 #  PSETS=none PSAMPLINGS=greedy,qwen HEADS=fr,full LIMIT=170 PROBE_TAG=-e512 phases`: 1.999x greedy, 1.98x
-#  sampled drafting 2; six later requests started no machine. Next, FC_SPLIT (prepared, off): call 2
-#  `EXPERTS=512 SETS="none FC_SPLIT" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8
-#  LIMIT=150 bash bench/h200_run.sh setup-min switches`, then `EXPERTS=64 ROWS=1,2 SAMPLINGS=greedy,qwen
-#  PROBE_FLAGS=--fc-split PROBE_TAG=-fcsplit LIMIT=220 bash bench/h200_run.sh agree`)
+#  sampled drafting 2; six later requests started no machine. Next, FC_SPLIT and FAST_PROLOGUE (prepared,
+#  off): call 2 `EXPERTS=512 SETS="none FC_SPLIT FAST_PROLOGUE FC_SPLIT,FAST_PROLOGUE" SAMPLINGS=greedy
+#  NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, call 3
+#  the same with SAMPLINGS=qwen (no setup-min), call 4 `EXPERTS=64 ROWS=1,2 SAMPLINGS=greedy,qwen
+#  PROBE_FLAGS=--fc-split PROBE_TAG=-fcsplit LIMIT=220 bash bench/h200_run.sh agree` and, for S in greedy,
+#  qwen, `python3 bench/draft_device.py --check --rows 1,3 --depths 1,2,3 --sampling S
+#  --kernel-switches=FAST_PROLOGUE,FC_SPLIT`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

@@ -760,6 +760,10 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, True, 512, ("FC_SPLIT",)),
         (1, 3, False, 512, ("FC_SPLIT",)),
         (3, 2, False, 64, ("FC_SPLIT",)),  # (three rows: the old fc)
+        # a derived round's prologue loads all at once (FAST_PROLOGUE, off)
+        (1, 3, True, 512, ("FAST_PROLOGUE", "FC_SPLIT")),
+        (1, 3, False, 512, ("FAST_PROLOGUE", "FC_SPLIT")),
+        (3, 2, False, 64, ("FAST_PROLOGUE",)),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
