@@ -3,8 +3,10 @@
 For each default-switch case of the kernel's compile test
 (tests/models/test_mtp_cuda.py, `test_the_step_kernel_compiles_without_spills`:
 greedy and sampled, full head and FR-Spec list, first and chained steps, one
-and several rows, dense and MoE heads) this compiles the CUDA source exactly
-as MLX would be given it (NVRTC, sm_90; the dev extra's CUDA wheels) and
+and several rows, dense and MoE heads), and for three whole rounds that
+derive their inputs on the device (the form a steady-state round launches),
+this compiles the CUDA source exactly as MLX would be given it (NVRTC,
+sm_90; the dev extra's CUDA wheels) and
 prints the cubin's size, registers and SHA-256. Two trees whose digests are
 equal run the same instructions, so a change that should not touch the
 measured kernel (removing a switch that is off, a comment, a refactor) is
@@ -52,8 +54,6 @@ def default_cases(test_module: Any) -> list[tuple[Any, ...]]:
 
 
 def digest(test_module: Any, fixtures: dict[str, Any], case: tuple[Any, ...]) -> str:
-    from nvrtc_support import compile_source
-
     kind, greedy, first, listed, rows, length, count, _ = case
     target, head = fixtures[kind]
     patch = pytest.MonkeyPatch()
@@ -62,12 +62,32 @@ def digest(test_module: Any, fixtures: dict[str, Any], case: tuple[Any, ...]) ->
         _, text = test_module.step_kernel_source(patch, target, head, shape, {})
     finally:
         patch.undo()
+    return described(text)
+
+
+def described(text: str) -> str:
+    """A translation unit compiled: its cubin's size, registers and digests."""
+    from nvrtc_support import compile_source
+
     with tempfile.TemporaryDirectory() as work:
         compiled = compile_source(text, Path(work))
     assert compiled.ok, compiled.log[:4000]
     whole = hashlib.sha256(compiled.cubin).hexdigest()[:16]
     code = hashlib.sha256(text_sections(compiled.cubin)).hexdigest()[:16]
     return f"{len(compiled.cubin)} bytes, {compiled.registers} registers, sha256 {whole}, code {code}"
+
+
+def derived_digest(
+    test_module: Any, fixture: Any, rows: int, width: int, greedy: bool
+) -> str:
+    """The same for a whole round that derives its inputs on the device
+    (`test_the_derived_round_compiles_and_reads_no_host_input`'s form)."""
+    patch = pytest.MonkeyPatch()
+    try:
+        seen, _ = test_module.derived_round_call(*fixture, patch, rows, width, greedy)
+    finally:
+        patch.undo()
+    return described(test_module.step_text(seen, {}))
 
 
 def text_sections(cubin: bytes) -> bytes:
@@ -116,6 +136,12 @@ def main() -> None:
         label = (f"{kind} {'greedy' if greedy else 'sampled'} {'first' if first else 'chained'} "
                  f"{'fr' if listed else 'full'} rows={rows} length={length} steps={count}")  # fmt: skip
         print(f"{label}: {digest(test_mtp_cuda, fixtures, case)}", flush=True)
+    for rows, width, greedy in ((1, 3, True), (1, 3, False), (3, 2, False)):
+        label = f"moe {'greedy' if greedy else 'sampled'} derived round rows={rows} width={width}"
+        digest_text = derived_digest(
+            test_mtp_cuda, fixtures["moe"], rows, width, greedy
+        )
+        print(f"{label}: {digest_text}", flush=True)
 
 
 if __name__ == "__main__":
