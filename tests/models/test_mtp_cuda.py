@@ -568,7 +568,8 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_RUNS",)),
         ("moe", False, False, False, 3, 1, 2, ("-DRAW_RUNS", "HK=2")),
         # fc's hidden half summed during the last step's draw (FC_SPLIT, off):
-        # a round, a chain; greedy and sampled; one row and three
+        # a round, a chain; greedy and sampled; one row, and three (where it
+        # keeps the old fc)
         ("moe", True, True, True, 1, 2, 3, ("FC_SPLIT",)),
         ("moe", False, True, True, 1, 2, 3, ("FC_SPLIT",)),
         ("moe", False, False, False, 3, 1, 2, ("FC_SPLIT",)),
