@@ -420,6 +420,13 @@ FC_SPLIT = False
 # draft, the state, the tail's ids after a block barrier, the counter. The
 # same inputs (a window past 32 draws takes the old path).
 FAST_PROLOGUE = False
+# Whether a sampled draw's rarely run path (a block with all its best HK
+# among the row's best KC: the blocks' whole lists merged) is a rolled loop
+# (one list a warp in flight, merges and the warps' merge rolled) instead of
+# unrolled: the same candidates in the same merge order, ~20 KB less code in
+# a sampled step (of 29.5 KB of draw at Qwen3-Next's sizes), which tells
+# whether the sampled step's slower common stretches are its code's fetch.
+WHOLE_ROLLED = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -2389,7 +2396,23 @@ _SOURCE = r"""
           __syncthreads();
           whole = s_crowded;
         }
-        if (whole) {  // (rarely run; unrolled)
+        if (WHOLE_ROLLED && whole) {  // (rarely run; rolled: one pair a warp in flight)
+#pragma unroll 1
+          for (int q = 0; q < LPW; ++q) {
+            const int c = warp + q * NWARP;
+            const size_t at = ((size_t)b * NBLK + c) * KC + lane;
+            const float qv = (c < NBLK && lane < KC) ? __ldcg(S + O_CV + at) : -SP_INF;
+            const int qi = (c < NBLK && lane < KC && qv != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
+            if (q == 0) {
+              tv = qv;
+              ti = qi;
+            } else {
+              warp_merge<1>(tv, ti, qv, qi);
+            }
+          }
+          __syncthreads();  // (s_topv: the last row's merge read them)
+          merge_runs<1, false>(tv, ti, s_topv, s_topi);
+        } else if (whole) {  // (rarely run; unrolled)
         tv = -SP_INF;
         ti = 0x7fffffff;
         float pv[LPW];
@@ -3267,6 +3290,7 @@ class FusedStep:
             ("SHARED_CDF", SHARED_CDF),
             ("FC_SPLIT", FC_SPLIT),
             ("FAST_PROLOGUE", FAST_PROLOGUE),
+            ("WHOLE_ROLLED", WHOLE_ROLLED),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -765,6 +765,9 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, True, 512, ("FAST_PROLOGUE", "FC_SPLIT")),
         (1, 3, False, 512, ("FAST_PROLOGUE", "FC_SPLIT")),
         (3, 2, False, 64, ("FAST_PROLOGUE",)),
+        # a sampled draw's rarely run whole-list merge rolled (WHOLE_ROLLED, off)
+        (1, 3, False, 512, ("WHOLE_ROLLED",)),
+        (3, 2, False, 64, ("WHOLE_ROLLED",)),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
