@@ -420,6 +420,19 @@ FC_SPLIT = False
 # draft, the state, the tail's ids after a block barrier, the counter. The
 # same inputs (a window past 32 draws takes the old path).
 FAST_PROLOGUE = False
+# Whether the MoE's down product asks L2 for each warp's rows (the chosen
+# experts' and the shared expert's) before staging its inputs, and reads
+# each row's residual with its weights (every lane) instead of after the
+# warp's sum (lane 0: an L2 round trip more per row, two rows a warp a
+# step). nvdisasm: ptxas keeps only part of a row's 22 loads in flight (the
+# rest issued after the first sums wait on DRAM): a second round trip per
+# row, which the prefetch makes an L2 hit. The same sums in the same order.
+DOWN_AHEAD = False
+# Whether o_proj's phase reads the residuals of each warp's first two rows
+# (the hidden state it adds to) before the product instead of after the
+# warp's sums (nvdisasm: lane 0's two loads one after another at the phase's
+# end, two L2 round trips before the grid barrier). The same sums.
+O_AHEAD = False
 # Whether a sampled draw's rarely run path (a block with all its best HK
 # among the row's best KC: the blocks' whole lists merged) is a rolled loop
 # (one list a warp in flight, merges and the warps' merge rolled) instead of
@@ -623,6 +636,11 @@ __device__ __forceinline__ void prefetch_range(const void* p, size_t bytes) {
 }
 
 // A hint: ask L2 to fetch this block's share (1 / gridDim.x) of the first
+// The L2 line holding p, asked for ahead (no register waits on it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // min(bytes, cap) bytes at p (16-byte aligned), one bulk prefetch (sm_90).
 // Weights a later phase reads arrive while the current one, latency-bound,
 // leaves DRAM idle. Called by one thread of the block.
@@ -1871,6 +1889,23 @@ _SOURCE = r"""
   // the warp's first two rows)
   constexpr int EPL = FOLD ? (EP + 31) / 32 : 1;
   float rsum[B][EPL], rt_ahead[2][EPL];
+  // O_AHEAD: the residuals of the warp's first two rows read before the
+  // product (not after its sums, an L2 round trip each, one after another)
+  float res_ahead[2][B];
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int r = gwarp + q * NW;
+      res_ahead[q][b] =
+          (O_AHEAD && r < H) ? __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r) : 0.0f;
+    }
+  auto residual = [&](int b, int r) {
+    const int q = (r - gwarp) / NW;
+    return (O_AHEAD && q == 0) ? res_ahead[0][b]
+         : (O_AHEAD && q == 1) ? res_ahead[1][b]
+         : __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
+  };
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
 #pragma unroll
@@ -1889,7 +1924,7 @@ _SOURCE = r"""
           const int q = (r - gwarp) / NW;
 #pragma unroll
           for (int b = 0; b < B; ++b) {
-            const float out = acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
+            const float out = acc[b][0] + residual(b, r);
             if (lane == 0) S[O_R1 + (size_t)b * H + r] = out;
 #pragma unroll
             for (int j = 0; j < EPL; ++j) {
@@ -1900,9 +1935,7 @@ _SOURCE = r"""
             }
           }
         } else if (lane == 0) {
-          for (int b = 0; b < B; ++b)
-            S[O_R1 + (size_t)b * H + r] =
-                acc[b][0] + __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
+          for (int b = 0; b < B; ++b) S[O_R1 + (size_t)b * H + r] = acc[b][0] + residual(b, r);
         }
       },
       KEEP_O && s + 1 < STEPS);
@@ -2130,15 +2163,32 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
+    constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
+    if constexpr (DOWN_AHEAD) {
+      // each warp's rows asked of L2 ahead (their DRAM round trip under the
+      // staging below; ptxas keeps only part of a row's loads in flight)
+      for (int r = gwarp; r < B * H; r += NW) {
+        const int b = r / H, hr = r % H;
+#pragma unroll
+        for (int c = 0; c < KE; ++c)
+#pragma unroll
+          for (int q = 0; q < CH; ++q)
+            prefetch_l2(mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE + q * 256 + lane * 8);
+#pragma unroll
+        for (int q = 0; q < SCH; ++q) prefetch_l2(mlp6 + (size_t)hr * IS + q * 256 + lane * 8);
+      }
+    }
     stage_l2(xe, S + O_EACT, B * KE * IE);
     stage_l2(xsh, S + O_SACT, B * IS);
     __syncthreads();
     mark(6);
-    constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
     constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
     for (int r = gwarp; r < B * H; r += NW) {
       const int b = r / H, hr = r % H;
       const float sg = sigmoid(FOLD ? s_rlog[b * EP + E] : __ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
+      // DOWN_AHEAD: the residual read with the weights (every lane), not
+      // after the sum by lane 0 (an L2 round trip more per row)
+      const float res = DOWN_AHEAD ? __ldcg(S + O_R1 + (size_t)b * H + hr) : 0.0f;
       float part = 0.0f;
       if constexpr (BATCHED) {
         uint4 raw[KE * CH + SCH > 0 ? KE * CH + SCH : 1];
@@ -2191,7 +2241,7 @@ _SOURCE = r"""
         }
       }
       part = warp_sum(part);
-      if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
+      if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + (DOWN_AHEAD ? res : __ldcg(S + O_R1 + (size_t)b * H + hr));
     }
     barrier();
   }
@@ -3291,6 +3341,8 @@ class FusedStep:
             ("FC_SPLIT", FC_SPLIT),
             ("FAST_PROLOGUE", FAST_PROLOGUE),
             ("WHOLE_ROLLED", WHOLE_ROLLED),
+            ("DOWN_AHEAD", DOWN_AHEAD),
+            ("O_AHEAD", O_AHEAD),
             ("DERIVE", derive is not None),
         ]
         window = (

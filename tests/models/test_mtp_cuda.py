@@ -768,6 +768,12 @@ QWEN3_NEXT_CONSTANTS = {
         # a sampled draw's rarely run whole-list merge rolled (WHOLE_ROLLED, off)
         (1, 3, False, 512, ("WHOLE_ROLLED",)),
         (3, 2, False, 64, ("WHOLE_ROLLED",)),
+        # the down product's rows asked of L2 ahead, residuals read with the
+        # weights (DOWN_AHEAD, O_AHEAD, off)
+        (1, 3, True, 512, ("DOWN_AHEAD", "O_AHEAD")),
+        (1, 3, False, 512, ("DOWN_AHEAD", "O_AHEAD", "FC_SPLIT", "FAST_PROLOGUE")),
+        (3, 2, False, 64, ("DOWN_AHEAD", "O_AHEAD")),
+        (3, 2, True, 64, ("DOWN_AHEAD", "O_AHEAD")),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
