@@ -238,6 +238,17 @@ _SWITCHES = [
         "FC_SPLIT",
         "a later step's fc hidden half summed during the last step's draw",
     ),
+    (
+        "down-ahead",
+        "DOWN_AHEAD",
+        "the down product's rows asked of L2 ahead, its residual read early",
+    ),
+    ("o-ahead", "O_AHEAD", "o_proj's residuals read before its product"),
+    (
+        "whole-rolled",
+        "WHOLE_ROLLED",
+        "a sampled draw's rare whole-list merge rolled (compact code)",
+    ),
 ]
 
 
