@@ -164,6 +164,14 @@
 #  PROBE_FLAGS=--fc-split PROBE_TAG=-fcsplit LIMIT=220 bash bench/h200_run.sh agree` and, for S in greedy,
 #  qwen, `python3 bench/draft_device.py --check --rows 1,3 --depths 1,2,3 --sampling S
 #  --kernel-switches=FAST_PROLOGUE,FC_SPLIT`)
+# (fortieth session: prepared, off, DOWN_AHEAD and O_AHEAD (nvdisasm: the down product's loads in two DRAM
+#  round trips a row and its residual read after the sum; o_proj's residuals after its sums) and WHOLE_ROLLED.
+#  Next: call 2 `EXPERTS=512 SETS="none FC_SPLIT,FAST_PROLOGUE,DOWN_AHEAD,O_AHEAD DOWN_AHEAD,O_AHEAD
+#  FC_SPLIT,FAST_PROLOGUE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=120
+#  bash bench/h200_run.sh setup-min switches`; call 3 `EXPERTS=64 ROWS=1,2 SAMPLINGS=greedy,qwen
+#  PROBE_FLAGS="--fc-split --down-ahead --o-ahead" PROBE_TAG=-ahead LIMIT=200 bash bench/h200_run.sh agree
+#  && SWITCHES=FAST_PROLOGUE,FC_SPLIT,DOWN_AHEAD,O_AHEAD DEPTHS=1,2 LIMIT=120 bash bench/h200_run.sh
+#  derive-check`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -330,6 +338,13 @@ for step in "$@"; do
           --rows ${ROWS:-1,3} --repeats ${REPEATS:-20} --cache-control $cc --context ${CONTEXT:-48} \
           --sampling ${SAMPLING:-greedy} --inputs ${INPUTS:-library} ${SWITCHES:+--kernel-switches=$SWITCHES} \
           ${EXPERTS:+--experts $EXPERTS} --out $OUT/draft-device-$cc${TAG:-}-h200.json | grep DEVICE || echo "STEP FAILED: $?"
+    done
+    ;;
+  derive-check)  # rounds deriving their inputs on the device against host-built twins, under SWITCHES
+    for sampling in ${SAMPLINGS:-greedy qwen}; do
+      timeout ${LIMIT:-150} python3 bench/draft_device.py --check --rows ${ROWS:-1,3} --depths ${DEPTHS:-1,2,3} \
+          --sampling $sampling ${EXPERTS:+--experts $EXPERTS} ${SWITCHES:+--kernel-switches=$SWITCHES} \
+          | grep CHECK | cut -c1-110 || echo "STEP FAILED: $?"
     done
     ;;
   switches)  # kernel switch sets (none: the defaults; NAME on, -NAME off): the drafts' agreement under
