@@ -421,7 +421,8 @@ FC_SPLIT = False
 # same inputs (a window past 32 draws takes the old path).
 FAST_PROLOGUE = False
 # Whether the MoE's down product asks L2 for each warp's rows (the chosen
-# experts' and the shared expert's) before staging its inputs, and reads
+# experts' and the shared expert's) before the grid barrier ahead of it
+# (their DRAM round trip under the barrier's wait), and reads
 # each row's residual with its weights (every lane) instead of after the
 # warp's sum (lane 0: an L2 round trip more per row, two rows a warp a
 # step). nvdisasm: ptxas keeps only part of a row's 22 loads in flight (the
@@ -2158,15 +2159,11 @@ _SOURCE = r"""
             else S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
           }
         });
-    barrier();
-    // down: per output (b, h) the weighted experts plus the gated shared one
-    if (PREFETCH && tid == 0) prefetch_head();
-    float* xe = xs;                               // [B, KE, IE]
-    float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
-    constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
+    constexpr int CH = IE / 256, SCH = IS / 256;  // the down product's 16-byte loads per lane per row
     if constexpr (DOWN_AHEAD) {
-      // each warp's rows asked of L2 ahead (their DRAM round trip under the
-      // staging below; ptxas keeps only part of a row's loads in flight)
+      // each warp's down rows asked of L2 ahead, their DRAM round trip under
+      // the grid barrier's wait and the staging (ptxas keeps only part of a
+      // row's loads in flight: the rest then find their lines in L2)
       for (int r = gwarp; r < B * H; r += NW) {
         const int b = r / H, hr = r % H;
 #pragma unroll
@@ -2178,6 +2175,11 @@ _SOURCE = r"""
         for (int q = 0; q < SCH; ++q) prefetch_l2(mlp6 + (size_t)hr * IS + q * 256 + lane * 8);
       }
     }
+    barrier();
+    // down: per output (b, h) the weighted experts plus the gated shared one
+    if (PREFETCH && tid == 0) prefetch_head();
+    float* xe = xs;                               // [B, KE, IE]
+    float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
     stage_l2(xe, S + O_EACT, B * KE * IE);
     stage_l2(xsh, S + O_SACT, B * IS);
     __syncthreads();
