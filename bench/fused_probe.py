@@ -244,6 +244,7 @@ _SWITCHES = [
         "the down product's rows asked of L2 ahead, its residual read early",
     ),
     ("o-ahead", "O_AHEAD", "o_proj's residuals read before its product"),
+    ("stage-batch", "STAGE_BATCH", "a staging's loads all issued before its stores"),
     (
         "whole-rolled",
         "WHOLE_ROLLED",

@@ -164,14 +164,15 @@
 #  PROBE_FLAGS=--fc-split PROBE_TAG=-fcsplit LIMIT=220 bash bench/h200_run.sh agree` and, for S in greedy,
 #  qwen, `python3 bench/draft_device.py --check --rows 1,3 --depths 1,2,3 --sampling S
 #  --kernel-switches=FAST_PROLOGUE,FC_SPLIT`)
-# (fortieth session: prepared, off, DOWN_AHEAD and O_AHEAD (nvdisasm: the down product's loads in two DRAM
-#  round trips a row and its residual read after the sum; o_proj's residuals after its sums) and WHOLE_ROLLED.
-#  Next: call 2 `EXPERTS=512 SETS="none FC_SPLIT,FAST_PROLOGUE,DOWN_AHEAD,O_AHEAD DOWN_AHEAD,O_AHEAD
-#  FC_SPLIT,FAST_PROLOGUE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=120
-#  bash bench/h200_run.sh setup-min switches`; call 3 `EXPERTS=64 ROWS=1,2 SAMPLINGS=greedy,qwen
-#  PROBE_FLAGS="--fc-split --down-ahead --o-ahead" PROBE_TAG=-ahead LIMIT=200 bash bench/h200_run.sh agree
-#  && SWITCHES=FAST_PROLOGUE,FC_SPLIT,DOWN_AHEAD,O_AHEAD DEPTHS=1,2 LIMIT=120 bash bench/h200_run.sh
-#  derive-check`)
+# (fortieth session, no device: prepared, off, DOWN_AHEAD, O_AHEAD and STAGE_BATCH (nvdisasm: the down
+#  product's loads in two DRAM round trips a row, residuals read after the sums, stagings' loads one L2
+#  round trip after another) and WHOLE_ROLLED. Next: call 2 `EXPERTS=512 SETS="none
+#  FC_SPLIT,FAST_PROLOGUE,DOWN_AHEAD,O_AHEAD,STAGE_BATCH DOWN_AHEAD,O_AHEAD,STAGE_BATCH FC_SPLIT,FAST_PROLOGUE"
+#  SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=120 bash bench/h200_run.sh
+#  setup-min switches`; call 3 `EXPERTS=64 ROWS=1,2 SAMPLINGS=greedy,qwen PROBE_FLAGS="--fc-split
+#  --down-ahead --o-ahead --stage-batch" PROBE_TAG=-ahead LIMIT=200 bash bench/h200_run.sh agree &&
+#  SWITCHES=FAST_PROLOGUE,FC_SPLIT,DOWN_AHEAD,O_AHEAD,STAGE_BATCH DEPTHS=1,2 LIMIT=120 bash
+#  bench/h200_run.sh derive-check`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

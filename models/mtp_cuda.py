@@ -428,12 +428,22 @@ FAST_PROLOGUE = False
 # step). nvdisasm: ptxas keeps only part of a row's 22 loads in flight (the
 # rest issued after the first sums wait on DRAM): a second round trip per
 # row, which the prefetch makes an L2 hit. The same sums in the same order.
+# One row only (this and the next two: two and three rows spilled with them).
 DOWN_AHEAD = False
 # Whether o_proj's phase reads the residuals of each warp's first two rows
 # (the hidden state it adds to) before the product instead of after the
 # warp's sums (nvdisasm: lane 0's two loads one after another at the phase's
-# end, two L2 round trips before the grid barrier). The same sums.
+# end, two L2 round trips before the grid barrier). The same sums. One row.
 O_AHEAD = False
+# Whether a staging of scratch vectors from L2 into shared memory (o_proj's
+# input, the down product's expert and shared activations, a dense MLP's
+# down input) issues each thread's loads before its stores (one row, where a
+# thread has at most eight).
+# nvdisasm: without it each thread's four or five iterations run through the
+# unrolled loop's remainder, a load, its store, then the next load: four or
+# five L2 round trips in a row per staging, three stagings a MoE step. The
+# same values.
+STAGE_BATCH = False
 # Whether a sampled draw's rarely run path (a block with all its best HK
 # among the row's best KC: the blocks' whole lists merged) is a rolled loop
 # (one list a warp in flight, merges and the warps' merge rolled) instead of
@@ -672,13 +682,35 @@ constexpr int INNER_STAMPS = @INNER@;  // of them, points within phases (the las
 // 8-element groups of an n-vector per thread (n a multiple of 256).
 __host__ __device__ constexpr int groups8(int n) { return (n / 8 + SP_THREADS - 1) / SP_THREADS; }
 
-// n floats (n a multiple of 4, both ends 16-byte aligned) from scratch (L2)
-// into shared memory, 16-byte loads, several iterations' in flight at once
-__device__ __forceinline__ void stage_l2(float* to, const float* from, int n) {
+// N floats (N a multiple of 4, both ends 16-byte aligned) from scratch (L2)
+// into shared memory, 16-byte loads. BATCH (`STAGE_BATCH`): a thread's loads
+// (where it has at most eight) issued before its stores. Without it the loop's trip
+// count depends on the thread, and ptxas runs the few iterations a thread
+// has (four or five at Qwen3-Next's sizes) through its unrolled loop's
+// remainder, each load's store before the next load: an L2 round trip each.
+template <int N, bool BATCH>
+__device__ __forceinline__ void stage_l2(float* to, const float* from) {
   const float4* src = reinterpret_cast<const float4*>(from);
   float4* dst = reinterpret_cast<float4*>(to);
+  constexpr int V = N / 4, PER = (V + SP_THREADS - 1) / SP_THREADS;
+  // (longer shares keep the loop: three sampled rows spilled at Qwen3-Next's
+  // sizes with them batched, even four at a time)
+  if constexpr (BATCH && PER <= 8) {
+    float4 v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = threadIdx.x + j * SP_THREADS;
+      if (V % SP_THREADS == 0 || i < V) v[j] = __ldcg(src + i);  // (a whole share: no test)
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = threadIdx.x + j * SP_THREADS;
+      if (V % SP_THREADS == 0 || i < V) dst[i] = v[j];
+    }
+  } else {
 #pragma unroll 8
-  for (int i = threadIdx.x; i < n / 4; i += SP_THREADS) dst[i] = __ldcg(src + i);
+    for (int i = threadIdx.x; i < V; i += SP_THREADS) dst[i] = __ldcg(src + i);
+  }
 }
 
 // RMSNorm of `count` scratch vectors of N floats into `to` (float32, shared
@@ -1140,6 +1172,10 @@ _SOURCE = r"""
   // (one or two rows: at three the sampled round spills, 80 bytes at
   // Qwen3-Next's sizes)
   constexpr bool SPLIT = FC_SPLIT && B <= 2;
+  // DOWN_AHEAD, O_AHEAD, STAGE_BATCH: one row only (two and three rows
+  // spilled with them at Qwen3-Next's sizes)
+  constexpr bool D_AHEAD = DOWN_AHEAD && B == 1, R_AHEAD = O_AHEAD && B == 1;
+  constexpr bool S_BATCH = STAGE_BATCH && B == 1;
   constexpr int FCQ = (H + NW - 1) / NW;
   __shared__ float s_fch[SPLIT ? B : 1][SPLIT ? NWARP * FCQ : 1];
   __shared__ float s_fci[SPLIT ? M : 1];
@@ -1879,7 +1915,7 @@ _SOURCE = r"""
     }
   }
   // the attention's output (its splits combined by each head's last split)
-  stage_l2(xs, S + O_COMB, B * HQ * D);
+  stage_l2<B * HQ * D, S_BATCH>(xs, S + O_COMB);
   __syncthreads();
   mark(4);
   // FOLD: the router's logits (and the shared expert's gate) are linear in
@@ -1899,12 +1935,12 @@ _SOURCE = r"""
     for (int b = 0; b < B; ++b) {
       const int r = gwarp + q * NW;
       res_ahead[q][b] =
-          (O_AHEAD && r < H) ? __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r) : 0.0f;
+          (R_AHEAD && r < H) ? __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r) : 0.0f;
     }
   auto residual = [&](int b, int r) {
     const int q = (r - gwarp) / NW;
-    return (O_AHEAD && q == 0) ? res_ahead[0][b]
-         : (O_AHEAD && q == 1) ? res_ahead[1][b]
+    return (R_AHEAD && q == 0) ? res_ahead[0][b]
+         : (R_AHEAD && q == 1) ? res_ahead[1][b]
          : __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
   };
 #pragma unroll
@@ -1973,7 +2009,7 @@ _SOURCE = r"""
         });
     barrier();
     if (PREFETCH && tid == 0) prefetch_head();
-    stage_l2(xs, S + O_ACT, B * IM);
+    stage_l2<B * IM, S_BATCH>(xs, S + O_ACT);
     __syncthreads();
     product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW, mlp1_row,
@@ -2160,7 +2196,7 @@ _SOURCE = r"""
           }
         });
     constexpr int CH = IE / 256, SCH = IS / 256;  // the down product's 16-byte loads per lane per row
-    if constexpr (DOWN_AHEAD) {
+    if constexpr (D_AHEAD) {
       // each warp's down rows asked of L2 ahead, their DRAM round trip under
       // the grid barrier's wait and the staging (ptxas keeps only part of a
       // row's loads in flight: the rest then find their lines in L2)
@@ -2180,8 +2216,8 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
-    stage_l2(xe, S + O_EACT, B * KE * IE);
-    stage_l2(xsh, S + O_SACT, B * IS);
+    stage_l2<B * KE * IE, S_BATCH>(xe, S + O_EACT);
+    stage_l2<B * IS, S_BATCH>(xsh, S + O_SACT);
     __syncthreads();
     mark(6);
     constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
@@ -2190,7 +2226,7 @@ _SOURCE = r"""
       const float sg = sigmoid(FOLD ? s_rlog[b * EP + E] : __ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
       // DOWN_AHEAD: the residual read with the weights (every lane), not
       // after the sum by lane 0 (an L2 round trip more per row)
-      const float res = DOWN_AHEAD ? __ldcg(S + O_R1 + (size_t)b * H + hr) : 0.0f;
+      const float res = D_AHEAD ? __ldcg(S + O_R1 + (size_t)b * H + hr) : 0.0f;
       float part = 0.0f;
       if constexpr (BATCHED) {
         uint4 raw[KE * CH + SCH > 0 ? KE * CH + SCH : 1];
@@ -2243,7 +2279,7 @@ _SOURCE = r"""
         }
       }
       part = warp_sum(part);
-      if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + (DOWN_AHEAD ? res : __ldcg(S + O_R1 + (size_t)b * H + hr));
+      if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + (D_AHEAD ? res : __ldcg(S + O_R1 + (size_t)b * H + hr));
     }
     barrier();
   }
@@ -3345,6 +3381,7 @@ class FusedStep:
             ("WHOLE_ROLLED", WHOLE_ROLLED),
             ("DOWN_AHEAD", DOWN_AHEAD),
             ("O_AHEAD", O_AHEAD),
+            ("STAGE_BATCH", STAGE_BATCH),
             ("DERIVE", derive is not None),
         ]
         window = (

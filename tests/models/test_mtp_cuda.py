@@ -609,6 +609,10 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("dense", True, False, False, 1, 1, 4, ("-BF16_SHIFTS", "ATT_GROUPED")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
+        # stagings' loads before their stores (STAGE_BATCH, off): dense too
+        ("dense", False, True, False, 2, 1, 2, ("STAGE_BATCH",)),
+        ("dense", True, False, True, 8, 1, 1, ("STAGE_BATCH",)),
+        ("moe", False, False, False, 3, 1, 2, ("STAGE_BATCH", "DOWN_AHEAD", "O_AHEAD")),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
@@ -769,11 +773,19 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, False, 512, ("WHOLE_ROLLED",)),
         (3, 2, False, 64, ("WHOLE_ROLLED",)),
         # the down product's rows asked of L2 ahead, residuals read with the
-        # weights (DOWN_AHEAD, O_AHEAD, off)
-        (1, 3, True, 512, ("DOWN_AHEAD", "O_AHEAD")),
-        (1, 3, False, 512, ("DOWN_AHEAD", "O_AHEAD", "FC_SPLIT", "FAST_PROLOGUE")),
-        (3, 2, False, 64, ("DOWN_AHEAD", "O_AHEAD")),
-        (3, 2, True, 64, ("DOWN_AHEAD", "O_AHEAD")),
+        # weights, stagings' loads before their stores (DOWN_AHEAD, O_AHEAD,
+        # STAGE_BATCH, off)
+        (1, 3, True, 512, ("STAGE_BATCH",)),
+        (1, 3, True, 512, ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH")),
+        (
+            1,
+            3,
+            False,
+            512,
+            ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH", "FC_SPLIT", "FAST_PROLOGUE"),
+        ),
+        (3, 2, False, 64, ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH")),
+        (3, 2, True, 64, ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH")),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
