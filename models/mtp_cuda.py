@@ -646,12 +646,12 @@ __device__ __forceinline__ void prefetch_range(const void* p, size_t bytes) {
 #endif
 }
 
-// A hint: ask L2 to fetch this block's share (1 / gridDim.x) of the first
 // The L2 line holding p, asked for ahead (no register waits on it).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// A hint: ask L2 to fetch this block's share (1 / gridDim.x) of the first
 // min(bytes, cap) bytes at p (16-byte aligned), one bulk prefetch (sm_90).
 // Weights a later phase reads arrive while the current one, latency-bound,
 // leaves DRAM idle. Called by one thread of the block.
@@ -1928,20 +1928,18 @@ _SOURCE = r"""
   float rsum[B][EPL], rt_ahead[2][EPL];
   // O_AHEAD: the residuals of the warp's first two rows read before the
   // product (not after its sums, an L2 round trip each, one after another)
+  auto hidden_at = [&](int b, int r) { return __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r); };
   float res_ahead[2][B];
 #pragma unroll
   for (int q = 0; q < 2; ++q)
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       const int r = gwarp + q * NW;
-      res_ahead[q][b] =
-          (R_AHEAD && r < H) ? __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r) : 0.0f;
+      res_ahead[q][b] = (R_AHEAD && r < H) ? hidden_at(b, r) : 0.0f;
     }
   auto residual = [&](int b, int r) {
     const int q = (r - gwarp) / NW;
-    return (R_AHEAD && q == 0) ? res_ahead[0][b]
-         : (R_AHEAD && q == 1) ? res_ahead[1][b]
-         : __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r);
+    return (R_AHEAD && q == 0) ? res_ahead[0][b] : (R_AHEAD && q == 1) ? res_ahead[1][b] : hidden_at(b, r);
   };
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
