@@ -1,14 +1,18 @@
-"""Tiny llama-family configs for model tests that need no reference model."""
+"""Tiny llama-family configs for model tests that need no reference model,
+and any family's config parsed as a real one is (`parsed_args`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from returns.result import Success
+from returns.result import Result, Success
 
 from schemas.converter import hf as hf_converter
 from schemas.converter import structure
 from schemas.hf import DecoderArgs, normalize_hf_config
+
+A = TypeVar("A")
 
 
 def tiny_args(**overrides: Any) -> DecoderArgs:
@@ -30,4 +34,17 @@ def tiny_args(**overrides: Any) -> DecoderArgs:
     )
     assert isinstance(result, Success), result
     args: DecoderArgs = result.unwrap()
+    return args
+
+
+def parsed_args(
+    parse: Callable[[dict[str, Any], str], Result[A, Any]],
+    raw: dict[str, Any],
+    source: str = "test config",
+) -> A:
+    """`raw` parsed by a family's parser (`glm4_moe_args`, `gemma4_args`,
+    ...) as a folder's config.json named `source` is; it must parse."""
+    parsed = parse(raw, source)
+    assert isinstance(parsed, Success), parsed
+    args: A = parsed.unwrap()
     return args

@@ -3,8 +3,9 @@ test_qwen3_5.py, test_qwen3_5_moe.py; the HF weights, parameter re-drawing,
 loading, forward, logits and array helpers and the cached-decode check also
 the GLM and Gemma-4 parity tests'): the tiny layouts, HF parameter
 re-drawing, forward-and-commit helpers, the parity and rollback checks every
-hybrid model must pass against transformers, and the MTP head's reference
-wiring from HF building blocks.
+hybrid model must pass against transformers (tests/models/rollback_support.py
+runs the rollback ones as tests), a multimodal folder's language model, and
+the MTP head's reference wiring from HF building blocks.
 
 The tiny layout: 4 layers (linear, full, linear, full attention); hidden 64;
 4 query / 2 kv heads of 16; 2 key / 4 value linear heads of 8; vocab 128.
@@ -27,6 +28,7 @@ from models.hybrid_cache import HybridCache
 from models.layers import flat_parameters
 from models.qwen3_next import Model
 from schemas.hf_hybrid import hybrid_args
+from specpipe.load import LoadedModel
 from tests.rounding import same_math
 
 VOCAB = 128
@@ -374,6 +376,25 @@ def check_rows_keeping_different_counts(model: Model) -> float:
     return worst
 
 
+# --- a multimodal folder ------------------------------------------------------
+
+
+def check_language_model_of(
+    hf: Any, loaded: LoadedModel, kind: type, model_type: str
+) -> None:
+    """A multimodal HF folder (`hf`: its transformers model, vocab
+    FOLDER_VOCAB) loads as its language model alone: a `kind` of the
+    wrapper's `model_type` and tied head, without the vision tower's or an
+    lm_head's weights, computing transformers' logits."""
+    model = loaded.model
+    assert isinstance(model, kind) and loaded.args.model_type == model_type
+    assert loaded.args.tie_word_embeddings  # the wrapper's setting
+    assert not any("visual" in k or "lm_head" in k for k in flat_parameters(model))
+    ids = token_ids((2, 11), seed=40, vocab=FOLDER_VOCAB)
+    logits = step(model, model.make_cache(2), ids, [0, 0])
+    assert np.abs(logits - hf_logits(hf, ids)).max() < TOL
+
+
 # --- the MTP head's reference wiring ------------------------------------------
 
 
@@ -435,6 +456,22 @@ def mtp_reference(
         embeds = language.embed_tokens(tokens)
         logits: np.ndarray = lm_head(reference(embeds[:, 1:], hidden[:, :-1])).numpy()
     return logits
+
+
+def multimodal_mtp_error(hf: Any, reference: TorchMtp, model: Any, head: Any) -> float:
+    """Max |ours - reference| over the drafted logits of 2 rows of 10
+    tokens: `head` (loaded from a multimodal folder of vocab FOLDER_VOCAB,
+    drafting for `model`) against its reference wiring on `hf`'s language
+    model and lm_head."""
+    ids = token_ids((2, 10), seed=50, vocab=FOLDER_VOCAB)
+    grid = mx.array(ids, dtype=mx.int32)
+    context = model.final_norm(model(grid, model.make_cache(2), [0, 0]).hidden)
+    drafted = head(
+        model.embed(grid[:, 1:]), context[:, :-1], head.make_cache(2), [0, 0]
+    )
+    logits = as_np(head.logits(drafted, model))
+    expected = mtp_reference(hf.model.language_model, hf.lm_head, reference, ids)
+    return float(np.abs(logits - expected).max())
 
 
 def assert_row_major(module: Any) -> None:

@@ -34,7 +34,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
 
 from models.build import build_model, load_weights
@@ -48,27 +47,29 @@ from models.gemma4 import (
 from models.layers import flat_parameters
 from schemas.converter import hf as hf_converter
 from schemas.converter import structure, unstructure
-from schemas.errors import ConfigError, LoadError
+from schemas.errors import ConfigError
 from schemas.hf import DecoderArgs
 from schemas.hf_gemma4 import Gemma4Args, gemma4_args, gemma4_text_args
 from schemas.request import SamplingParams
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
-from specpipe.drafts.ngram import NgramDrafter
-from specpipe.load import args_from_config, load, save_folder
+from specpipe.load import load, save_folder
 from specpipe.loop import RoundOptions, RowRequest, generate_rows
 from specpipe.prompt_cache import PromptCache
 from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
 from tests.cli.conftest import write_tiny_model
 from tests.models import hybrid_support as support
+from tests.models import parity_support as parity
+from tests.models.decoder_support import parsed_args
 from tests.models.hybrid_support import (
     as_np,
     check_cached_decode,
     forward,
     hf_weights,
     redraw,
+    token_ids,  # over hybrid_support's VOCAB, this module's
 )
 from tests.rounding import same_math
-from tests.specpipe.spec_support import PROMPTS, CollectSink, run
+from tests.specpipe.spec_support import PROMPTS, CollectSink
 
 pytestmark = pytest.mark.reference
 
@@ -164,10 +165,7 @@ def make_hf(case: str = "plain", seed: int = 0, **overrides: Any) -> Any:
 
 
 def args_of(raw: dict[str, Any]) -> Gemma4Args:
-    parsed = gemma4_args(raw, "test config")
-    assert isinstance(parsed, Success), parsed
-    args: Gemma4Args = parsed.unwrap()
-    return args
+    return parsed_args(gemma4_args, raw)
 
 
 def ours(hf: Any, weights: dict[str, mx.array] | None = None) -> Model:
@@ -178,10 +176,6 @@ def hf_logits(hf: Any, ids: np.ndarray) -> np.ndarray:  # [B, L] -> [B, L, V]
     # output_hidden_states: transformers 5.23 otherwise slices the per-layer
     # inputs of a kv-shared stack without PLE (and fails)
     return support.hf_logits(hf, ids, output_hidden_states=True)
-
-
-def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
-    return support.token_ids(shape, seed, vocab)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -308,15 +302,7 @@ def test_configs_it_cannot_run_are_errors_naming_the_key(
     raw = {**TINY, "model_type": "gemma4_text", **overrides}
     if "num_kv_shared_layers" not in overrides and "layer_types" in overrides:
         raw["num_kv_shared_layers"] = 3
-    parsed = gemma4_args(raw, "cfg.json")
-    assert isinstance(parsed, Failure), overrides
-    error = parsed.failure()
-    assert isinstance(error, ConfigError)
-    assert error.message.startswith("cfg.json: ") and named in error.message, error
-    # through the loader, a LoadError with the same message
-    loaded = args_from_config(raw, "cfg.json")
-    assert isinstance(loaded, Failure) and isinstance(loaded.failure(), LoadError)
-    assert loaded.failure().message == error.message
+    parity.check_refused_config(gemma4_args, raw, named)
 
 
 def test_an_all_shared_stack_is_a_draft_config_not_a_target() -> None:
@@ -345,14 +331,7 @@ def test_an_all_shared_stack_is_a_draft_config_not_a_target() -> None:
     built = build_model(args)
     assert isinstance(built, Failure) and isinstance(built.failure(), ConfigError)
     assert "assistant" in built.failure().message
-    plain = structure(
-        hf_converter,
-        {**TINY, "model_type": "gemma4_text", "rope": {}},
-        DecoderArgs,
-        "x",
-    ).unwrap()
-    built = build_model(plain)
-    assert isinstance(built, Failure) and "Gemma4Args" in built.failure().message
+    parity.check_needs_own_args({**TINY, "model_type": "gemma4_text"}, "Gemma4Args")
 
 
 # --- parity ---------------------------------------------------------------
@@ -361,26 +340,13 @@ def test_an_all_shared_stack_is_a_draft_config_not_a_target() -> None:
 def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
     hf, model = pair
     ids = token_ids((2, 12))  # three times the sliding window
-    with torch.no_grad():
-        expected = hf(torch.tensor(ids), output_hidden_states=True)
-    out = model(mx.array(ids, dtype=mx.int32), model.make_cache(2), [0, 0])
-    assert out.logits.shape == (2, 12, VOCAB) and out.logits.dtype == mx.float32
-    assert out.delta is None
-    assert np.abs(as_np(out.logits) - expected.logits.numpy()).max() < TOL
-    # `hidden` is the last layer's output before the final norm
-    normed = as_np(model.final_norm(out.hidden))
-    assert np.abs(normed - expected.hidden_states[-1].numpy()).max() < TOL
+    _, out = parity.check_prefill(hf, model, ids, VOCAB, TOL)
     # the head as arrays: the logits it projects are the model's, softcap included
     head = model.head_weights()
     assert head.softcap == hf.config.final_logit_softcapping
     projected = as_np(head.project(model.final_norm(out.hidden)))
     assert np.abs(projected - as_np(out.logits)).max() < ROW_TOL
-    expected_head = (
-        hf.model.embed_tokens.weight
-        if hf.config.tie_word_embeddings
-        else hf.lm_head.weight
-    )
-    np.testing.assert_array_equal(as_np(head.weight), expected_head.detach().numpy())
+    parity.check_head_weights(hf, model)
 
 
 def test_decode_with_cache_matches_full_sequence(pair: tuple[Any, Model]) -> None:
@@ -674,36 +640,14 @@ def tiny_gemma(case: str, seed: int = 1, gain: float = 2.5) -> Model:
 
 def random_model(raw: dict[str, Any], seed: int = 1, gain: float = 2.5) -> Model:
     """`tiny_gemma`'s model of any Gemma-4 config dict."""
-    mx.random.seed(seed)
-    args = args_of(raw)
-    model = build_model(args).unwrap()
-    assert isinstance(model, Model)
-    model.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim >= 2 else v)
-                for k, v in tree_flatten(model.parameters())
-            ]
-        )
-    )
-    mx.eval(model.parameters())
-    return model
+    return parity.scaled_model(args_of(raw), Model, seed, gain)
 
 
 @pytest.mark.parametrize(("case", "batch"), [("shared-ple", 1), ("moe-keqv", 3)])
 def test_ngram_speculation_equals_plain_decoding(case: str, batch: int) -> None:
-    model = tiny_gemma(case)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]][:batch]
-    sampling = SamplingParams()
-    plain, _ = run(model, prompts, sampling, max_tokens=16)
-    assert all(len(t) == 16 for t in plain)
-    spec, results = run(
-        model, prompts, sampling, NgramDrafter(), depth=3, max_tokens=16
+    parity.check_ngram_speculation(
+        tiny_gemma(case), batch, SamplingParams(), max_tokens=16
     )
-    assert spec == plain
-    assert sum(r.metrics.drafted for r in results) > 0  # drafts were verified
-    for r in results:
-        assert r.metrics.draft_errors == []
 
 
 def test_a_subset_head_sees_the_capped_logits() -> None:

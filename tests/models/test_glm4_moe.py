@@ -27,7 +27,7 @@ import pytest
 import torch
 import transformers
 from attrs import evolve
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 from returns.result import Failure, Success
 
 from models.base import attention_mask, rope_offset
@@ -46,14 +46,15 @@ from models.layers import MLP, flat_parameters
 from models.qwen3_next import QuantizedSwitchLinear
 from schemas.converter import hf as hf_converter
 from schemas.converter import structure, unstructure
-from schemas.errors import ConfigError, LoadError
+from schemas.errors import LoadError
 from schemas.hf import DecoderArgs
 from schemas.hf_glm4_moe import Glm4MoeArgs, glm4_moe_args
 from schemas.request import SamplingParams
-from specpipe.drafts.ngram import NgramDrafter
-from specpipe.load import args_from_config, load, save_folder
+from specpipe.load import load, save_folder
 from tests.cli.conftest import write_tiny_model
 from tests.models import hybrid_support as support
+from tests.models import parity_support as parity
+from tests.models.decoder_support import parsed_args
 from tests.models.hybrid_support import (
     as_np,
     check_cached_decode,
@@ -63,9 +64,9 @@ from tests.models.hybrid_support import (
     hf_weights,
     per_expert,
     redraw,
+    token_ids,  # over hybrid_support's VOCAB, this module's
 )
 from tests.rounding import same_math
-from tests.specpipe.spec_support import PROMPTS, run
 
 pytestmark = pytest.mark.reference
 
@@ -132,18 +133,11 @@ def make_hf(case: str = "grouped-qk-norm", seed: int = 0, **overrides: Any) -> A
 
 
 def args_of(raw: dict[str, Any]) -> Glm4MoeArgs:
-    parsed = glm4_moe_args(raw, "test config")
-    assert isinstance(parsed, Success), parsed
-    args: Glm4MoeArgs = parsed.unwrap()
-    return args
+    return parsed_args(glm4_moe_args, raw)
 
 
 def ours(hf: Any) -> Model:
     return support.ours(hf, Model, glm4_moe_args)
-
-
-def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
-    return support.token_ids(shape, seed, vocab)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -223,16 +217,9 @@ def test_hf_config_parses_to_what_transformers_runs() -> None:
 def test_configs_it_cannot_run_are_errors_naming_the_key(
     overrides: dict[str, Any], named: str
 ) -> None:
-    raw = {**TINY, "model_type": "glm4_moe", **overrides}
-    parsed = glm4_moe_args(raw, "cfg.json")
-    assert isinstance(parsed, Failure)
-    error = parsed.failure()
-    assert isinstance(error, ConfigError)
-    assert error.message.startswith("cfg.json: ") and named in error.message
-    # through the loader, a LoadError with the same message
-    loaded = args_from_config(raw, "cfg.json")
-    assert isinstance(loaded, Failure) and isinstance(loaded.failure(), LoadError)
-    assert loaded.failure().message == error.message
+    parity.check_refused_config(
+        glm4_moe_args, {**TINY, "model_type": "glm4_moe", **overrides}, named
+    )
     # args made in code (evolve) are refused when the model is built
     good = args_of({**TINY, "model_type": "glm4_moe"})
     built = build_model(evolve(good, **overrides))
@@ -251,15 +238,7 @@ def test_a_non_mlx_quantized_checkpoint_is_refused_naming_its_method() -> None:
 
 
 def test_glm4_moe_needs_glm4_moe_args() -> None:
-    args = structure(
-        hf_converter,
-        {**TINY, "model_type": "glm4_moe", "rope": {}},
-        DecoderArgs,
-        "x",
-    ).unwrap()
-    built = build_model(args)
-    assert isinstance(built, Failure)
-    assert "Glm4MoeArgs" in built.failure().message
+    parity.check_needs_own_args({**TINY, "model_type": "glm4_moe"}, "Glm4MoeArgs")
 
 
 # --- router ---------------------------------------------------------------
@@ -307,28 +286,14 @@ def test_router_chooses_and_weighs_as_transformers(case: str) -> None:
 def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
     hf, model = pair
     ids = token_ids((2, 11))
-    with torch.no_grad():
-        expected = hf(torch.tensor(ids), output_hidden_states=True)
-    out = model(mx.array(ids, dtype=mx.int32), model.make_cache(2), [0, 0])
-    assert out.logits.shape == (2, 11, VOCAB) and out.logits.dtype == mx.float32
-    assert out.delta is None
-    assert np.abs(as_np(out.logits) - expected.logits.numpy()).max() < TOL
-    # `hidden` is the last layer's output before the final norm
-    normed = as_np(model.final_norm(out.hidden))
-    assert np.abs(normed - expected.hidden_states[-1].numpy()).max() < TOL
+    expected, out = parity.check_prefill(hf, model, ids, VOCAB, TOL)
     projected = as_np(model.project(model.final_norm(out.hidden)))
     assert np.abs(projected - expected.logits.numpy()).max() < TOL
     embedded = as_np(model.embed(mx.array(ids, dtype=mx.int32)))
     with torch.no_grad():
         their_embeds = hf.model.embed_tokens(torch.tensor(ids)).numpy()
     np.testing.assert_array_equal(embedded, their_embeds)
-    head = model.head_weights()
-    expected_head = (
-        hf.model.embed_tokens.weight
-        if model.args.tie_word_embeddings
-        else hf.lm_head.weight
-    )
-    np.testing.assert_array_equal(as_np(head.weight), expected_head.detach().numpy())
+    parity.check_head_weights(hf, model)
 
 
 def test_decode_with_cache_matches_full_sequence(pair: tuple[Any, Model]) -> None:
@@ -338,29 +303,8 @@ def test_decode_with_cache_matches_full_sequence(pair: tuple[Any, Model]) -> Non
 
 def test_rows_at_different_offsets_match_rows_alone(pair: tuple[Any, Model]) -> None:
     hf, model = pair
-    lengths = (5, 8, 3)
     rows = token_ids((3, 12), seed=3)
-    # right-padded prefill: the shorter rows write junk keys past their
-    # length, which their windows then overwrite (rollback by overwriting)
-    padded = np.where(
-        np.arange(8)[None, :] < np.array(lengths)[:, None], rows[:, :8], 0
-    )
-    cache = model.make_cache(3)
-    forward(model, padded, cache, [0, 0, 0])
-    window = np.stack([rows[b, n : n + 3] for b, n in enumerate(lengths)])
-    batched_window = forward(model, window, cache, list(lengths))
-    step = np.stack([rows[b, n + 3 : n + 4] for b, n in enumerate(lengths)])
-    batched_step = forward(model, step, cache, [n + 3 for n in lengths])
-    for b, n in enumerate(lengths):
-        alone = model.make_cache(1)
-        forward(model, rows[b : b + 1, :n], alone, [0])
-        alone_window = forward(model, rows[b : b + 1, n : n + 3], alone, [n])
-        alone_step = forward(model, rows[b : b + 1, n + 3 : n + 4], alone, [n + 3])
-        assert np.abs(batched_window[b] - alone_window[0]).max() < ROW_TOL
-        assert np.abs(batched_step[b] - alone_step[0]).max() < ROW_TOL
-        expected = hf_logits(hf, rows[b : b + 1, : n + 4])[0, n:]
-        both = np.concatenate([batched_window[b], batched_step[b]], axis=0)
-        assert np.abs(both - expected).max() < TOL
+    parity.check_rows_at_different_offsets(hf, model, rows, TOL, ROW_TOL)
 
 
 def test_bfloat16_errs_like_transformers_bfloat16() -> None:
@@ -620,20 +564,8 @@ def test_in_memory_quantization_keeps_the_router_float() -> None:
 def tiny_glm(seed: int = 1, gain: float = 2.5) -> Model:
     """Random weights, every matrix scaled by `gain` (varied greedy output,
     peaked but not one-hot sampling), as tests/specpipe/spec_support.py does."""
-    mx.random.seed(seed)
     args = args_of({**TINY, **CASES["grouped-qk-norm"], "model_type": "glm4_moe"})
-    model = build_model(args).unwrap()
-    assert isinstance(model, Model)
-    model.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim >= 2 else v)
-                for k, v in tree_flatten(model.parameters())
-            ]
-        )
-    )
-    mx.eval(model.parameters())
-    return model
+    return parity.scaled_model(args, Model, seed, gain)
 
 
 @pytest.fixture(scope="module")
@@ -664,12 +596,5 @@ def test_ngram_speculation_equals_plain_decoding(
     request: pytest.FixtureRequest, form: str, sampling: SamplingParams, batch: int
 ) -> None:
     glm: Model = request.getfixturevalue(form)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]][:batch]
-    plain, _ = run(glm, prompts, sampling, max_tokens=20)
-    assert all(len(t) == 20 for t in plain)
-    spec, results = run(glm, prompts, sampling, NgramDrafter(), depth=3, max_tokens=20)
-    assert spec == plain
-    assert sum(r.metrics.drafted for r in results) > 0  # drafts were verified
-    for r in results:
-        assert r.metrics.draft_errors == []
+    for r in parity.check_ngram_speculation(glm, batch, sampling, max_tokens=20):
         assert r.metrics.accepted <= r.metrics.drafted

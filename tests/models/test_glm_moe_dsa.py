@@ -35,7 +35,6 @@ import pytest
 import torch
 import transformers
 from attrs import evolve
-from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
 
 from models.build import build_model, load_weights
@@ -44,14 +43,15 @@ from models.glm_moe_dsa import DecoderLayer, Indexer, Model
 from models.layers import MLP, flat_parameters
 from schemas.converter import hf as hf_converter
 from schemas.converter import structure, unstructure
-from schemas.errors import ConfigError, LoadError
+from schemas.errors import ConfigError
 from schemas.hf import DecoderArgs
 from schemas.hf_glm_moe_dsa import GlmMoeDsaArgs, glm_moe_dsa_args
 from schemas.request import SamplingParams
-from specpipe.drafts.ngram import NgramDrafter
-from specpipe.load import args_from_config, load, save_folder
+from specpipe.load import load, save_folder
 from tests.cli.conftest import write_tiny_model
 from tests.models import hybrid_support as support
+from tests.models import parity_support as parity
+from tests.models.decoder_support import parsed_args
 from tests.models.hybrid_support import (
     as_np,
     check_cached_decode,
@@ -60,8 +60,8 @@ from tests.models.hybrid_support import (
     hf_weights,
     per_expert,
     redraw,
+    token_ids,  # over hybrid_support's VOCAB, this module's
 )
-from tests.specpipe.spec_support import PROMPTS, run
 
 pytestmark = pytest.mark.reference
 
@@ -133,18 +133,11 @@ def make_hf(case: str = "sparse-shared", seed: int = 0, **overrides: Any) -> Any
 
 
 def args_of(raw: dict[str, Any]) -> GlmMoeDsaArgs:
-    parsed = glm_moe_dsa_args(raw, "test config")
-    assert isinstance(parsed, Success), parsed
-    args: GlmMoeDsaArgs = parsed.unwrap()
-    return args
+    return parsed_args(glm_moe_dsa_args, raw)
 
 
 def ours(hf: Any) -> Model:
     return support.ours(hf, Model, glm_moe_dsa_args)
-
-
-def token_ids(shape: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> np.ndarray:
-    return support.token_ids(shape, seed, vocab)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -227,15 +220,7 @@ def test_configs_it_cannot_run_are_errors_naming_the_key(
     overrides: dict[str, Any], named: str
 ) -> None:
     raw = {**TINY, "model_type": "glm_moe_dsa", **overrides}
-    parsed = glm_moe_dsa_args(raw, "cfg.json")
-    assert isinstance(parsed, Failure)
-    error = parsed.failure()
-    assert isinstance(error, ConfigError)
-    assert error.message.startswith("cfg.json: ") and named in error.message
-    # through the loader, a LoadError with the same message
-    loaded = args_from_config(raw, "cfg.json")
-    assert isinstance(loaded, Failure) and isinstance(loaded.failure(), LoadError)
-    assert loaded.failure().message == error.message
+    parity.check_refused_config(glm_moe_dsa_args, raw, named)
 
 
 @pytest.mark.parametrize(
@@ -261,14 +246,7 @@ def test_a_non_mlx_quantized_checkpoint_and_foreign_args_are_refused() -> None:
     raw = {**TINY, "model_type": "glm_moe_dsa", "quantization_config": fp8}
     parsed = glm_moe_dsa_args(raw, "cfg.json")
     assert isinstance(parsed, Failure) and "'fp8'" in parsed.failure().message
-    plain = structure(
-        hf_converter,
-        {**TINY, "model_type": "glm_moe_dsa", "rope": {}},
-        DecoderArgs,
-        "x",
-    ).unwrap()
-    built = build_model(plain)
-    assert isinstance(built, Failure) and "GlmMoeDsaArgs" in built.failure().message
+    parity.check_needs_own_args({**TINY, "model_type": "glm_moe_dsa"}, "GlmMoeDsaArgs")
 
 
 # --- parity ---------------------------------------------------------------
@@ -276,27 +254,12 @@ def test_a_non_mlx_quantized_checkpoint_and_foreign_args_are_refused() -> None:
 
 def test_prefill_matches_transformers(pair: tuple[Any, Model]) -> None:
     hf, model = pair
-    ids = token_ids((2, 12))
-    with torch.no_grad():
-        expected = hf(torch.tensor(ids), output_hidden_states=True)
-    out = model(mx.array(ids, dtype=mx.int32), model.make_cache(2), [0, 0])
-    assert out.logits.shape == (2, 12, VOCAB) and out.logits.dtype == mx.float32
-    assert out.delta is None
-    assert np.abs(as_np(out.logits) - expected.logits.numpy()).max() < TOL
+    parity.check_prefill(hf, model, token_ids((2, 12)), VOCAB, TOL)
     kinds = [
         "sparse" if isinstance(x.mlp, MoE) else "dense" for x in model.model.layers
     ]
     assert kinds == hf.config.mlp_layer_types
-    # `hidden` is the last layer's output before the final norm
-    normed = as_np(model.final_norm(out.hidden))
-    assert np.abs(normed - expected.hidden_states[-1].numpy()).max() < TOL
-    head = model.head_weights()
-    expected_head = (
-        hf.model.embed_tokens.weight
-        if model.args.tie_word_embeddings
-        else hf.lm_head.weight
-    )
-    np.testing.assert_array_equal(as_np(head.weight), expected_head.detach().numpy())
+    parity.check_head_weights(hf, model)
 
 
 def test_decode_with_cache_matches_full_sequence(pair: tuple[Any, Model]) -> None:
@@ -305,30 +268,10 @@ def test_decode_with_cache_matches_full_sequence(pair: tuple[Any, Model]) -> Non
 
 
 def test_rows_at_different_offsets_match_rows_alone(pair: tuple[Any, Model]) -> None:
+    """The junk a shorter row's prefill writes past its length is latents."""
     hf, model = pair
-    lengths = (5, 8, 3)
     rows = token_ids((3, 12), seed=3)
-    # right-padded prefill: the shorter rows write junk latents past their
-    # length, which their windows then overwrite (rollback by overwriting)
-    padded = np.where(
-        np.arange(8)[None, :] < np.array(lengths)[:, None], rows[:, :8], 0
-    )
-    cache = model.make_cache(3)
-    forward(model, padded, cache, [0, 0, 0])
-    window = np.stack([rows[b, n : n + 3] for b, n in enumerate(lengths)])
-    batched_window = forward(model, window, cache, list(lengths))
-    step = np.stack([rows[b, n + 3 : n + 4] for b, n in enumerate(lengths)])
-    batched_step = forward(model, step, cache, [n + 3 for n in lengths])
-    for b, n in enumerate(lengths):
-        alone = model.make_cache(1)
-        forward(model, rows[b : b + 1, :n], alone, [0])
-        alone_window = forward(model, rows[b : b + 1, n : n + 3], alone, [n])
-        alone_step = forward(model, rows[b : b + 1, n + 3 : n + 4], alone, [n + 3])
-        assert np.abs(batched_window[b] - alone_window[0]).max() < ROW_TOL
-        assert np.abs(batched_step[b] - alone_step[0]).max() < ROW_TOL
-        expected = hf_logits(hf, rows[b : b + 1, : n + 4])[0, n:]
-        both = np.concatenate([batched_window[b], batched_step[b]], axis=0)
-        assert np.abs(both - expected).max() < TOL
+    parity.check_rows_at_different_offsets(hf, model, rows, TOL, ROW_TOL)
 
 
 def test_sparse_selection_drops_positions_as_transformers_does() -> None:
@@ -534,33 +477,10 @@ def test_a_folder_loads_and_converts_to_4_bits(tmp_path: Path) -> None:
 def tiny_dsa(seed: int = 1, gain: float = 2.5) -> Model:
     """Random weights, every matrix scaled by `gain` (varied greedy output),
     as tests/specpipe/spec_support.py does; the selection keeps 4 positions."""
-    mx.random.seed(seed)
     args = args_of({**TINY, **CASES["sparse-shared"], "model_type": "glm_moe_dsa"})
-    model = build_model(args).unwrap()
-    assert isinstance(model, Model)
-    model.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim >= 2 else v)
-                for k, v in tree_flatten(model.parameters())
-            ]
-        )
-    )
-    mx.eval(model.parameters())
-    return model
+    return parity.scaled_model(args, Model, seed, gain)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_ngram_speculation_equals_plain_decoding(batch: int) -> None:
-    model = tiny_dsa()
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]][:batch]
-    sampling = SamplingParams()
-    plain, _ = run(model, prompts, sampling, max_tokens=16)
-    assert all(len(t) == 16 for t in plain)
-    spec, results = run(
-        model, prompts, sampling, NgramDrafter(), depth=3, max_tokens=16
-    )
-    assert spec == plain
-    assert sum(r.metrics.drafted for r in results) > 0  # drafts were verified
-    for r in results:
-        assert r.metrics.draft_errors == []
+    parity.check_ngram_speculation(tiny_dsa(), batch, SamplingParams(), max_tokens=16)

@@ -26,13 +26,10 @@ import pytest
 import torch
 import transformers
 from attrs import evolve
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from returns.result import Failure, Success
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
 from models.build import build_model, load_weights
-from models.hybrid_cache import HybridCache
 from models.layers import flat_parameters
 from models.mtp import MtpHead, build_mtp
 from models.qwen3_5 import Model
@@ -51,13 +48,16 @@ from tests.models.hybrid_support import (
     VISION,
     VOCAB,
     TorchMtp,
-    as_np,
-    hf_logits,
     hf_weights,
     mtp_weights,
     randomize,
     step,
     token_ids,
+)
+from tests.models.rollback_support import (  # noqa: F401  (pytest collects them here)
+    prefilled_cache,
+    test_committing_k_of_a_window_equals_decoding_k_tokens,
+    test_rows_keeping_different_counts_equal_each_row_alone,
 )
 from tests.rounding import same_math
 
@@ -189,38 +189,6 @@ def test_prefill_then_decode_matches_full_sequence(
     assert max(support.prefill_then_decode_errors(hf, model, prompt)) < TOL
 
 
-@pytest.fixture(scope="module")
-def prefilled(pair: tuple[Any, Model]) -> tuple[HybridCache, int]:
-    return support.prefilled(pair[1])
-
-
-@settings(
-    max_examples=10,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(
-    kept=st.integers(0, 4),
-    window=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=4),
-    further=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3),
-)
-def test_committing_k_of_a_window_equals_decoding_k_tokens(
-    pair: tuple[Any, Model],
-    prefilled: tuple[HybridCache, int],
-    kept: int,
-    window: list[int],
-    further: list[int],
-) -> None:
-    base, length = prefilled
-    support.check_commit_k_of_a_window(pair[1], base, length, kept, window, further)
-
-
-def test_rows_keeping_different_counts_equal_each_row_alone(
-    pair: tuple[Any, Model],
-) -> None:
-    support.check_rows_keeping_different_counts(pair[1])
-
-
 # --- checkpoint forms -------------------------------------------------------
 
 
@@ -309,14 +277,7 @@ def loaded(multimodal: tuple[Any, TorchMtp, Path]) -> LoadedModel:
 def test_multimodal_folder_loads_as_its_language_model(
     multimodal: tuple[Any, TorchMtp, Path], loaded: LoadedModel
 ) -> None:
-    hf, _, _ = multimodal
-    model = loaded.model
-    assert isinstance(model, Model) and loaded.args.model_type == "qwen3_5"
-    assert loaded.args.tie_word_embeddings  # the wrapper's setting
-    assert not any("visual" in k or "lm_head" in k for k in flat_parameters(model))
-    ids = token_ids((2, 11), seed=40, vocab=FOLDER_VOCAB)
-    logits = step(model, model.make_cache(2), ids, [0, 0])
-    assert np.abs(logits - hf_logits(hf, ids)).max() < TOL
+    support.check_language_model_of(multimodal[0], loaded, Model, "qwen3_5")
 
 
 def test_mlx_conversion_names_load_the_same(
@@ -346,17 +307,7 @@ def test_mtp_head_of_the_checkpoint_matches_its_reference_wiring(
     assert isinstance(model, Model)
     head = build_mtp(model.hybrid, loaded.mtp).unwrap()
     assert isinstance(head, MtpHead)
-    ids = token_ids((2, 10), seed=50, vocab=FOLDER_VOCAB)
-    grid = mx.array(ids, dtype=mx.int32)
-    context = model.final_norm(model(grid, model.make_cache(2), [0, 0]).hidden)
-    drafted = head(
-        model.embed(grid[:, 1:]), context[:, :-1], head.make_cache(2), [0, 0]
-    )
-    logits = as_np(head.logits(drafted, model))
-    expected = support.mtp_reference(
-        hf.model.language_model, hf.lm_head, reference, ids
-    )
-    assert np.abs(logits - expected).max() < TOL
+    assert support.multimodal_mtp_error(hf, reference, model, head) < TOL
 
 
 def test_converted_folder_reloads_with_its_mtp_companion(

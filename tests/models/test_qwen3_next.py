@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 from attrs import evolve
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
@@ -66,6 +66,11 @@ from tests.models.hybrid_support import (
     randomize,
     step,
     token_ids,
+)
+from tests.models.rollback_support import (  # noqa: F401  (pytest collects them here)
+    prefilled_cache,
+    test_committing_k_of_a_window_equals_decoding_k_tokens,
+    test_rows_keeping_different_counts_equal_each_row_alone,
 )
 from tests.rounding import same_math
 
@@ -293,38 +298,6 @@ def test_chunked_rule_equals_the_step_recurrence(stress: str) -> None:
     bound = same_math(1e-5)
     assert np.abs(as_np(out) - as_np(chunked_out)).max() < bound
     assert np.abs(as_np(states[-1]) - as_np(final)).max() < bound
-
-
-@pytest.fixture(scope="module")
-def prefilled(pair: tuple[Any, Model]) -> tuple[HybridCache, int]:
-    return support.prefilled(pair[1])
-
-
-@settings(
-    max_examples=10,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(
-    kept=st.integers(0, 4),
-    window=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=4),
-    further=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3),
-)
-def test_committing_k_of_a_window_equals_decoding_k_tokens(
-    pair: tuple[Any, Model],
-    prefilled: tuple[HybridCache, int],
-    kept: int,
-    window: list[int],
-    further: list[int],
-) -> None:
-    base, length = prefilled
-    support.check_commit_k_of_a_window(pair[1], base, length, kept, window, further)
-
-
-def test_rows_keeping_different_counts_equal_each_row_alone(
-    pair: tuple[Any, Model],
-) -> None:
-    support.check_rows_keeping_different_counts(pair[1])
 
 
 def test_take_rows_and_concat_rows_keep_rows_intact(pair: tuple[Any, Model]) -> None:

@@ -29,6 +29,16 @@ def plain(target: CausalLM) -> PlainReference:
 
 
 @pytest.fixture(scope="module")
+def tapped() -> CausalLM:
+    """The session target's weights (seed 1) in a model of its own, tapping
+    layers 0 and 1 for the block drafters' tests (the session target stays
+    untapped)."""
+    model = tiny_model(1)
+    model.tap((0, 1))  # type: ignore[attr-defined]
+    return model
+
+
+@pytest.fixture(scope="module")
 def hybrid() -> CausalLM:
     """test_mtp.py's Qwen3-Next target (linear and full attention layers,
     MoE) over spec_support's vocabulary, tapping a linear layer's output and

@@ -61,18 +61,23 @@ def tiny_args(**overrides: Any) -> DecoderArgs:
 GAIN = 2.5
 
 
-def tiny_model(seed: int, gain: float = GAIN, **overrides: Any) -> CausalLM:
-    mx.random.seed(seed)
-    model = build_model(tiny_args(**overrides)).unwrap()
-    model.update(
+def scale_matrices(module: Any, gain: float) -> None:
+    """Every matrix (2-D parameter) of `module` times `gain`, evaluated."""
+    module.update(
         tree_unflatten(
             [
                 (k, v * gain if v.ndim == 2 else v)
-                for k, v in tree_flatten(model.parameters())
+                for k, v in tree_flatten(module.parameters())
             ]
         )
     )
-    mx.eval(model.parameters())
+    mx.eval(module.parameters())
+
+
+def tiny_model(seed: int, gain: float = GAIN, **overrides: Any) -> CausalLM:
+    mx.random.seed(seed)
+    model = build_model(tiny_args(**overrides)).unwrap()
+    scale_matrices(model, gain)
     return model
 
 

@@ -25,9 +25,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+from block_support import as_target, check_output_is_plain, start_rows, write_artifact
+from mlx.utils import tree_flatten
 from returns.result import Failure, Success
-from spec_support import PROMPTS, VOCAB, PlainReference, run, tiny_model
+from spec_support import PROMPTS, VOCAB, PlainReference, run, scale_matrices, tiny_model
 
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
@@ -41,7 +42,6 @@ from schemas.request import SamplingParams
 from specpipe.draft import Proposal
 from specpipe.draft_vocab import DraftVocabulary, SubsetHead
 from specpipe.drafts.dflash import DFlashDrafter, DFlashRows
-from specpipe.state import RowState
 
 MASK = VOCAB - 1
 BLOCK = 5
@@ -94,29 +94,13 @@ def random_draft(
 ) -> DFlashDraft:
     mx.random.seed(seed)
     draft = DFlashDraft(draft_args(config), DFlashSettings.of(config).unwrap())
-    draft.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim == 2 else v)
-                for k, v in tree_flatten(draft.parameters())
-            ]
-        )
-    )
+    scale_matrices(draft, gain)
     for layer in draft.layers:  # DFlash2's base kernels (zeros as built)
         if layer.convolved:
             for conv in (layer.attention_conv, layer.mlp_conv):
                 conv.base_kernel = 0.3 * mx.random.normal(conv.base_kernel.shape)
     mx.eval(draft.parameters())
     return draft
-
-
-@pytest.fixture(scope="module")
-def tapped() -> CausalLM:
-    """The session target's weights (seed 1) in a model of its own, tapping
-    the draft's layers (the session target stays untapped)."""
-    model = tiny_model(1)
-    model.tap((0, 1))  # type: ignore[attr-defined]
-    return model
 
 
 def _rms(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -239,10 +223,6 @@ def test_the_cached_forward_is_the_one_piece_forward(
     assert mx.allclose(bucketed, got, atol=1e-5, rtol=1e-5).item()
 
 
-def _rows(prompts: list[list[int]], sampling: SamplingParams) -> list[RowState]:
-    return [RowState.start(tuple(p), 32, sampling) for p in prompts]
-
-
 @pytest.mark.parametrize("depth", [3, 0], ids=["drafted", "plain-round"])
 def test_a_commit_leaves_the_draft_of_a_fresh_open(
     tapped: CausalLM, depth: int
@@ -253,7 +233,7 @@ def test_a_commit_leaves_the_draft_of_a_fresh_open(
     draft = random_draft(dflash_config())
     drafter = DFlashDrafter(tapped, draft)
     prompts = [list(range(3, 14)), [7, 8, 9, 10, 11], [42]]
-    rows = _rows(prompts, SamplingParams())
+    rows = start_rows(prompts, SamplingParams())
     prefill = [
         tapped(mx.array([p[:-1]]), tapped.make_cache(1), [0]).features
         if len(p) > 1
@@ -350,11 +330,7 @@ def test_dflash_output_is_plain_decoding(
     params = SAMPLINGS[sampling]
     config = dflash_config() if generation == 1 else dflash2_config()
     drafter = DFlashDrafter(tapped, random_draft(config, seed=7))
-    tokens, results = run(tapped, prompts, params, drafter, depth=depth)
-    assert all(r.finish == "length" for r in results)
-    # the draft ran every round (a failing draft is switched off, not raised)
-    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
-    assert tokens == plain(prompts, params)
+    check_output_is_plain(tapped, prompts, params, drafter, depth, plain)
 
 
 @pytest.mark.parametrize("generation", [1, 2])
@@ -386,18 +362,8 @@ def test_dflash_in_the_host_first_round_and_ahead_is_plain_decoding(
 # --- binding -------------------------------------------------------------------
 
 
-def write_artifact(folder: Path, config: dict[str, Any], draft: DFlashDraft) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
-    )
-    return folder
-
-
 def _target() -> Any:
-    model = tiny_model(1)
-    return SimpleNamespace(model=model, args=model.args, source="tiny")
+    return as_target(tiny_model(1))
 
 
 def test_a_dflash2_artifact_binds_as_dflash2(tmp_path: Path) -> None:
@@ -535,7 +501,7 @@ def test_dflash_drafts_over_a_draft_vocabulary_are_lossless(
     assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
     assert tokens == plain(PROMPTS, params)
     # the drafts are token ids of the list
-    rows = _rows([list(range(3, 14))], params)
+    rows = start_rows([list(range(3, 14))], params)
     features = tapped(
         mx.array([list(range(3, 13))]), tapped.make_cache(1), [0]
     ).features
@@ -550,7 +516,7 @@ def test_a_draft_vocabulary_of_every_row_drafts_as_the_full_head(
 ) -> None:
     config = dflash_config() if generation == 1 else dflash2_config()
     draft = random_draft(config, seed=9)
-    rows = _rows(
+    rows = start_rows(
         [list(range(3, 14)), [7, 8, 9, 10, 11]], SamplingParams(temperature=0.9, seed=4)
     )
     hidden = mx.concatenate(
@@ -962,7 +928,7 @@ def test_two_dflash_drafts_bound_to_one_target_each_read_their_own_layers(
         assert accepted == [r.metrics.accepted for r in solo_results], name
         # the first round's drafts, from each target's own prefill features
         prompt = list(PROMPTS[0])
-        rows = _rows([prompt], params)
+        rows = start_rows([prompt], params)
         drafts = []
         for target, drafter_of in ((shared, drafter), (alone, solo)):
             ids = mx.array([prompt[:-1]])

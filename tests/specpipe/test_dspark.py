@@ -20,16 +20,27 @@ from __future__ import annotations
 import json
 from itertools import pairwise
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
-from returns.result import Failure, Success
-from spec_support import PROMPTS, VOCAB, PlainReference, run, tiny_model
+from block_support import (
+    as_target,
+    check_a_commit_leaves_a_fresh_open,
+    check_dspark_binds,
+    check_dspark_refused,
+    check_greedy_drafts,
+    check_output_is_plain,
+    check_prompt_cache_resumes,
+    features,
+    start_rows,
+    two_rows_in_context,
+    write_artifact,
+)
+from mlx.utils import tree_flatten
+from returns.result import Success
+from spec_support import PROMPTS, VOCAB, PlainReference, run, scale_matrices, tiny_model
 from test_dflash import reference_block
-from test_prompt_cache import NEW_TURN, generate
 
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
@@ -38,10 +49,7 @@ from models.dspark import DSparkDraft, DSparkSettings
 from schemas.converter import hf, structure
 from schemas.hf import DecoderArgs, normalize_hf_config
 from schemas.request import SamplingParams
-from specpipe.draft import Proposal
-from specpipe.drafts.dspark import DSparkDrafter, DSparkRows
-from specpipe.prompt_cache import PromptCache
-from specpipe.state import RowState
+from specpipe.drafts.dspark import DSparkDrafter
 
 MASK = VOCAB - 1
 BLOCK = 4
@@ -97,25 +105,8 @@ def random_draft(
 ) -> DSparkDraft:
     mx.random.seed(seed)
     draft = DSparkDraft(draft_args(config), DSparkSettings.of(config).unwrap())
-    draft.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim == 2 else v)
-                for k, v in tree_flatten(draft.parameters())
-            ]
-        )
-    )
-    mx.eval(draft.parameters())
+    scale_matrices(draft, gain)
     return draft
-
-
-@pytest.fixture(scope="module")
-def tapped() -> CausalLM:
-    """The session target's weights (seed 1) in a model of its own, tapping
-    the draft's layers."""
-    model = tiny_model(1)
-    model.tap((0, 1))  # type: ignore[attr-defined]
-    return model
 
 
 # --- the formulas ----------------------------------------------------------------
@@ -188,62 +179,26 @@ def reference_drafts(
     return drafted
 
 
-def _features(model: CausalLM, tokens: list[int]) -> mx.array:
-    out = model(mx.array([tokens]), model.make_cache(1), [0])
-    assert out.features is not None
-    return out.features
-
-
-def _padded(parts: list[mx.array]) -> mx.array:
-    longest = max(p.shape[1] for p in parts)
-    return mx.concatenate(
-        [
-            mx.concatenate([p, mx.zeros((1, longest - p.shape[1], p.shape[-1]))], 1)
-            for p in parts
-        ]
-    )
-
-
-def _rows(prompts: list[list[int]], sampling: SamplingParams) -> list[RowState]:
-    return [RowState.start(tuple(p), 32, sampling) for p in prompts]
-
-
 @pytest.mark.parametrize("kind", list(MARKOV))
 def test_the_cached_forward_and_drafts_are_the_formulas(
     tapped: CausalLM, kind: str
 ) -> None:
     config = dspark_config(**MARKOV[kind])
     draft = random_draft(config)
-    prompts = [list(range(3, 15)), [7, 8, 9, 10, 11, 12]]  # 11 and 5 positions
-    features = [_features(tapped, p[:-1]) for p in prompts]
-    # the context in two chunks per row, of different lengths
-    cache = draft.make_cache(2)
-    first = [4, 2]
-    draft.write_context(
-        _padded([f[:, :n] for f, n in zip(features, first, strict=True)]),
-        cache,
-        [0, 0],
-    )
-    draft.write_context(
-        _padded([f[:, n:] for f, n in zip(features, first, strict=True)]),
-        cache,
-        first,
-    )
+    prompts, context, cache = two_rows_in_context(tapped, draft)
     block = mx.array([[p[-1]] + [MASK] * (BLOCK - 1) for p in prompts])
     got = draft(draft.embed_tokens(block), cache, [len(p) - 1 for p in prompts])
     for b, prompt in enumerate(prompts):
-        want, _ = reference_base(draft, features[b], prompt[-1], BLOCK)
+        want, _ = reference_base(draft, context[b], prompt[-1], BLOCK)
         assert mx.allclose(got[b], want, atol=2e-4, rtol=2e-4).item(), b
     # the drafter's proposals: the formulas' greedy drafts, any depth
-    drafter = DSparkDrafter(tapped, draft)
-    rows = _rows(prompts, SamplingParams())
-    for depth in (1, 3, BLOCK, BLOCK + 2):
-        proposal = drafter.open(rows, _padded(features)).propose(rows, depth)
-        assert proposal.depth == depth and proposal.device is not None
-        assert proposal.device.tolist() == [
-            reference_drafts(draft, kind, features[b], p[-1], depth)
-            for b, p in enumerate(prompts)
-        ], depth
+    check_greedy_drafts(
+        DSparkDrafter(tapped, draft),
+        prompts,
+        context,
+        (1, 3, BLOCK, BLOCK + 2),
+        lambda row, pending, depth: reference_drafts(draft, kind, row, pending, depth),
+    )
 
 
 def test_the_markov_head_corrects_the_drafts(tapped: CausalLM) -> None:
@@ -252,9 +207,9 @@ def test_the_markov_head_corrects_the_drafts(tapped: CausalLM) -> None:
     config = dspark_config()
     draft = random_draft(config, seed=11)
     prompt = list(range(3, 15))
-    features = _features(tapped, prompt[:-1])
-    rows = _rows([prompt], SamplingParams())
-    _, base = reference_base(draft, features, prompt[-1], BLOCK)
+    context = features(tapped, prompt[:-1])
+    rows = start_rows([prompt], SamplingParams())
+    _, base = reference_base(draft, context, prompt[-1], BLOCK)
     plain_argmax = mx.argmax(base, axis=-1).tolist()
     params = _params(draft)
     w1, w2 = (
@@ -265,12 +220,12 @@ def test_the_markov_head_corrects_the_drafts(tapped: CausalLM) -> None:
     for k in range(BLOCK):
         previous = int(mx.argmax(base[k] + w2 @ w1[previous]).item())
         by_hand.append(previous)
-    corrected = DSparkDrafter(tapped, draft).open(rows, features).propose(rows, BLOCK)
+    corrected = DSparkDrafter(tapped, draft).open(rows, context).propose(rows, BLOCK)
     assert corrected.device is not None
     assert corrected.device.tolist() == [by_hand]
     assert by_hand != plain_argmax  # the head matters for these weights
     draft.markov_head.markov_w2.weight = mx.zeros_like(w2)
-    zeroed = DSparkDrafter(tapped, draft).open(rows, features).propose(rows, BLOCK)
+    zeroed = DSparkDrafter(tapped, draft).open(rows, context).propose(rows, BLOCK)
     assert zeroed.device is not None
     assert zeroed.device.tolist() == [plain_argmax]
 
@@ -283,54 +238,7 @@ def test_a_commit_leaves_the_draft_of_a_fresh_open(
     plain round, where the draft stores nothing), the draft's context and
     drafts are a fresh draft's over the committed tokens."""
     drafter = DSparkDrafter(tapped, random_draft(dspark_config()))
-    prompts = [list(range(3, 14)), [7, 8, 9, 10, 11], [42]]
-    rows = _rows(prompts, SamplingParams())
-    hidden = _padded(
-        [
-            _features(tapped, p[:-1]) if len(p) > 1 else mx.zeros((1, 0, 128))
-            for p in prompts
-        ]
-    )
-    state = drafter.open(rows, hidden)
-    assert isinstance(state, DSparkRows)
-    proposal = state.propose(rows, depth) if depth else Proposal.empty(len(rows))
-    drafted = proposal.device.tolist() if proposal.device is not None else [[]] * 3
-    windows = [[row.pending, *d] for row, d in zip(rows, drafted, strict=True)]
-    target_cache = tapped.make_cache(len(prompts))
-    longest = max(len(p) - 1 for p in prompts)
-    tapped(
-        mx.array([p[:-1] + [0] * (longest - len(p) + 1) for p in prompts]),
-        target_cache,
-        [0] * len(prompts),
-    )
-    verified = tapped(mx.array(windows), target_cache, [row.length for row in rows])
-    accepted = [0, 2, BLOCK] if depth else [0, 0, 0]
-    committed = state.prepare_commit(
-        rows, proposal, [tuple(d) for d in drafted], accepted, verified
-    ).commit()
-    assert isinstance(committed, DSparkRows)
-    after = [
-        row.advanced((*d[:a], 1 + b))
-        for b, (row, d, a) in enumerate(zip(rows, drafted, accepted, strict=True))
-    ]
-    fresh = drafter.open(
-        after, _padded([_features(tapped, list(r.tokens)[:-1]) for r in after])
-    )
-    assert isinstance(fresh, DSparkRows)
-    assert (
-        committed._store_pending()
-        == fresh._store_pending()
-        == tuple(r.length for r in after)
-    )
-    block = mx.array([[r.pending] + [MASK] * (BLOCK - 1) for r in after])
-    lengths = [r.length for r in after]
-    x = committed.draft.embed_tokens(block)  # type: ignore[attr-defined]
-    a = committed.draft(x, committed.cache, lengths)
-    b = fresh.draft(x, fresh.cache, lengths)
-    assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item()
-    one, two = committed.propose(after, BLOCK), fresh.propose(after, BLOCK)
-    assert one.device is not None and two.device is not None
-    assert one.device.tolist() == two.device.tolist()
+    check_a_commit_leaves_a_fresh_open(tapped, drafter, depth, BLOCK, MASK, 128)
 
 
 # --- lossless --------------------------------------------------------------------
@@ -359,11 +267,7 @@ def test_dspark_output_is_plain_decoding(
     prompts = PROMPTS[:batch]
     params = SAMPLINGS[sampling]
     drafter = DSparkDrafter(tapped, random_draft(dspark_config(**MARKOV[kind]), 7))
-    tokens, results = run(tapped, prompts, params, drafter, depth=depth)
-    assert all(r.finish == "length" for r in results)
-    # the draft ran every round (a failing draft is switched off, not raised)
-    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
-    assert tokens == plain(prompts, params)
+    check_output_is_plain(tapped, prompts, params, drafter, depth, plain)
 
 
 def bigram_draft(outputs: list[list[int]]) -> DSparkDraft:
@@ -422,39 +326,19 @@ def test_the_prompt_cache_resumes_the_dspark_draft(
     """A conversation's next turn starts from the first turn's checkpoint
     (the draft's captured context and pending features) and decodes as a
     run without the cache does, its drafts accepted as without the cache."""
-    params = SAMPLINGS[sampling]
-    prompt = list(PROMPTS[0])
-    first, _ = generate(tapped, [prompt], params, None, 0, None)
-    turn = prompt + first[0] + list(NEW_TURN)
-    second, _ = generate(tapped, [turn], params, None, 0, None)
-    drafter = DSparkDrafter(tapped, bigram_draft([turn + second[0]]))
-    store = PromptCache(tapped)
-    out, _ = generate(tapped, [prompt], params, drafter, BLOCK, store)
-    assert out == first
-    again, results = generate(tapped, [turn], params, drafter, BLOCK, store)
-    fresh, fresh_results = generate(tapped, [turn], params, drafter, BLOCK, None)
-    assert results[0].cached_tokens > 0
-    assert again == fresh == second
-    # the restored draft state is the computed one: the same drafts accepted
-    assert results[0].metrics.accepted > 0
-    assert results[0].metrics.accepted_at == fresh_results[0].metrics.accepted_at
+    check_prompt_cache_resumes(
+        tapped,
+        SAMPLINGS[sampling],
+        lambda output: DSparkDrafter(tapped, bigram_draft([output])),
+        BLOCK,
+    )
 
 
 # --- binding -------------------------------------------------------------------
 
 
-def write_artifact(folder: Path, config: dict[str, Any], draft: DSparkDraft) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
-    )
-    return folder
-
-
 def _target() -> Any:
-    model = tiny_model(1)
-    return SimpleNamespace(model=model, args=model.args, source="tiny")
+    return as_target(tiny_model(1))
 
 
 @pytest.mark.parametrize(
@@ -468,24 +352,15 @@ def test_a_dspark_artifact_binds_with_its_block_width(
     config = {**dspark_config(), **change}
     draft = random_draft(dspark_config())
     folder = write_artifact(tmp_path / "d", config, draft)
-    registry = default_registry()
-    assert registry.detect(folder) == Success("dspark")
-    target = _target()
-    assert target.model.taps == ()
-    loaded = registry.load(
-        "dspark", DraftLoadRequest(target=target, source=str(folder))
+    bound = check_dspark_binds(
+        folder, _target(), BLOCK, (0, 1), "dspark/l2/h64/taps0-1"
     )
-    assert isinstance(loaded, Success), loaded
-    assert (loaded.unwrap().kind, loaded.unwrap().width) == ("dspark", BLOCK)
-    assert target.model.taps == (0, 1)
-    bound = loaded.unwrap().drafter
-    assert isinstance(bound, DSparkDrafter) and bound.kind == "dspark"
-    assert bound.namespace == "dspark/l2/h64/taps0-1"
     assert isinstance(bound.draft, DSparkDraft)
     assert mx.array_equal(bound.draft.lm_head.weight, draft.lm_head.weight)
     assert mx.array_equal(
         bound.draft.confidence_head.proj.weight, draft.confidence_head.proj.weight
     )
+    registry = default_registry()
     wide = registry.load(
         "dspark", DraftLoadRequest(target=_target(), source=str(folder), width=9)
     )
@@ -541,12 +416,4 @@ def test_a_dspark_draft_that_does_not_fit_is_refused(
     good = dspark_config()
     folder = write_artifact(tmp_path / "d", good, random_draft(good))
     (folder / "config.json").write_text(json.dumps({**good, **change}))
-    target = _target()
-    registry = default_registry()
-    assert registry.detect(folder) == Success("dspark")
-    loaded = registry.load(
-        "dspark", DraftLoadRequest(target=target, source=str(folder))
-    )
-    assert isinstance(loaded, Failure)
-    assert message in loaded.failure().message, loaded.failure().message
-    assert target.model.taps == ()  # nothing bound, nothing tapped
+    check_dspark_refused(folder, _target(), message)

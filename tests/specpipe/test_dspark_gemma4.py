@@ -26,16 +26,27 @@ from __future__ import annotations
 import json
 from itertools import pairwise
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from block_support import (
+    as_target,
+    check_a_commit_leaves_a_fresh_open,
+    check_dspark_binds,
+    check_dspark_refused,
+    check_greedy_drafts,
+    check_output_is_plain,
+    check_prompt_cache_resumes,
+    features,
+    start_rows,
+    two_rows_in_context,
+    write_artifact,
+)
 from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
 from spec_support import PROMPTS, PlainReference, run, tiny_model
-from test_prompt_cache import NEW_TURN, generate
 
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
@@ -43,10 +54,7 @@ from models.dspark import DSparkSettings, Gemma4DSparkDraft, gemma4_draft_args
 from models.gemma4 import Model
 from models.vocab_head import HeadWeights
 from schemas.request import SamplingParams
-from specpipe.draft import Proposal
-from specpipe.drafts.dspark import DSparkDrafter, DSparkRows
-from specpipe.prompt_cache import PromptCache
-from specpipe.state import RowState
+from specpipe.drafts.dspark import DSparkDrafter
 from tests.models.test_gemma4 import tiny_gemma
 
 pytestmark = pytest.mark.reference  # (the tiny target comes from test_gemma4)
@@ -283,65 +291,32 @@ def reference_drafts(
     return drafted
 
 
-def _features(model: Model, tokens: list[int]) -> mx.array:
-    out = model(mx.array([tokens]), model.make_cache(1), [0])
-    assert out.features is not None
-    return out.features
-
-
-def _padded(parts: list[mx.array]) -> mx.array:
-    longest = max(p.shape[1] for p in parts)
-    return mx.concatenate(
-        [
-            mx.concatenate([p, mx.zeros((1, longest - p.shape[1], p.shape[-1]))], 1)
-            for p in parts
-        ]
-    )
-
-
-def _rows(prompts: list[list[int]], sampling: SamplingParams) -> list[RowState]:
-    return [RowState.start(tuple(p), 32, sampling) for p in prompts]
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_cached_forward_and_drafts_are_the_formulas(
     gemma: Model, variant: str
 ) -> None:
     config = gemma_dspark_config(**VARIANTS[variant])
     draft = random_draft(config)
-    prompts = [list(range(3, 15)), [7, 8, 9, 10, 11, 12]]  # 11 and 5 positions
-    features = [_features(gemma, p[:-1]) for p in prompts]
-    cache = draft.make_cache(2)
-    first = [4, 2]  # the context in two chunks per row, of different lengths
-    draft.write_context(
-        _padded([f[:, :n] for f, n in zip(features, first, strict=True)]),
-        cache,
-        [0, 0],
-    )
-    draft.write_context(
-        _padded([f[:, n:] for f, n in zip(features, first, strict=True)]),
-        cache,
-        first,
-    )
+    prompts, context, cache = two_rows_in_context(gemma, draft)
     block = mx.array([[p[-1]] + [MASK] * (BLOCK - 1) for p in prompts])
     starts = [len(p) - 1 for p in prompts]
     normed = draft(draft.embed(block), cache, starts)
     logits = draft.logits(normed, HeadWeights.of(draft.lm_head))
     for b, prompt in enumerate(prompts):
-        want, capped = reference_outputs(draft, config, features[b], prompt[-1], BLOCK)
+        want, capped = reference_outputs(draft, config, context[b], prompt[-1], BLOCK)
         np.testing.assert_allclose(_np(normed[b]), want, atol=2e-4, rtol=2e-4)
         np.testing.assert_allclose(_np(logits[b]), capped, atol=2e-4, rtol=2e-4)
     assert np.abs(_np(logits)).max() <= 3.0  # final_logit_softcapping
     # the drafter's proposals: the formulas' greedy drafts, any depth
-    drafter = DSparkDrafter(gemma, draft)
-    rows = _rows(prompts, SamplingParams())
-    for depth in (1, BLOCK, BLOCK + 2):
-        proposal = drafter.open(rows, _padded(features)).propose(rows, depth)
-        assert proposal.depth == depth and proposal.device is not None
-        assert proposal.device.tolist() == [
-            reference_drafts(draft, config, features[b], p[-1], depth)
-            for b, p in enumerate(prompts)
-        ], depth
+    check_greedy_drafts(
+        DSparkDrafter(gemma, draft),
+        prompts,
+        context,
+        (1, BLOCK, BLOCK + 2),
+        lambda row, pending, depth: reference_drafts(
+            draft, config, row, pending, depth
+        ),
+    )
 
 
 @pytest.mark.parametrize("depth", [BLOCK, 0], ids=["drafted", "plain-round"])
@@ -350,56 +325,9 @@ def test_a_commit_leaves_the_draft_of_a_fresh_open(gemma: Model, depth: int) -> 
     plain round, where the draft stores nothing), the draft's context and
     drafts are a fresh draft's over the committed tokens."""
     drafter = DSparkDrafter(gemma, random_draft(gemma_dspark_config()))
-    prompts = [list(range(3, 14)), [7, 8, 9, 10, 11], [42]]
-    rows = _rows(prompts, SamplingParams())
+    assert isinstance(drafter.draft, Gemma4DSparkDraft)
     width = len(TAPS) * HIDDEN
-    hidden = _padded(
-        [
-            _features(gemma, p[:-1]) if len(p) > 1 else mx.zeros((1, 0, width))
-            for p in prompts
-        ]
-    )
-    state = drafter.open(rows, hidden)
-    assert isinstance(state, DSparkRows)
-    proposal = state.propose(rows, depth) if depth else Proposal.empty(len(rows))
-    drafted = proposal.device.tolist() if proposal.device is not None else [[]] * 3
-    windows = [[row.pending, *d] for row, d in zip(rows, drafted, strict=True)]
-    target_cache = gemma.make_cache(len(prompts))
-    longest = max(len(p) - 1 for p in prompts)
-    gemma(
-        mx.array([p[:-1] + [0] * (longest - len(p) + 1) for p in prompts]),
-        target_cache,
-        [0] * len(prompts),
-    )
-    verified = gemma(mx.array(windows), target_cache, [row.length for row in rows])
-    accepted = [0, 2, BLOCK] if depth else [0, 0, 0]
-    committed = state.prepare_commit(
-        rows, proposal, [tuple(d) for d in drafted], accepted, verified
-    ).commit()
-    assert isinstance(committed, DSparkRows)
-    after = [
-        row.advanced((*d[:a], 1 + b))
-        for b, (row, d, a) in enumerate(zip(rows, drafted, accepted, strict=True))
-    ]
-    fresh = drafter.open(
-        after, _padded([_features(gemma, list(r.tokens)[:-1]) for r in after])
-    )
-    assert isinstance(fresh, DSparkRows)
-    assert (
-        committed._store_pending()
-        == fresh._store_pending()
-        == tuple(r.length for r in after)
-    )
-    draft = drafter.draft
-    assert isinstance(draft, Gemma4DSparkDraft)
-    block = mx.array([[r.pending] + [MASK] * (BLOCK - 1) for r in after])
-    lengths = [r.length for r in after]
-    one = draft(draft.embed(block), committed.cache, lengths)
-    two = draft(draft.embed(block), fresh.cache, lengths)
-    assert mx.allclose(one, two, atol=2e-4, rtol=2e-4).item()
-    ours, theirs = committed.propose(after, BLOCK), fresh.propose(after, BLOCK)
-    assert ours.device is not None and theirs.device is not None
-    assert ours.device.tolist() == theirs.device.tolist()
+    check_a_commit_leaves_a_fresh_open(gemma, drafter, depth, BLOCK, MASK, width)
 
 
 # --- lossless --------------------------------------------------------------------
@@ -419,11 +347,7 @@ def test_gemma4_dspark_output_is_plain_decoding(
     prompts = PROMPTS[:batch]
     params = SAMPLINGS[sampling]
     drafter = DSparkDrafter(gemma, random_draft(gemma_dspark_config(), seed=7))
-    tokens, results = run(gemma, prompts, params, drafter, depth=depth)
-    assert all(r.finish == "length" for r in results)
-    # the draft ran every round (a failing draft is switched off, not raised)
-    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
-    assert tokens == gemma_plain(prompts, params)
+    check_output_is_plain(gemma, prompts, params, drafter, depth, gemma_plain)
 
 
 def bigram_draft(outputs: list[list[int]]) -> Gemma4DSparkDraft:
@@ -462,39 +386,15 @@ def test_the_prompt_cache_resumes_the_gemma4_dspark_draft(gemma: Model) -> None:
     """A conversation's next turn starts from the first turn's checkpoint
     and decodes as a run without the cache does, its drafts accepted as
     without the cache."""
-    params = SAMPLINGS["t0.8-topk"]
-    prompt = list(PROMPTS[0])
-    first, _ = generate(gemma, [prompt], params, None, 0, None)
-    turn = prompt + first[0] + list(NEW_TURN)
-    second, _ = generate(gemma, [turn], params, None, 0, None)
-    drafter = DSparkDrafter(gemma, bigram_draft([turn + second[0]]))
-    store = PromptCache(gemma)
-    out, _ = generate(gemma, [prompt], params, drafter, BLOCK, store)
-    assert out == first
-    again, results = generate(gemma, [turn], params, drafter, BLOCK, store)
-    fresh, fresh_results = generate(gemma, [turn], params, drafter, BLOCK, None)
-    assert results[0].cached_tokens > 0
-    assert again == fresh == second
-    assert results[0].metrics.accepted > 0
-    assert results[0].metrics.accepted_at == fresh_results[0].metrics.accepted_at
+    check_prompt_cache_resumes(
+        gemma,
+        SAMPLINGS["t0.8-topk"],
+        lambda output: DSparkDrafter(gemma, bigram_draft([output])),
+        BLOCK,
+    )
 
 
 # --- binding -------------------------------------------------------------------
-
-
-def write_artifact(
-    folder: Path, config: dict[str, Any], draft: Gemma4DSparkDraft
-) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
-    )
-    return folder
-
-
-def _target(model: Any) -> Any:
-    return SimpleNamespace(model=model, args=model.args, source="tiny")
 
 
 @pytest.mark.parametrize(
@@ -506,35 +406,26 @@ def test_a_gemma4_dspark_artifact_loads_and_binds(
     config = gemma_dspark_config()
     draft = random_draft(config)
     folder = write_artifact(tmp_path / "d", {**config, **change}, draft)
-    registry = default_registry()
-    assert registry.detect(folder) == Success("dspark")
-    target = _target(tiny_gemma("plain"))
-    assert target.model.taps == ()
-    loaded = registry.load(
-        "dspark", DraftLoadRequest(target=target, source=str(folder))
+    target = as_target(tiny_gemma("plain"))
+    bound = check_dspark_binds(
+        folder, target, BLOCK, tuple(TAPS), "dspark/l2/h64/taps1-4"
     )
-    assert isinstance(loaded, Success), loaded
-    assert (loaded.unwrap().kind, loaded.unwrap().width) == ("dspark", BLOCK)
-    assert target.model.taps == tuple(TAPS)
-    bound = loaded.unwrap().drafter
-    assert isinstance(bound, DSparkDrafter) and bound.kind == "dspark"
-    assert bound.namespace == "dspark/l2/h64/taps1-4"
     assert isinstance(bound.draft, Gemma4DSparkDraft)
     assert bound.draft.dspark.softcap == 3.0
     for name, value in tree_flatten(draft.parameters()):
         assert mx.array_equal(dict(tree_flatten(bound.draft.parameters()))[name], value)
     # the loaded draft drafts as the one it was saved from
     prompt = list(range(3, 15))
-    rows = _rows([prompt], SamplingParams())
-    features = _features(gemma, prompt[:-1])
-    want = DSparkDrafter(gemma, draft).open(rows, features).propose(rows, BLOCK)
-    got = bound.open(rows, features).propose(rows, BLOCK)
+    rows = start_rows([prompt], SamplingParams())
+    context = features(gemma, prompt[:-1])
+    want = DSparkDrafter(gemma, draft).open(rows, context).propose(rows, BLOCK)
+    got = bound.open(rows, context).propose(rows, BLOCK)
     assert got.device is not None and want.device is not None
     assert got.device.tolist() == want.device.tolist()
-    narrow = registry.load(
+    narrow = default_registry().load(
         "dspark",
         DraftLoadRequest(
-            target=_target(tiny_gemma("plain")), source=str(folder), width=2
+            target=as_target(tiny_gemma("plain")), source=str(folder), width=2
         ),
     )
     assert narrow.unwrap().width == 2
@@ -604,21 +495,13 @@ def test_a_gemma4_dspark_draft_that_does_not_fit_is_refused(
     good = gemma_dspark_config()
     folder = write_artifact(tmp_path / "d", good, random_draft(good))
     (folder / "config.json").write_text(json.dumps({**good, **change}))
-    target = _target(tiny_gemma("plain"))
-    registry = default_registry()
-    assert registry.detect(folder) == Success("dspark")
-    loaded = registry.load(
-        "dspark", DraftLoadRequest(target=target, source=str(folder))
-    )
-    assert isinstance(loaded, Failure)
-    assert message in loaded.failure().message, loaded.failure().message
-    assert target.model.taps == ()  # nothing bound, nothing tapped
+    check_dspark_refused(folder, as_target(tiny_gemma("plain")), message)
 
 
 def test_a_gemma4_dspark_draft_needs_a_gemma4_target(tmp_path: Path) -> None:
     good = gemma_dspark_config()
     folder = write_artifact(tmp_path / "d", good, random_draft(good))
-    target = _target(tiny_model(1))  # a qwen2 target
+    target = as_target(tiny_model(1))  # a qwen2 target
     loaded = default_registry().load(
         "dspark", DraftLoadRequest(target=target, source=str(folder))
     )

@@ -34,11 +34,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from attrs import evolve
+from glm_mtp_support import (
+    check_carried_and_normed,
+    check_mtp_output_equals_plain,
+    layer_input,
+    seeded,
+    write_glm_folder,
+)
 from mlx.utils import tree_unflatten
-from returns.result import Success
 from spec_support import PROMPTS, run
-from test_glm_mtp import check_carried_and_normed, glm_args, layer_input
-from test_mtp import repeating, scaled
+from test_glm_mtp import glm_args
+from test_mtp import repeating
 from test_prompt_cache import generate
 
 from models.base import ModelOutput, rope_offset
@@ -57,7 +63,7 @@ from specpipe.load import load as load_model
 from specpipe.load import save_folder
 from specpipe.prompt_cache import PromptCache
 from specpipe.state import RowState
-from tests.cli.conftest import write_tiny_model
+from tests.models.decoder_support import parsed_args
 
 VOCAB = 97
 HIDDEN = 64
@@ -98,26 +104,18 @@ SAMPLINGS = {
 
 
 def dsa_args(**overrides: Any) -> GlmMoeDsaArgs:
-    parsed = glm_moe_dsa_args({**CONFIG, **overrides}, "test")
-    assert isinstance(parsed, Success), parsed
-    args: GlmMoeDsaArgs = parsed.unwrap()
-    return args
+    return parsed_args(glm_moe_dsa_args, {**CONFIG, **overrides}, "test")
 
 
 @pytest.fixture(scope="module")
 def target() -> Model:
-    mx.random.seed(1)
-    model = build_model(dsa_args()).unwrap()
+    model = seeded(lambda: build_model(dsa_args()).unwrap(), 1)
     assert isinstance(model, Model)
-    scaled(model, 1)
     return model
 
 
 def random_head(seed: int, **overrides: Any) -> GlmDsaMtpHead:
-    mx.random.seed(seed)
-    head = GlmDsaMtpHead(dsa_args(**overrides))
-    scaled(head, seed)
-    return head
+    return seeded(lambda: GlmDsaMtpHead(dsa_args(**overrides)), seed)
 
 
 def ids_of(shape: tuple[int, int], seed: int) -> mx.array:
@@ -286,13 +284,9 @@ def test_committing_k_of_a_window_equals_drafting_fresh(
 def test_glm5_mtp_output_equals_plain(
     target: Model, sampling: str, depth: int, batch: int
 ) -> None:
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]][:batch]
-    params = SAMPLINGS[sampling]
-    plain, _ = run(target, prompts, params, max_tokens=14)
-    drafter = MtpDrafter(target, random_head(4))
-    spec, results = run(target, prompts, params, drafter, depth, max_tokens=14)
-    assert spec == plain
-    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    check_mtp_output_equals_plain(
+        target, lambda: random_head(4), SAMPLINGS[sampling], depth, batch
+    )
 
 
 def test_compiled_steps_are_lossless_too(target: Model) -> None:
@@ -388,59 +382,20 @@ def test_a_prompt_cache_resume_drafts_as_a_fresh_prefill(
 # --- loading ------------------------------------------------------------------------
 
 
-def checkpoint_names(target: Model, head: GlmDsaMtpHead) -> dict[str, mx.array]:
-    """The target's and the head's weights as a GLM-5 checkpoint names them:
-    experts one by one, the MTP layer at `model.layers.{N}` with its
-    `shared_head.head` (a copy of the target's head)."""
-    n = target.glm.num_hidden_layers
-    renamed = {
-        "fc.": "eh_proj.",
-        "pre_fc_norm_embedding.": "enorm.",
-        "pre_fc_norm_hidden.": "hnorm.",
-        "norm.": "shared_head.norm.",
-        "layers.0.": "",
-    }
-    head_own = {}
-    for key, value in flat_parameters(head).items():
-        prefix = next(p for p in renamed if key.startswith(p))
-        head_own[renamed[prefix] + key[len(prefix) :]] = value
-    head_own["shared_head.head.weight"] = target.head_weights().weight
-    out: dict[str, mx.array] = {}
-    for weights, prefix in (
-        (flat_parameters(target), ""),
-        (head_own, f"model.layers.{n}."),
-    ):
-        for key, value in weights.items():
-            key = prefix + key
-            if ".switch_mlp." in key:
-                stem, name = key.split(".switch_mlp.")
-                for e in range(value.shape[0]):
-                    out[f"{stem}.experts.{e}.{name}"] = value[e]
-            else:
-                out[key] = value
-    return out
-
-
 LIMITS = GenerationLimits(max_tokens=48)
 
 
 @pytest.fixture(scope="module")
 def glm5_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GLM-5 HF folder (320-token tokenizer) with its MTP layer."""
-    folder = tmp_path_factory.mktemp("glm5") / "target"
-    write_tiny_model(folder)  # tokenizer files; config and weights replaced
-    config = {**CONFIG, "vocab_size": 320, "architectures": ["GlmMoeDsaForCausalLM"]}
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.random.seed(6)
-    model = build_model(dsa_args(vocab_size=320)).unwrap()
-    assert isinstance(model, Model)
-    scaled(model, 6)
-    head = GlmDsaMtpHead(dsa_args(vocab_size=320))
-    scaled(head, 7)
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), checkpoint_names(model, head)
+    return write_glm_folder(
+        tmp_path_factory.mktemp("glm5") / "target",
+        CONFIG,
+        "GlmMoeDsaForCausalLM",
+        dsa_args,
+        Model,
+        GlmDsaMtpHead,
     )
-    return folder
 
 
 def test_the_checkpoint_layer_is_the_native_draft(glm5_folder: Path) -> None:

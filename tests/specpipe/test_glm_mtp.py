@@ -12,21 +12,23 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from returns.result import Success
+from glm_mtp_support import (
+    check_carried_and_normed,
+    check_mtp_output_equals_plain,
+    layer_input,
+    seeded,
+    write_glm_folder,
+)
 from spec_support import PROMPTS, run
-from test_mtp import scaled
 
-from models.base import attention_mask, rope_offset
+from models.base import rope_offset
 from models.build import build_model
-from models.cache import KVCache
 from models.glm4_moe import Model
 from models.glm_mtp import GlmMtpHead, build_glm_mtp, head_weights
 from models.layers import flat_parameters
@@ -37,7 +39,7 @@ from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.mtp import MtpDrafter
 from specpipe.load import load as load_model
 from specpipe.load import save_folder
-from tests.cli.conftest import write_tiny_model
+from tests.models.decoder_support import parsed_args
 
 VOCAB = 97
 CONFIG: dict[str, Any] = {
@@ -70,53 +72,23 @@ SAMPLINGS = {
 
 
 def glm_args(**overrides: Any) -> Glm4MoeArgs:
-    parsed = glm4_moe_args({**CONFIG, **overrides}, "test")
-    assert isinstance(parsed, Success), parsed
-    args: Glm4MoeArgs = parsed.unwrap()
-    return args
+    return parsed_args(glm4_moe_args, {**CONFIG, **overrides}, "test")
+
+
+def tiny_glm() -> Model:
+    """The GLM-4.5 target: seed 1, its matrices scaled."""
+    model = seeded(lambda: build_model(glm_args()).unwrap(), 1)
+    assert isinstance(model, Model)
+    return model
 
 
 @pytest.fixture(scope="module")
 def target() -> Model:
-    mx.random.seed(1)
-    model = build_model(glm_args()).unwrap()
-    assert isinstance(model, Model)
-    scaled(model, 1)
-    return model
+    return tiny_glm()
 
 
 def random_head(seed: int) -> GlmMtpHead:
-    mx.random.seed(seed)
-    head = GlmMtpHead(glm_args())
-    scaled(head, seed)
-    return head
-
-
-def layer_input(
-    head: GlmMtpHead, embeds: mx.array, hidden: mx.array, offsets: Sequence[int]
-) -> tuple[mx.array, KVCache, mx.array]:
-    """What a GLM MTP head's layer reads, by the head's formula: fc over the
-    normed embeddings (a row's pair at position 0 blanked) and normed hidden
-    states; with a fresh cache of the head's and the window's mask."""
-    batch, length = embeds.shape[:2]
-    first = mx.array([offset == 0 for offset in offsets])[:, None, None]
-    blanked = mx.where(first & (mx.arange(length) == 0)[None, :, None], 0, embeds)
-    x = head.fc(
-        mx.concatenate(
-            [head.pre_fc_norm_embedding(blanked), head.pre_fc_norm_hidden(hidden)],
-            axis=-1,
-        )
-    )
-    cache = head.make_cache(batch)
-    cache.reserve(max(offsets) + length)
-    return x, cache, attention_mask(offsets, length, cache.key_span(offsets, length))
-
-
-def check_carried_and_normed(head: GlmMtpHead, out: mx.array) -> None:
-    """A chained step reads the layer's output itself; the draw reads its norm."""
-    normed = head.normed(out)
-    assert head.carried(out, normed) is out
-    assert mx.allclose(normed, head.norm(out)).item()
+    return seeded(lambda: GlmMtpHead(glm_args()), seed)
 
 
 def test_the_head_is_its_formula(target: Model) -> None:
@@ -139,13 +111,9 @@ def test_the_head_is_its_formula(target: Model) -> None:
 def test_glm_mtp_output_equals_plain(
     target: Model, sampling: str, depth: int, batch: int
 ) -> None:
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]][:batch]
-    params = SAMPLINGS[sampling]
-    plain, _ = run(target, prompts, params, max_tokens=14)
-    drafter = MtpDrafter(target, random_head(4))
-    spec, results = run(target, prompts, params, drafter, depth, max_tokens=14)
-    assert spec == plain
-    assert all(not r.metrics.draft_errors and r.metrics.drafted > 0 for r in results)
+    check_mtp_output_equals_plain(
+        target, lambda: random_head(4), SAMPLINGS[sampling], depth, batch
+    )
 
 
 def test_glm_mtp_with_a_draft_vocabulary(target: Model) -> None:
@@ -160,55 +128,17 @@ def test_glm_mtp_with_a_draft_vocabulary(target: Model) -> None:
 # --- a checkpoint in the HF layout ---------------------------------------------
 
 
-def checkpoint_names(target: Model, head: GlmMtpHead) -> dict[str, mx.array]:
-    """The target's and the head's weights as a GLM-4.5 checkpoint names
-    them: experts one by one, the MTP layer at `model.layers.{N}`."""
-    n = CONFIG["num_hidden_layers"]
-    out: dict[str, mx.array] = {}
-    renamed = {
-        "fc.": "eh_proj.",
-        "pre_fc_norm_embedding.": "enorm.",
-        "pre_fc_norm_hidden.": "hnorm.",
-        "norm.": "shared_head.norm.",
-        "layers.0.": "",
-    }
-    head_own = {}
-    for key, value in flat_parameters(head).items():
-        prefix = next(p for p in renamed if key.startswith(p))
-        head_own[renamed[prefix] + key[len(prefix) :]] = value
-    head_own["shared_head.head.weight"] = target.head_weights().weight
-    sources = [
-        (flat_parameters(target), ""),
-        (head_own, f"model.layers.{n}."),
-    ]
-    for weights, prefix in sources:
-        for key, value in weights.items():
-            key = prefix + key
-            if ".switch_mlp." in key:
-                stem, name = key.split(".switch_mlp.")
-                for e in range(value.shape[0]):
-                    out[f"{stem}.experts.{e}.{name}"] = value[e]
-            else:
-                out[key] = value
-    return out
-
-
 @pytest.fixture(scope="module")
 def glm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GLM-4.5 HF folder (320-token tokenizer) with its MTP layer."""
-    folder = tmp_path_factory.mktemp("glm") / "target"
-    write_tiny_model(folder)  # tokenizer files; config and weights replaced
-    config = {**CONFIG, "vocab_size": 320, "architectures": ["Glm4MoeForCausalLM"]}
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.random.seed(6)
-    model = build_model(glm_args(vocab_size=320)).unwrap()
-    assert isinstance(model, Model)
-    scaled(model, 6)
-    head = GlmMtpHead(glm_args(vocab_size=320))
-    scaled(head, 7)
-    weights = checkpoint_names(model, head)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    return folder
+    return write_glm_folder(
+        tmp_path_factory.mktemp("glm") / "target",
+        CONFIG,
+        "Glm4MoeForCausalLM",
+        glm_args,
+        Model,
+        GlmMtpHead,
+    )
 
 
 def test_the_checkpoint_layer_is_the_native_draft(glm_folder: Path) -> None:
@@ -274,10 +204,7 @@ def test_block_drafters_on_a_glm_target_are_plain_decoding(generation: int) -> N
 
     from specpipe.drafts.dflash import DFlashDrafter
 
-    mx.random.seed(1)
-    model = build_model(glm_args()).unwrap()
-    assert isinstance(model, Model)
-    scaled(model, 1)
+    model = tiny_glm()
     model.tap((0, 1))
     config = dflash_config() if generation == 1 else dflash2_config()
     drafter = DFlashDrafter(model, random_draft(config, seed=7))

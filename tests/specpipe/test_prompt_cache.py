@@ -36,7 +36,6 @@ from spec_support import PROMPTS, CollectSink, tiny_model
 from test_dflash import dflash2_config, dflash_config, random_draft
 from test_glm_mtp import glm_args
 from test_glm_mtp import random_head as glm_head
-from test_glm_mtp import scaled as glm_scaled
 from test_mtp import args as hybrid_args
 from test_mtp import random_head, scaled
 
@@ -110,7 +109,7 @@ def glm() -> CausalLM:
     """An attention-only GLM-4.5 MoE target, whose MTP head drafts for it."""
     mx.random.seed(1)
     model: CausalLM = build_model(glm_args()).unwrap()
-    glm_scaled(model, 1)
+    scaled(model, 1)
     return model
 
 
