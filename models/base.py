@@ -11,7 +11,7 @@ mask for a window.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -167,6 +167,23 @@ class CausalLM(Protocol):
 
 
 Mask = mx.array | str | None
+
+
+_Args = TypeVar("_Args", bound=DecoderArgs)
+
+
+def args_as(args: DecoderArgs, kind: type[_Args], model: str) -> _Args:
+    """A model's `args` (the protocol's type) as the record `kind` it is built
+    on; `model` names it in the assertion."""
+    assert isinstance(args, kind), f"{model} runs on {kind.__name__}"
+    return args
+
+
+def refuse(problem: str | None) -> None:
+    """Raises `ValueError(problem)` where a config has one (its layout
+    checker's: what the model cannot run, said with the values)."""
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def attention_mask(

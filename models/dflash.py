@@ -51,8 +51,8 @@ from models.layers import (
     Attention,
     BlockSpec,
     PreNormLayer,
+    decoder_cache,
     flat_parameters,
-    model_dtype,
 )
 from models.parallel import Linear
 from models.vocab_head import HeadWeights
@@ -444,13 +444,7 @@ class DFlashDraft(nn.Module):
 
     def make_cache(self, batch: int) -> KVCache:
         """The context keys / values of every layer, per row."""
-        return KVCache(
-            len(self.layers),
-            batch,
-            self.args.num_key_value_heads,
-            self.args.dim_per_head,
-            model_dtype(self),
-        )
+        return decoder_cache(self, self.args, len(self.layers), batch)
 
     def write_context(
         self,

@@ -258,6 +258,18 @@ class GatedDeltaMixer(nn.Module):
         self.norm = GatedRMSNorm(self.value_dim, args.rms_norm_eps)
         self.out_proj = Linear(values, args.hidden_size, bias=False)
 
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        """Key heads, value heads, key and value head widths, and value heads
+        per key head (`group`), in that order."""
+        return (
+            self.key_heads,
+            self.value_heads,
+            self.key_dim,
+            self.value_dim,
+            self.group,
+        )
+
     def project(
         self,
         x: mx.array,  # [B, L, H]
@@ -274,13 +286,7 @@ class GatedDeltaMixer(nn.Module):
         per_position: bool,
     ) -> tuple[mx.array, WindowStates]:  # [B, L, H], the window's states
         batch, length, _ = x.shape
-        hk, hv, dk, dv, r = (
-            self.key_heads,
-            self.value_heads,
-            self.key_dim,
-            self.value_dim,
-            self.group,
-        )
+        hk, hv, dk, dv, r = self.dims
         qkv, z, b, a = self.project(x)
         window = mx.concatenate(
             [conv_state, qkv.astype(conv_state.dtype)], axis=1
@@ -343,13 +349,7 @@ class GatedDeltaNet(GatedDeltaMixer):
         x: mx.array,  # [B, L, H]
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         batch, length, _ = x.shape
-        hk, hv, dk, dv, r = (
-            self.key_heads,
-            self.value_heads,
-            self.key_dim,
-            self.value_dim,
-            self.group,
-        )
+        hk, hv, dk, dv, r = self.dims
         # Per key head: [q, k, v (r heads), z (r heads)] and [b (r), a (r)].
         qkvz = self.in_proj_qkvz(x).reshape(batch, length, hk, 2 * dk + 2 * r * dv)
         ba = self.in_proj_ba(x).reshape(batch, length, hk, 2 * r)

@@ -89,10 +89,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from attrs import evolve, frozen
 
-from models.base import Mask, ModelOutput, Tapping, attention_mask, rope_offset
+from models.base import (
+    Mask,
+    ModelOutput,
+    Tapping,
+    args_as,
+    attention_mask,
+    refuse,
+    rope_offset,
+)
 from models.cache import KVCache
 from models.fuse import FusedProjection, fuse, fused_or_none
-from models.layers import model_dtype
+from models.layers import add_lm_head, model_dtype
 from models.parallel import Embedding, Linear
 from models.qwen3_next import SwitchGLU
 from models.vocab_head import HeadWeights, softcapped
@@ -661,21 +669,15 @@ class Model(nn.Module, Tapping):
     args: DecoderArgs
 
     def __init__(self, args: Gemma4Args) -> None:
-        problem = target_problem(args)
-        if problem is not None:
-            raise ValueError(problem)
+        refuse(target_problem(args))
         super().__init__()
         self.args = args
         self.model = Gemma4TextModel(args)
-        if not args.tie_word_embeddings:
-            # under the dict key only: `lm_head` is the protocol's method
-            self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
+        add_lm_head(self, args)
 
     @property
     def gemma(self) -> Gemma4Args:
-        args = self.args
-        assert isinstance(args, Gemma4Args), "gemma4 runs on Gemma4Args"
-        return args
+        return args_as(self.args, Gemma4Args, "gemma4")
 
     def __call__(
         self,

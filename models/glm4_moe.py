@@ -34,14 +34,13 @@ Reference: transformers `models/glm4_moe/modeling_glm4_moe.py`.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask
-from models.cache import KVCache, KVWrite
-from models.layers import MLP, Attention, BlockSpec, PreNormLayer
+from models.base import args_as, refuse
+from models.layers import MLP, Attention, AttentionBlock, BlockSpec
 from models.llama import Backbone, DecoderLM
 from models.qwen3_next import SwitchGLU, stack_experts, take_expert
 from schemas.hf import DecoderArgs
@@ -126,7 +125,7 @@ def make_mlp(args: MoeArgs, layer: int) -> MoE | MLP:
     return MLP(args.hidden_size, args.intermediate_size, False)
 
 
-class DecoderLayer(PreNormLayer):
+class DecoderLayer(AttentionBlock):
     """One GLM-4.5 decoder layer (also the MTP head's layer): attention into
     KV slot `kv_index` (default: `layer`), then the layer's MLP (dense or MoE
     per `layer`, see `make_mlp`)."""
@@ -145,27 +144,6 @@ class DecoderLayer(PreNormLayer):
         )
         self.self_attn = Attention(args, slot, spec)
         self.mlp = make_mlp(args, layer)
-
-    def __call__(
-        self,
-        x: mx.array,  # [B, L, H]
-        cache: KVCache,
-        offsets: Sequence[int],
-        mask: Mask,  # None, "causal" or [B, 1, L, S]
-        rope_at: int | mx.array,  # scalar or [B]
-    ) -> mx.array:  # [B, L, H]
-        return self.forward(
-            x, cache.writer(self.self_attn.kv_index, offsets), mask, rope_at
-        )
-
-    def forward(
-        self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array
-    ) -> mx.array:  # [B, L, H] -> [B, L, H]
-        """The layer with its keys/values stored by `write` (the cache's write
-        in `__call__`; a scatter at device-valued positions in a compiled step)."""
-        return self.residual(
-            x, lambda n: self.self_attn.attend(n, write, mask, rope_at), self.mlp
-        )
 
 
 class Glm4MoeModel(Backbone):
@@ -187,9 +165,7 @@ class MoeLM(DecoderLM):
 
     @property
     def moe(self) -> MoeArgs:
-        args = self.args
-        assert isinstance(args, MoeArgs), "a GLM MoE model runs on MoeArgs"
-        return args
+        return args_as(self.args, MoeArgs, "a GLM MoE model")
 
     def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """HF / MLX checkpoint names -> this model's parameter names (no MTP
@@ -209,16 +185,12 @@ class Model(MoeLM):
     """The causal LM: implements `models.base.CausalLM`."""
 
     def __init__(self, args: Glm4MoeArgs) -> None:
-        problem = layout_problem(args)
-        if problem is not None:
-            raise ValueError(problem)
+        refuse(layout_problem(args))
         super().__init__(args, Glm4MoeModel(args))
 
     @property
     def glm(self) -> Glm4MoeArgs:
-        args = self.args
-        assert isinstance(args, Glm4MoeArgs), "glm4_moe runs on Glm4MoeArgs"
-        return args
+        return args_as(self.args, Glm4MoeArgs, "glm4_moe")
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -61,7 +61,7 @@ import mlx.nn as nn
 from attrs import evolve
 
 from models import glm4_moe
-from models.base import Mask, RoPE, run_stack
+from models.base import Mask, RoPE, args_as, refuse, run_stack
 from models.cache import KVCache, KVWrite, position_mask
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.layers import PreNormLayer, model_dtype
@@ -343,16 +343,12 @@ class Model(glm4_moe.MoeLM):
     `split_mtp` are GLM-4.5's: the checkpoint's MTP layer kept apart)."""
 
     def __init__(self, args: GlmMoeDsaArgs) -> None:
-        problem = layout_problem(args)
-        if problem is not None:
-            raise ValueError(problem)
+        refuse(layout_problem(args))
         super().__init__(args, GlmMoeDsaModel(args))
 
     @property
     def glm(self) -> GlmMoeDsaArgs:
-        args = self.args
-        assert isinstance(args, GlmMoeDsaArgs), "glm_moe_dsa runs on GlmMoeDsaArgs"
-        return args
+        return args_as(self.args, GlmMoeDsaArgs, "glm_moe_dsa")
 
     def make_cache(self, batch: int) -> KVCache:
         """One latent "head" per layer: keys [normed latent | rotated key],

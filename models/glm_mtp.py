@@ -70,6 +70,7 @@ import mlx.nn as nn
 from returns.result import Failure, Result
 
 from models import glm_moe_dsa
+from models.base import args_as
 from models.cache import KVCache
 from models.glm4_moe import DecoderLayer
 from models.layers import model_dtype
@@ -170,9 +171,7 @@ class GlmDsaMtpHead(GlmMtpHead):
 
     @property
     def dsa(self) -> GlmMoeDsaArgs:
-        args = self.args
-        assert isinstance(args, GlmMoeDsaArgs), "GLM-5's head runs on GlmMoeDsaArgs"
-        return args
+        return args_as(self.args, GlmMoeDsaArgs, "GLM-5's head")
 
     def make_cache(self, batch: int) -> KVCache:
         """The target's layout (`glm_moe_dsa.Model.make_cache`): one latent

@@ -3,12 +3,15 @@
 The three families differ only in which projections carry a bias and in
 whether q and k are RMS-normalised per head before RoPE (qwen3). `BlockSpec`
 states those choices as data, so a model file declares its differences
-instead of repeating the layers.
+instead of repeating the layers. `AttentionBlock` (attention, then an MLP) is
+GLM-4.5's and Qwen3-Next's attention layer too; `add_lm_head` and
+`decoder_cache` are what their causal LMs' heads and caches share.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,6 +59,48 @@ class PreNormLayer(nn.Module):
     ) -> mx.array:  # [B, L, H]
         h = x + mix(self.input_layernorm(x))
         return h + mlp(self.post_attention_layernorm(h))
+
+
+class WindowAttention(Protocol):
+    """An attention an `AttentionBlock` holds: its slot in the KV cache, and
+    its forward with the window's keys/values stored by `write`."""
+
+    kv_index: int
+
+    def attend(
+        self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array
+    ) -> mx.array: ...  # [B, L, H] -> [B, L, H]
+
+
+class AttentionBlock(PreNormLayer):
+    """A pre-norm decoder layer of an attention `self_attn` then an `mlp`
+    (llama's block, GLM-4.5's layer, Qwen3-Next's full-attention layer): a
+    family's `__init__` sets the two."""
+
+    self_attn: WindowAttention
+    mlp: Callable[[mx.array], mx.array]
+
+    def __call__(
+        self,
+        x: mx.array,  # [B, L, H]
+        cache: KVCache,
+        offsets: Sequence[int],
+        mask: Mask,  # None, "causal" or [B, 1, L, S]
+        rope_at: int | mx.array,  # scalar or [B]
+    ) -> mx.array:  # [B, L, H]
+        return self.forward(
+            x, cache.writer(self.self_attn.kv_index, offsets), mask, rope_at
+        )
+
+    def forward(
+        self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array
+    ) -> mx.array:  # [B, L, H] -> [B, L, H]
+        """The layer with its keys/values stored by `write` (the cache's write
+        in `__call__`; a scatter at device-valued positions in an MTP head's
+        compiled step)."""
+        return self.residual(
+            x, lambda n: self.self_attn.attend(n, write, mask, rope_at), self.mlp
+        )
 
 
 class MLP(nn.Module):
@@ -167,6 +212,26 @@ class Attention(nn.Module):
             q, keys, values, scale=self.scale, mask=mask
         )  # [B, Hq, L, D]
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+def add_lm_head(lm: nn.Module, args: DecoderArgs) -> None:
+    """Gives `lm` its own vocabulary projection (`lm_head.weight`) unless
+    `args` ties it to the embedding."""
+    if not args.tie_word_embeddings:
+        # `lm_head` is also the name of the protocol method, so the
+        # projection lives only under the module's dict key; that key is
+        # what parameter names use, so `lm_head.weight` loads unchanged.
+        lm["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+
+def decoder_cache(
+    module: nn.Module, args: DecoderArgs, layers: int, batch: int
+) -> KVCache:
+    """An empty KV cache of `layers` slots for `batch` rows: `args`' KV heads
+    and head width, in the dtype `module` computes in."""
+    return KVCache(
+        layers, batch, args.num_key_value_heads, args.dim_per_head, model_dtype(module)
+    )
 
 
 def flat_parameters(module: nn.Module) -> dict[str, mx.array]:

@@ -13,31 +13,26 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.base import Mask, ModelOutput, StackLayer, Tapping, run_stack
+from models.base import ModelOutput, StackLayer, Tapping, run_stack
 from models.cache import KVCache
-from models.layers import MLP, Attention, BlockSpec, PreNormLayer, model_dtype
-from models.parallel import Embedding, Linear
+from models.layers import (
+    MLP,
+    Attention,
+    AttentionBlock,
+    BlockSpec,
+    add_lm_head,
+    decoder_cache,
+)
+from models.parallel import Embedding
 from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 
 
-class TransformerBlock(PreNormLayer):
+class TransformerBlock(AttentionBlock):
     def __init__(self, args: DecoderArgs, layer: int, spec: BlockSpec) -> None:
         super().__init__(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer, spec)
         self.mlp = MLP(args.hidden_size, args.intermediate_size, spec.mlp_bias)
-
-    def __call__(
-        self,
-        x: mx.array,  # [B, L, H]
-        cache: KVCache,
-        offsets: Sequence[int],
-        mask: Mask,  # None, "causal" or [B, 1, L, S]
-        rope_at: int | mx.array,  # scalar or [B]
-    ) -> mx.array:  # [B, L, H]
-        return self.residual(
-            x, lambda n: self.self_attn(n, cache, offsets, mask, rope_at), self.mlp
-        )
 
 
 class Backbone(nn.Module):
@@ -87,11 +82,7 @@ class DecoderLM(nn.Module, Tapping):
         super().__init__()
         self.args = args
         self.model = backbone
-        if not args.tie_word_embeddings:
-            # `lm_head` is also the name of the protocol method, so the
-            # projection lives only under the module's dict key; that key is
-            # what parameter names use, so `lm_head.weight` loads unchanged.
-            self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
+        add_lm_head(self, args)
 
     def __call__(
         self,
@@ -108,13 +99,7 @@ class DecoderLM(nn.Module, Tapping):
         )
 
     def make_cache(self, batch: int) -> KVCache:
-        return KVCache(
-            self.args.num_hidden_layers,
-            batch,
-            self.args.num_key_value_heads,
-            self.args.dim_per_head,
-            model_dtype(self),
-        )
+        return decoder_cache(self, self.args, self.args.num_hidden_layers, batch)
 
     def embed(self, ids: mx.array) -> mx.array:  # [B, L] -> [B, L, H]
         return self.model.embed_tokens(ids)

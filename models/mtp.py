@@ -49,7 +49,7 @@ from models.base import attention_mask, rope_offset
 from models.build import quantized_layers, row_major
 from models.cache import KVCache, position_mask, scatter_window
 from models.fuse import fuse_projections
-from models.layers import flat_parameters, model_dtype
+from models.layers import decoder_cache, flat_parameters
 from models.parallel import Linear
 from models.qwen3_next import AttentionLayer
 from schemas.errors import LoadError
@@ -185,13 +185,7 @@ class MtpHead(nn.Module):
         return target.project(self.normed(out))
 
     def make_cache(self, batch: int) -> KVCache:
-        return KVCache(
-            len(self.layers),
-            batch,
-            self.args.num_key_value_heads,
-            self.args.dim_per_head,
-            model_dtype(self),
-        )
+        return decoder_cache(self, self.args, len(self.layers), batch)
 
 
 @frozen

@@ -30,12 +30,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models import cpu_kernel
-from models.base import Mask, ModelOutput, RoPE, Tapping, attention_mask, rope_offset
+from models.base import (
+    Mask,
+    ModelOutput,
+    RoPE,
+    Tapping,
+    args_as,
+    attention_mask,
+    rope_offset,
+)
 from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
-from models.layers import MLP, PreNormLayer, model_dtype
+from models.layers import MLP, AttentionBlock, PreNormLayer, add_lm_head, model_dtype
 from models.parallel import (
     Embedding,
     Linear,
@@ -349,33 +357,14 @@ def make_mlp(args: HybridArgs, layer: int) -> SparseMoeBlock | MLP:
     return MLP(args.hidden_size, args.intermediate_size, False)
 
 
-class AttentionLayer(PreNormLayer):
-    """A full-attention decoder layer (also the MTP head's layer)."""
+class AttentionLayer(AttentionBlock):
+    """A full-attention decoder layer (also the MTP head's layer):
+    `GatedAttention`, then the layer's MLP."""
 
     def __init__(self, args: HybridArgs, layer: int, kv_index: int) -> None:
         super().__init__(args.hidden_size, args.rms_norm_eps)
         self.self_attn = GatedAttention(args, kv_index)
         self.mlp = make_mlp(args, layer)
-
-    def __call__(
-        self,
-        x: mx.array,  # [B, L, H]
-        cache: KVCache,
-        offsets: Sequence[int],
-        mask: Mask,
-        rope_at: int | mx.array,
-    ) -> mx.array:  # [B, L, H]
-        return self.forward(
-            x, cache.writer(self.self_attn.kv_index, offsets), mask, rope_at
-        )
-
-    def forward(
-        self, x: mx.array, write: KVWrite, mask: Mask, rope_at: int | mx.array
-    ) -> mx.array:  # [B, L, H] -> [B, L, H]
-        """The layer with its keys/values stored by `write` (GatedAttention.attend)."""
-        return self.residual(
-            x, lambda n: self.self_attn.attend(n, write, mask, rope_at), self.mlp
-        )
 
 
 class LinearLayer(PreNormLayer):
@@ -473,10 +462,7 @@ class Model(nn.Module, Tapping):
         super().__init__()
         self.args = args
         self.model = Qwen3NextModel(args, mixer)
-        if not args.tie_word_embeddings:
-            # As in models/llama.py: the projection lives under the dict key
-            # only, since `lm_head` is also the protocol method's name.
-            self["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
+        add_lm_head(self, args)
 
     def __call__(
         self,
@@ -500,9 +486,7 @@ class Model(nn.Module, Tapping):
 
     @property
     def hybrid(self) -> HybridArgs:
-        args = self.args
-        assert isinstance(args, HybridArgs), "qwen3_next runs on HybridArgs"
-        return args
+        return args_as(self.args, HybridArgs, "qwen3_next")
 
     def make_cache(self, batch: int) -> HybridCache:
         args = self.hybrid
