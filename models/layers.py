@@ -4,8 +4,9 @@ The three families differ only in which projections carry a bias and in
 whether q and k are RMS-normalised per head before RoPE (qwen3). `BlockSpec`
 states those choices as data, so a model file declares its differences
 instead of repeating the layers. `AttentionBlock` (attention, then an MLP) is
-GLM-4.5's and Qwen3-Next's attention layer too; `add_lm_head` and
-`decoder_cache` are what their causal LMs' heads and caches share.
+GLM-4.5's and Qwen3-Next's attention layer too; `HeadedLM`
+(embedding and vocabulary head), `add_lm_head` and `decoder_cache` are what
+their causal LMs share.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from models.base import Mask, RoPE
 from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.parallel import Linear
+from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 
 
@@ -222,6 +224,51 @@ def add_lm_head(lm: nn.Module, args: DecoderArgs) -> None:
         # projection lives only under the module's dict key; that key is
         # what parameter names use, so `lm_head.weight` loads unchanged.
         lm["lm_head"] = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+
+class HeadedBackbone(Protocol):
+    """What `HeadedLM` reads of its backbone."""
+
+    embed_tokens: nn.Embedding | nn.QuantizedEmbedding
+    norm: nn.RMSNorm
+
+
+class HeadedLM(nn.Module):
+    """A causal LM's token embedding and vocabulary head over its backbone
+    (`model`: `embed_tokens`, the final `norm`) and `args` (tied or own
+    `lm_head`): llama's family and Qwen3-Next's share them. A subclass
+    narrows `model` to its backbone's class, which it calls."""
+
+    args: DecoderArgs
+    model: HeadedBackbone
+
+    def __init__(self, args: DecoderArgs, backbone: HeadedBackbone) -> None:
+        super().__init__()
+        self.args = args
+        self.model = backbone
+        add_lm_head(self, args)
+
+    def embed(self, ids: mx.array) -> mx.array:  # [B, L] -> [B, L, H]
+        return self.model.embed_tokens(ids)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
+        return self.project(self.final_norm(hidden))
+
+    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
+        return self.model.norm(hidden)
+
+    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
+        """The vocabulary projection alone (an MTP head brings its own norm)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(normed)
+        projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
+        return projection(normed)
+
+    def head_weights(self) -> HeadWeights:
+        """The vocabulary projection (the embedding when tied) as arrays."""
+        if self.args.tie_word_embeddings:
+            return HeadWeights.of(self.model.embed_tokens)
+        return HeadWeights.of(self["lm_head"])
 
 
 def decoder_cache(

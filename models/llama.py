@@ -20,11 +20,10 @@ from models.layers import (
     Attention,
     AttentionBlock,
     BlockSpec,
-    add_lm_head,
+    HeadedLM,
     decoder_cache,
 )
 from models.parallel import Embedding
-from models.vocab_head import HeadWeights
 from schemas.hf import DecoderArgs
 
 
@@ -72,17 +71,15 @@ class LlamaModel(Backbone):
         )
 
 
-class DecoderLM(nn.Module, Tapping):
+class DecoderLM(HeadedLM, Tapping):
     """A causal LM over a `Backbone` and a KV cache: implements
     `models.base.CausalLM` (a model class adds its backbone and `sanitize`)."""
 
     padding_safe = True
+    model: Backbone
 
     def __init__(self, args: DecoderArgs, backbone: Backbone) -> None:
-        super().__init__()
-        self.args = args
-        self.model = backbone
-        add_lm_head(self, args)
+        super().__init__(args, backbone)
 
     def __call__(
         self,
@@ -100,28 +97,6 @@ class DecoderLM(nn.Module, Tapping):
 
     def make_cache(self, batch: int) -> KVCache:
         return decoder_cache(self, self.args, self.args.num_hidden_layers, batch)
-
-    def embed(self, ids: mx.array) -> mx.array:  # [B, L] -> [B, L, H]
-        return self.model.embed_tokens(ids)
-
-    def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        return self.project(self.final_norm(hidden))
-
-    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
-        return self.model.norm(hidden)
-
-    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        """The vocabulary projection alone (an MTP head brings its own norm)."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(normed)
-        projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
-        return projection(normed)
-
-    def head_weights(self) -> HeadWeights:
-        """The vocabulary projection (the embedding when tied) as arrays."""
-        if self.args.tie_word_embeddings:
-            return HeadWeights.of(self.model.embed_tokens)
-        return HeadWeights.of(self["lm_head"])
 
 
 class Model(DecoderLM):

@@ -43,7 +43,7 @@ from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
-from models.layers import MLP, AttentionBlock, PreNormLayer, add_lm_head, model_dtype
+from models.layers import MLP, AttentionBlock, HeadedLM, PreNormLayer, model_dtype
 from models.parallel import (
     Embedding,
     Linear,
@@ -51,8 +51,6 @@ from models.parallel import (
     dequantized,
     other_groups,
 )
-from models.vocab_head import HeadWeights
-from schemas.hf import DecoderArgs
 from schemas.hf_hybrid import LINEAR_ATTENTION, HybridArgs
 
 # Windows up to this length keep the recurrent state after every position
@@ -449,20 +447,17 @@ class Qwen3NextModel(nn.Module):
         return h, windows
 
 
-class Model(nn.Module, Tapping):
-    """The causal LM: implements `models.base.CausalLM`."""
+class Model(HeadedLM, Tapping):
+    """The causal LM: implements `models.base.CausalLM` (its `args` the
+    protocol's type, always a HybridArgs here: see `hybrid`)."""
 
     padding_safe = False
-    # The protocol's type; always a HybridArgs here (see `hybrid`).
-    args: DecoderArgs
+    model: Qwen3NextModel
 
     def __init__(
         self, args: HybridArgs, mixer: type[GatedDeltaMixer] = GatedDeltaNet
     ) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Qwen3NextModel(args, mixer)
-        add_lm_head(self, args)
+        super().__init__(args, Qwen3NextModel(args, mixer))
 
     def __call__(
         self,
@@ -515,28 +510,6 @@ class Model(nn.Module, Tapping):
             [mx.zeros(conv_shape, dtype) for _ in range(linear)],
             [mx.zeros(state_shape, mx.float32) for _ in range(linear)],
         )
-
-    def embed(self, ids: mx.array) -> mx.array:  # [B, L] -> [B, L, H]
-        return self.model.embed_tokens(ids)
-
-    def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        return self.project(self.final_norm(hidden))
-
-    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
-        return self.model.norm(hidden)
-
-    def head_weights(self) -> HeadWeights:
-        """The vocabulary projection (the embedding when tied) as arrays."""
-        if self.args.tie_word_embeddings:
-            return HeadWeights.of(self.model.embed_tokens)
-        return HeadWeights.of(self["lm_head"])
-
-    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        """The vocabulary projection alone (the MTP head brings its own norm)."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(normed)
-        projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
-        return projection(normed)
 
     def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """HF / MLX checkpoint names -> this model's parameter names (no `mtp.*`)."""
