@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 import torch
-from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Result
 
 from models.base import ModelOutput
@@ -30,7 +29,7 @@ from specpipe.drafts.ngram import NgramDrafter
 from specpipe.load import args_from_config
 from specpipe.loop import RowResult
 from tests.models.hybrid_support import as_np, forward, hf_logits
-from tests.specpipe.spec_support import PROMPTS, run
+from tests.specpipe.spec_support import PROMPTS, run, scale_matrices
 
 M = TypeVar("M")
 
@@ -132,15 +131,7 @@ def scaled_model(args: Any, kind: type[M], seed: int = 1, gain: float = 2.5) -> 
     mx.random.seed(seed)
     model = build_model(args).unwrap()
     assert isinstance(model, kind)
-    model.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim >= 2 else v)
-                for k, v in tree_flatten(model.parameters())
-            ]
-        )
-    )
-    mx.eval(model.parameters())
+    scale_matrices(model, gain, stacked=True)
     return model
 
 

@@ -61,12 +61,14 @@ def tiny_args(**overrides: Any) -> DecoderArgs:
 GAIN = 2.5
 
 
-def scale_matrices(module: Any, gain: float) -> None:
-    """Every matrix (2-D parameter) of `module` times `gain`, evaluated."""
+def scale_matrices(module: Any, gain: float, stacked: bool = False) -> None:
+    """Every matrix (2-D parameter) of `module` times `gain`, evaluated;
+    `stacked`: every parameter of two or more dimensions (experts' stacks
+    too)."""
     module.update(
         tree_unflatten(
             [
-                (k, v * gain if v.ndim == 2 else v)
+                (k, v * gain if (v.ndim >= 2 if stacked else v.ndim == 2) else v)
                 for k, v in tree_flatten(module.parameters())
             ]
         )

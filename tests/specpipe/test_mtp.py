@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
-from spec_support import run
+from spec_support import run, scale_matrices
 
 from models.build import build_model
 from models.mtp import MtpHead
@@ -54,15 +54,7 @@ def args() -> HybridArgs:
 def scaled(module: Any, seed: int, gain: float = 2.5) -> None:
     """Every matrix times `gain`: varied greedy output, peaked sampling."""
     mx.random.seed(seed)
-    module.update(
-        tree_unflatten(
-            [
-                (k, v * gain if v.ndim >= 2 else v)
-                for k, v in tree_flatten(module.parameters())
-            ]
-        )
-    )
-    mx.eval(module.parameters())
+    scale_matrices(module, gain, stacked=True)
 
 
 @pytest.fixture(scope="module")
