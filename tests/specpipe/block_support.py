@@ -1,8 +1,8 @@
 """Shared pieces of the block drafters' tests (test_dflash.py, test_dspark.py,
 test_dspark_gemma4.py; their `tapped` target is conftest.py's): the target's
 features of a prompt, feature rows right-padded, fresh row states, a draft's
-context written in two chunks, a draft saved as an artifact folder and a
-target to bind it to; and the checks a block drafter passes: its output is
+context written in two chunks, and a target to bind a draft folder to
+(spec_support.write_artifact writes one); and the checks a block drafter passes: its output is
 plain decoding's, a prompt-cache resume drafts as a fresh run does, and (for
 DSpark, on any target) a commit leaves the draft of a fresh open, an artifact
 binds with its block width, and one that does not fit is refused.
@@ -10,14 +10,12 @@ binds with its block width, and one that does not fit is refused.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from returns.result import Failure, Success
 from spec_support import PROMPTS, PlainReference, run
 
@@ -207,16 +205,6 @@ def check_a_commit_leaves_a_fresh_open(
 
 
 # --- binding ---------------------------------------------------------------------
-
-
-def write_artifact(folder: Path, config: dict[str, Any], draft: Any) -> Path:
-    """`draft`'s weights and `config` as a draft folder."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
-    )
-    return folder
 
 
 def as_target(model: Any) -> Any:

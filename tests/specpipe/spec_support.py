@@ -1,5 +1,6 @@
 """Support for the pipeline tests: tiny random models, collecting sinks,
-scripted drafters, and a runner with a cache of plain-decoding references.
+scripted drafters, a runner with a cache of plain-decoding references, and a
+draft's weights and config written as a draft folder (`write_artifact`).
 
 Every model here is a 2-layer, hidden-64 qwen2 with a 97-token vocabulary and
 random weights from a fixed `mx.random.seed`, small enough that a whole
@@ -8,8 +9,10 @@ generation takes well under a second on a CPU.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -74,6 +77,16 @@ def scale_matrices(module: Any, gain: float, stacked: bool = False) -> None:
         )
     )
     mx.eval(module.parameters())
+
+
+def write_artifact(folder: Path, config: dict[str, Any], draft: Any) -> Path:
+    """`draft`'s weights and `config` as a draft folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(
+        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
+    )
+    return folder
 
 
 def tiny_model(seed: int, gain: float = GAIN, **overrides: Any) -> CausalLM:

@@ -29,7 +29,7 @@ import pytest
 import torch
 from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
-from spec_support import PROMPTS, run, tiny_model
+from spec_support import PROMPTS, run, tiny_model, write_artifact
 from test_prompt_cache import NEW_TURN, generate
 
 from bindings.kinds import default_registry
@@ -248,15 +248,6 @@ def test_the_prompt_cache_resumes_the_assistant(shared: Model) -> None:
 
 
 # --- binding -------------------------------------------------------------------
-
-
-def write_artifact(folder: Path, config: dict[str, Any], draft: Assistant) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(
-        str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters()))
-    )
-    return folder
 
 
 def load_request(target: Any, folder: Path, **extra: Any) -> DraftLoadRequest:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from returns.result import Failure, Success
-from spec_support import PROMPTS, run
+from spec_support import PROMPTS, run, write_artifact
 from test_assistant import (
     SAMPLINGS,
     check_pipeline_load,
@@ -33,7 +33,6 @@ from test_assistant import (
     random_assistant,
     shared,  # noqa: F401  (the plain Gemma-4 target fixture)
     transformers_first_round,
-    write_artifact,
 )
 
 from bindings.kinds import default_registry

@@ -25,10 +25,18 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from block_support import as_target, check_output_is_plain, start_rows, write_artifact
+from block_support import as_target, check_output_is_plain, start_rows
 from mlx.utils import tree_flatten
 from returns.result import Failure, Success
-from spec_support import PROMPTS, VOCAB, PlainReference, run, scale_matrices, tiny_model
+from spec_support import (
+    PROMPTS,
+    VOCAB,
+    PlainReference,
+    run,
+    scale_matrices,
+    tiny_model,
+    write_artifact,
+)
 
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest

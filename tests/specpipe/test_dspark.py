@@ -35,11 +35,18 @@ from block_support import (
     features,
     start_rows,
     two_rows_in_context,
-    write_artifact,
 )
 from mlx.utils import tree_flatten
 from returns.result import Success
-from spec_support import PROMPTS, VOCAB, PlainReference, run, scale_matrices, tiny_model
+from spec_support import (
+    PROMPTS,
+    VOCAB,
+    PlainReference,
+    run,
+    scale_matrices,
+    tiny_model,
+    write_artifact,
+)
 from test_dflash import reference_block
 
 from bindings.kinds import default_registry

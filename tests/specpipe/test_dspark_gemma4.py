@@ -42,11 +42,10 @@ from block_support import (
     features,
     start_rows,
     two_rows_in_context,
-    write_artifact,
 )
 from mlx.utils import tree_flatten, tree_unflatten
 from returns.result import Failure, Success
-from spec_support import PROMPTS, PlainReference, run, tiny_model
+from spec_support import PROMPTS, PlainReference, run, tiny_model, write_artifact
 
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest
