@@ -32,12 +32,13 @@ from returns.result import Failure
 from models.gemma4 import Model
 from models.gemma4_assistant import Assistant
 from models.layers import flat_parameters
-from schemas.errors import ConfigError, LoadError
+from schemas.errors import ConfigError
 from schemas.hf_gemma4 import gemma4_args
 from schemas.hf_gemma4_assistant import assistant_args
-from specpipe.load import args_from_config, load, save_folder
+from specpipe.load import load, save_folder
 from tests.cli.conftest import write_tiny_model
 from tests.models import test_gemma4 as gemma4
+from tests.models.parity_support import check_refused_config
 from tests.models.test_gemma4 import (
     CASES,
     TINY,
@@ -192,14 +193,7 @@ def test_configs_it_cannot_run_are_errors_naming_the_key(
     if wrapped:  # the multimodal config, its text part nested
         top = {"quantization_config": raw.pop("quantization_config", None)}
         raw = {"model_type": "gemma4_unified", "text_config": raw, **top}
-    parsed_args = gemma4_args(raw, "cfg.json")
-    assert isinstance(parsed_args, Failure), overrides
-    error = parsed_args.failure()
-    assert isinstance(error, ConfigError)
-    assert error.message.startswith("cfg.json: ") and named in error.message, error
-    loaded = args_from_config(raw, "cfg.json")
-    assert isinstance(loaded, Failure) and isinstance(loaded.failure(), LoadError)
-    assert loaded.failure().message == error.message
+    check_refused_config(gemma4_args, raw, named)
 
 
 # --- parity -----------------------------------------------------------------
