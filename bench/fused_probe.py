@@ -233,23 +233,6 @@ _SWITCHES = [
         "DRAW_RUNS",
         "a sampled draw's head runs sorted interleaved, first stages skipped",
     ),
-    (
-        "fc-split",
-        "FC_SPLIT",
-        "a later step's fc hidden half summed during the last step's draw",
-    ),
-    (
-        "down-ahead",
-        "DOWN_AHEAD",
-        "the down product's rows asked of L2 ahead, its residual read early",
-    ),
-    ("o-ahead", "O_AHEAD", "o_proj's residuals read before its product"),
-    ("stage-batch", "STAGE_BATCH", "a staging's loads all issued before its stores"),
-    (
-        "whole-rolled",
-        "WHOLE_ROLLED",
-        "a sampled draw's rare whole-list merge rolled (compact code)",
-    ),
 ]
 
 

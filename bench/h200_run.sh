@@ -176,6 +176,11 @@
 # (forty-first session: no device lent (twelve requests started no machine, three refused). Next: call 1 as
 #  above, then call 2 (carry .whlB) `bash bench/h200_run.sh setup-min plan`: the fortieth session's calls 2
 #  and 3 in one, in priority order, each part only where the call has time left (BUDGET, 540 s))
+# (forty-second session: the sixth request for an H200 got an H100; `BUDGET=520 setup-min plan` (that step since
+#  removed): its first two runs, the defaults, hit LIMIT=60 on the fresh machine (the first ncu run compiles
+#  MLX's kernels: give a fresh machine's first run 150 s), the agreement run too; then `EXPERTS=512
+#  SETS=none SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=110 switches` and the
+#  sets apart, and SETS=none at DEPTHS=3: no switch faster (FC_SPLIT,FAST_PROLOGUE slower), all six removed)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -362,22 +367,6 @@ for step in "$@"; do
         bash $0 device
       done
     done
-    ;;
-  plan)  # the prepared switches (fortieth session's plan) in priority order, a part only where the call
-    # has its worst case left (BUDGET: seconds this step may take, 540): the five on against the defaults
-    # (512 experts, both samplings), their drafts, the derived rounds, then the sets apart and WHOLE_ROLLED
-    t0=$SECONDS
-    fits() { [ $(( ${BUDGET:-540} - (SECONDS - t0) )) -ge $1 ] || { echo "PLAN: no time for $2"; false; }; }
-    all5=FC_SPLIT,FAST_PROLOGUE,DOWN_AHEAD,O_AHEAD,STAGE_BATCH
-    fits 240 "the five against the defaults" && EXPERTS=512 SETS="none $all5" SAMPLINGS="greedy qwen" \
-        NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=60 bash $0 switches
-    fits 150 "their drafts" && EXPERTS=64 ROWS=1 SAMPLINGS=greedy,qwen PROBE_TAG=-ahead LIMIT=150 \
-        PROBE_FLAGS="--fc-split --down-ahead --o-ahead --stage-batch" bash $0 agree
-    fits 120 "the derived rounds" && SWITCHES=$all5 ROWS=1 DEPTHS=1,2 LIMIT=60 bash $0 derive-check
-    fits 240 "the sets apart" && EXPERTS=512 SETS="DOWN_AHEAD,O_AHEAD,STAGE_BATCH FC_SPLIT,FAST_PROLOGUE" \
-        SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=60 bash $0 switches
-    fits 60 "WHOLE_ROLLED" && EXPERTS=512 SETS="$all5,WHOLE_ROLLED" SAMPLINGS=qwen NO_AGREE=1 DEPTHS=2 \
-        CONTEXT=48 REPEATS=8 LIMIT=60 bash $0 switches
     ;;
   merge)  # a sampled step's merges, the warps' runs pairwise (TREE_MERGE, on) and in turn: time, drafts
     SETS=${SETS:-none -TREE_MERGE} SAMPLINGS=qwen NO_AGREE=1 bash $0 switches

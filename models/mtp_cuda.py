@@ -400,57 +400,6 @@ REDUX_TOPK = True
 # With ATT_PIPE off it spills 8 bytes at three sampled rows (not an arm
 # the tests compile).
 SHARED_CDF = True
-# Whether a launch's later steps take fc's hidden half ahead: the block's
-# warps (sampled: all but warp 0, while it draws the step's last row;
-# greedy: all, between the block's arrival at the grid barrier before the
-# draw and its wait there, split for it) sum this
-# block's fc rows over the step's normed output (rounded to the weights'
-# dtype, as the next step reads it, times the fc norm's weights), and the
-# next step's fc product reads only the token's half, adding those sums
-# times the hidden norm's scale. A launch's first step is as before, and
-# launches of three rows or more (where the sampled round would spill).
-FC_SPLIT = False
-# Whether a round's launch that derives its inputs on the device
-# (DERIVED_INPUTS) issues every load of its prologue at once: per row (a
-# warp, a lane per slot) its drafts, the verify window's draws and the last
-# launch's state, thread 0 the step count and the grid barrier's counter;
-# the accepted count by a ballot, the tail's ids by shuffles from the draws.
-# The old prologue waits on about four DRAM round trips in a row after the
-# verify forward (L2 flushed): the drafts and draws one pair per accepted
-# draft, the state, the tail's ids after a block barrier, the counter. The
-# same inputs (a window past 32 draws takes the old path).
-FAST_PROLOGUE = False
-# Whether the MoE's down product asks L2 for each warp's rows (the chosen
-# experts' and the shared expert's) before the grid barrier ahead of it
-# (their DRAM round trip under the barrier's wait), and reads
-# each row's residual with its weights (every lane) instead of after the
-# warp's sum (lane 0: an L2 round trip more per row, two rows a warp a
-# step). nvdisasm: ptxas keeps only part of a row's 22 loads in flight (the
-# rest issued after the first sums wait on DRAM): a second round trip per
-# row, which the prefetch makes an L2 hit. The same sums in the same order.
-# One row only (this and the next two: two and three rows spilled with them).
-DOWN_AHEAD = False
-# Whether o_proj's phase reads the residuals of each warp's first two rows
-# (the hidden state it adds to) before the product instead of after the
-# warp's sums (nvdisasm: lane 0's two loads one after another at the phase's
-# end, two L2 round trips before the grid barrier). The same sums. One row.
-O_AHEAD = False
-# Whether a staging of scratch vectors from L2 into shared memory (o_proj's
-# input, the down product's expert and shared activations, a dense MLP's
-# down input) issues each thread's loads before its stores (one row, where a
-# thread has at most eight).
-# nvdisasm: without it each thread's four or five iterations run through the
-# unrolled loop's remainder, a load, its store, then the next load: four or
-# five L2 round trips in a row per staging, three stagings a MoE step. The
-# same values.
-STAGE_BATCH = False
-# Whether a sampled draw's rarely run path (a block with all its best HK
-# among the row's best KC: the blocks' whole lists merged) is a rolled loop
-# (one list a warp in flight, merges and the warps' merge rolled) instead of
-# unrolled: the same candidates in the same merge order, ~20 KB less code in
-# a sampled step (of 29.5 KB of draw at Qwen3-Next's sizes), which tells
-# whether the sampled step's slower common stretches are its code's fetch.
-WHOLE_ROLLED = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -621,19 +570,6 @@ __device__ __forceinline__ void grid_sync(u64* bar, u64& goal, bool& gave_up) {
   __syncthreads();
 }
 
-// `grid_sync` in two halves, for work between a block's arrival and its
-// wait that reads nothing other blocks write in the phase (`FC_SPLIT`).
-template <bool ACQ_REL = true>
-__device__ __forceinline__ void grid_arrive(u64* bar, u64& goal) {
-  __syncthreads();
-  if (threadIdx.x == 0) grid_count_in<ACQ_REL>(bar, goal);
-}
-template <bool ACQ_REL = true>
-__device__ __forceinline__ void grid_wait(u64* bar, u64 goal, bool& gave_up) {
-  if (threadIdx.x == 0) grid_await<ACQ_REL>(bar, goal, gave_up);
-  __syncthreads();
-}
-
 // A hint: ask L2 to fetch `bytes` bytes at p (16-byte aligned).
 __device__ __forceinline__ void prefetch_range(const void* p, size_t bytes) {
   const unsigned int n = (unsigned int)(bytes / 16 * 16);
@@ -683,34 +619,14 @@ constexpr int INNER_STAMPS = @INNER@;  // of them, points within phases (the las
 __host__ __device__ constexpr int groups8(int n) { return (n / 8 + SP_THREADS - 1) / SP_THREADS; }
 
 // N floats (N a multiple of 4, both ends 16-byte aligned) from scratch (L2)
-// into shared memory, 16-byte loads. BATCH (`STAGE_BATCH`): a thread's loads
-// (where it has at most eight) issued before its stores. Without it the loop's trip
-// count depends on the thread, and ptxas runs the few iterations a thread
-// has (four or five at Qwen3-Next's sizes) through its unrolled loop's
-// remainder, each load's store before the next load: an L2 round trip each.
-template <int N, bool BATCH>
+// into shared memory, 16-byte loads.
+template <int N>
 __device__ __forceinline__ void stage_l2(float* to, const float* from) {
   const float4* src = reinterpret_cast<const float4*>(from);
   float4* dst = reinterpret_cast<float4*>(to);
-  constexpr int V = N / 4, PER = (V + SP_THREADS - 1) / SP_THREADS;
-  // (longer shares keep the loop: three sampled rows spilled at Qwen3-Next's
-  // sizes with them batched, even four at a time)
-  if constexpr (BATCH && PER <= 8) {
-    float4 v[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = threadIdx.x + j * SP_THREADS;
-      if (V % SP_THREADS == 0 || i < V) v[j] = __ldcg(src + i);  // (a whole share: no test)
-    }
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = threadIdx.x + j * SP_THREADS;
-      if (V % SP_THREADS == 0 || i < V) dst[i] = v[j];
-    }
-  } else {
+  constexpr int V = N / 4;
 #pragma unroll 8
-    for (int i = threadIdx.x; i < V; i += SP_THREADS) dst[i] = __ldcg(src + i);
-  }
+  for (int i = threadIdx.x; i < V; i += SP_THREADS) dst[i] = __ldcg(src + i);
 }
 
 // RMSNorm of `count` scratch vectors of N floats into `to` (float32, shared
@@ -1061,36 +977,7 @@ _SOURCE = r"""
   // verify window's draws agree with), the tail's ids (those draws up to the
   // bonus token, padded with it), the start one past the last round's tail,
   // the step key moved by the tokens the round emitted
-  // FAST_PROLOGUE: the grid barrier's counter (thread 0), read first
-  unsigned long long counter_seen = 0ull;
-  if (FAST_PROLOGUE && DERIVE && threadIdx.x == 0) counter_seen = *(volatile unsigned long long*)sync;
-  const bool fast_in = FAST_PROLOGUE && DERIVE && drafts_shape[1] < 32 && samples_shape[1] <= 32;
-  if (fast_in) {
-    // warp b row b, lane j its j-th draft and draw, lanes 0-3 its state:
-    // all in flight at once; the accepted count is the first lane whose
-    // draft differs from its draw or that has none
-    const int steps_in = threadIdx.x == 0 ? nsteps[0] : 0;
-    if ((int)(threadIdx.x >> 5) < B) {
-      const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
-      const int dp = drafts_shape[1], sw = samples_shape[1];
-      const int d = j < dp ? (int)drafts[b * dp + j] : 0;
-      const int drawn = j < sw ? (int)samples[b * sw + j] : 0;
-      const unsigned int pv = j < 4 ? prev[b * 4 + j] : 0u;
-      const unsigned int stop = __ballot_sync(0xffffffffu, !(j < dp && d == drawn));
-      const int a = __ffs(stop) - 1;  // (lane dp has no draft: a <= dp)
-      const unsigned int p0 = __shfl_sync(0xffffffffu, pv, 0), p1 = __shfl_sync(0xffffffffu, pv, 1);
-      const unsigned int p2 = __shfl_sync(0xffffffffu, pv, 2), p3 = __shfl_sync(0xffffffffu, pv, 3);
-      const int tail = __shfl_sync(0xffffffffu, drawn, min(j, a));
-      if (j == 0) {
-        s_in_last[b] = a;
-        s_in_start[b] = (int)(p0 + p1 + 1u);
-        s_in_step[b] = p2 + (unsigned int)a + 1u;
-        s_in_seed[b] = p3;
-      }
-      if (j < TT) s_in_ids[b * TT + j] = tail;
-    }
-    if (threadIdx.x == 0) s_in_steps = steps_in;
-  } else if (DERIVE) {
+  if (DERIVE) {
     if (threadIdx.x < B) {
       const int b = threadIdx.x, dp = drafts_shape[1], sw = samples_shape[1];
       int a = 0;
@@ -1114,7 +1001,7 @@ _SOURCE = r"""
       s_in_step[threadIdx.x] = steps[threadIdx.x];
     }
   }
-  if (!fast_in && threadIdx.x == 0) s_in_steps = nsteps[0];
+  if (threadIdx.x == 0) s_in_steps = nsteps[0];
   __syncthreads();
   if (blockIdx.x == 0 && threadIdx.x < B) {  // this launch's inputs, for the next one to derive from
     const int b = threadIdx.x;
@@ -1166,19 +1053,6 @@ _SOURCE = r"""
   const int blk = blockIdx.x;
   const int gwarp = blk * NWARP + warp;
   constexpr int NW = NBLK * NWARP;
-  // FC_SPLIT: this block's fc rows (the product's rows gwarp + q NW, slot
-  // q NWARP + warp), their hidden half's sums per row, taken during the
-  // last step's draw, and each position's hidden norm scale
-  // (one or two rows: at three the sampled round spills, 80 bytes at
-  // Qwen3-Next's sizes)
-  constexpr bool SPLIT = FC_SPLIT && B <= 2;
-  // DOWN_AHEAD, O_AHEAD, STAGE_BATCH: one row only (two and three rows
-  // spilled with them at Qwen3-Next's sizes)
-  constexpr bool D_AHEAD = DOWN_AHEAD && B == 1, R_AHEAD = O_AHEAD && B == 1;
-  constexpr bool S_BATCH = STAGE_BATCH && B == 1;
-  constexpr int FCQ = (H + NW - 1) / NW;
-  __shared__ float s_fch[SPLIT ? B : 1][SPLIT ? NWARP * FCQ : 1];
-  __shared__ float s_fci[SPLIT ? M : 1];
   const int C = keys_shape[2];
   const float eps = fparams[0];
   float* S = scratch;
@@ -1205,7 +1079,7 @@ _SOURCE = r"""
   if (tid == 0) {  // launches run one after another: the counter is a
     // multiple of NBLK at each start, and no block passes the first barrier
     // before this one arrives
-    const u64 c = fast_in ? (u64)counter_seen : *(volatile u64*)bar;
+    const u64 c = *(volatile u64*)bar;
     goal = c - c % (u64)NBLK;
   }
   // PROFILE: every block stamps the time (the global timer's low 32 bits,
@@ -1299,7 +1173,6 @@ _SOURCE = r"""
       }
       ih = rsqrtf(block_sum(s2, red) / H + eps);
     }
-    if (SPLIT && tid == 0) s_fci[m] = ih;
 #pragma unroll
     for (int g = 0; g < NGH; ++g) {
       const int k = (tid + g * SP_THREADS) * 8;
@@ -1352,18 +1225,12 @@ _SOURCE = r"""
       }
     }
   }
-  // (FC_SPLIT, a later step: the token's half, plus the hidden half's sums)
-  const bool fc_split = SPLIT && s > 0;
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC>(
-      H, fc_split ? H : 2 * H, gwarp, NW, fc_row,
+      H, 2 * H, gwarp, NW, fc_row,
       [&](int v, int, int k, float* x) { smem8(xs + (size_t)v * 2 * H + k, x); },
       [&](int r, float (&acc)[M][1]) {
-        if (lane == 0) {
-          const int slot = (r / NW) * NWARP + warp;
-          for (int v = 0; v < M; ++v)
-            S[O_H0 + (size_t)v * H + r] =
-                fc_split ? acc[v][0] + s_fci[v] * s_fch[v / TT][slot] : acc[v][0];
-        }
+        if (lane == 0)
+          for (int v = 0; v < M; ++v) S[O_H0 + (size_t)v * H + r] = acc[v][0];
       },
       KEEP_FC && s + 1 < STEPS);
   barrier();
@@ -1915,7 +1782,7 @@ _SOURCE = r"""
     }
   }
   // the attention's output (its splits combined by each head's last split)
-  stage_l2<B * HQ * D, S_BATCH>(xs, S + O_COMB);
+  stage_l2<B * HQ * D>(xs, S + O_COMB);
   __syncthreads();
   mark(4);
   // FOLD: the router's logits (and the shared expert's gate) are linear in
@@ -1926,21 +1793,8 @@ _SOURCE = r"""
   // the warp's first two rows)
   constexpr int EPL = FOLD ? (EP + 31) / 32 : 1;
   float rsum[B][EPL], rt_ahead[2][EPL];
-  // O_AHEAD: the residuals of the warp's first two rows read before the
-  // product (not after its sums, an L2 round trip each, one after another)
-  auto hidden_at = [&](int b, int r) { return __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r); };
-  float res_ahead[2][B];
-#pragma unroll
-  for (int q = 0; q < 2; ++q)
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const int r = gwarp + q * NW;
-      res_ahead[q][b] = (R_AHEAD && r < H) ? hidden_at(b, r) : 0.0f;
-    }
-  auto residual = [&](int b, int r) {
-    const int q = (r - gwarp) / NW;
-    return (R_AHEAD && q == 0) ? res_ahead[0][b] : (R_AHEAD && q == 1) ? res_ahead[1][b] : hidden_at(b, r);
-  };
+  // the residual o_proj's row r adds to: row b's hidden state at its last token
+  auto residual = [&](int b, int r) { return __ldcg(S + O_H0 + (size_t)(b * TT + s_in_last[b]) * H + r); };
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
 #pragma unroll
@@ -2007,7 +1861,7 @@ _SOURCE = r"""
         });
     barrier();
     if (PREFETCH && tid == 0) prefetch_head();
-    stage_l2<B * IM, S_BATCH>(xs, S + O_ACT);
+    stage_l2<B * IM>(xs, S + O_ACT);
     __syncthreads();
     product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW, mlp1_row,
@@ -2193,38 +2047,20 @@ _SOURCE = r"""
             else S[O_EACT + r] = silu(acc[0][0]) * acc[0][1];
           }
         });
-    constexpr int CH = IE / 256, SCH = IS / 256;  // the down product's 16-byte loads per lane per row
-    if constexpr (D_AHEAD) {
-      // each warp's down rows asked of L2 ahead, their DRAM round trip under
-      // the grid barrier's wait and the staging (ptxas keeps only part of a
-      // row's loads in flight: the rest then find their lines in L2)
-      for (int r = gwarp; r < B * H; r += NW) {
-        const int b = r / H, hr = r % H;
-#pragma unroll
-        for (int c = 0; c < KE; ++c)
-#pragma unroll
-          for (int q = 0; q < CH; ++q)
-            prefetch_l2(mlp4 + ((size_t)s_eid[b][c] * H + hr) * IE + q * 256 + lane * 8);
-#pragma unroll
-        for (int q = 0; q < SCH; ++q) prefetch_l2(mlp6 + (size_t)hr * IS + q * 256 + lane * 8);
-      }
-    }
     barrier();
     // down: per output (b, h) the weighted experts plus the gated shared one
     if (PREFETCH && tid == 0) prefetch_head();
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
-    stage_l2<B * KE * IE, S_BATCH>(xe, S + O_EACT);
-    stage_l2<B * IS, S_BATCH>(xsh, S + O_SACT);
+    stage_l2<B * KE * IE>(xe, S + O_EACT);
+    stage_l2<B * IS>(xsh, S + O_SACT);
     __syncthreads();
     mark(6);
+    constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
     constexpr bool BATCHED = KE * CH + SCH <= 24;     // all of a row's loads at once
     for (int r = gwarp; r < B * H; r += NW) {
       const int b = r / H, hr = r % H;
       const float sg = sigmoid(FOLD ? s_rlog[b * EP + E] : __ldcg(S + O_ROUT + (size_t)b * (E + 1) + E));
-      // DOWN_AHEAD: the residual read with the weights (every lane), not
-      // after the sum by lane 0 (an L2 round trip more per row)
-      const float res = D_AHEAD ? __ldcg(S + O_R1 + (size_t)b * H + hr) : 0.0f;
       float part = 0.0f;
       if constexpr (BATCHED) {
         uint4 raw[KE * CH + SCH > 0 ? KE * CH + SCH : 1];
@@ -2277,7 +2113,7 @@ _SOURCE = r"""
         }
       }
       part = warp_sum(part);
-      if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + (D_AHEAD ? res : __ldcg(S + O_R1 + (size_t)b * H + hr));
+      if (lane == 0) S[O_R2 + (size_t)b * H + hr] = part + __ldcg(S + O_R1 + (size_t)b * H + hr);
     }
     barrier();
   }
@@ -2363,40 +2199,7 @@ _SOURCE = r"""
       __syncthreads();
     }
   }
-  // FC_SPLIT: the next step's fc, its hidden half: this block's rows over
-  // the step's normed output (xs), rounded as `normed` keeps it, times the
-  // fc norm's weights (its scale the next step's stage finds), by warps h0..
-  auto fc_hidden = [&](int h0) {
-    auto fc_of = [&](int j) { return blk * NWARP + j % NWARP + (j / NWARP) * NW; };
-    product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_FC>(
-        NWARP * FCQ, H, warp - h0, NWARP - h0,
-        [&](int j, int) {
-          const int r = fc_of(j);
-          return w_fc + (size_t)(r < H ? r : 0) * 2 * H + H;
-        },
-        [&](int v, int, int k, float* x) {
-          float a[8], wv[8];
-          smem8(xs + (size_t)v * H + k, a);
-          load8(w_norm_h + k, wv);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(static_cast<W>(a[i])) * wv[i];
-        },
-        [&](int j, float (&acc)[B][1]) {
-          if (lane == 0 && fc_of(j) < H)
-            for (int v = 0; v < B; ++v) s_fch[v][j] = acc[v][0];
-        },
-        KEEP_FC && s + 2 < STEPS);
-  };
-  if constexpr (SPLIT && GREEDY) {
-    // (greedy: every warp, between the block's arrival and its wait)
-    stamp();
-    grid_arrive<ACQ_REL_BARRIER>(bar, goal);
-    if (s + 1 < STEPS) fc_hidden(0);
-    grid_wait<ACQ_REL_BARRIER>(bar, goal, gave_up);
-    stamp();
-  } else {
-    barrier();
-  }
+  barrier();
 
   // ---- 8. the draw: greedy, every block draws every row (warp b row b:
   // the next step reads its token from shared memory, no grid barrier
@@ -2482,40 +2285,24 @@ _SOURCE = r"""
           __syncthreads();
           whole = s_crowded;
         }
-        if (WHOLE_ROLLED && whole) {  // (rarely run; rolled: one pair a warp in flight)
-#pragma unroll 1
+        if (whole) {  // (rarely run; unrolled)
+          tv = -SP_INF;
+          ti = 0x7fffffff;
+          float pv[LPW];
+          int pi[LPW];
+#pragma unroll
           for (int q = 0; q < LPW; ++q) {
             const int c = warp + q * NWARP;
             const size_t at = ((size_t)b * NBLK + c) * KC + lane;
-            const float qv = (c < NBLK && lane < KC) ? __ldcg(S + O_CV + at) : -SP_INF;
-            const int qi = (c < NBLK && lane < KC && qv != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
-            if (q == 0) {
-              tv = qv;
-              ti = qi;
-            } else {
-              warp_merge<1>(tv, ti, qv, qi);
-            }
+            pv[q] = (c < NBLK && lane < KC) ? __ldcg(S + O_CV + at) : -SP_INF;
+            pi[q] = (c < NBLK && lane < KC && pv[q] != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
           }
+          tv = pv[0];
+          ti = pi[0];
+#pragma unroll
+          for (int q = 1; q < LPW; ++q) warp_merge<32>(tv, ti, pv[q], pi[q]);
           __syncthreads();  // (s_topv: the last row's merge read them)
-          merge_runs<1, false>(tv, ti, s_topv, s_topi);
-        } else if (whole) {  // (rarely run; unrolled)
-        tv = -SP_INF;
-        ti = 0x7fffffff;
-        float pv[LPW];
-        int pi[LPW];
-#pragma unroll
-        for (int q = 0; q < LPW; ++q) {
-          const int c = warp + q * NWARP;
-          const size_t at = ((size_t)b * NBLK + c) * KC + lane;
-          pv[q] = (c < NBLK && lane < KC) ? __ldcg(S + O_CV + at) : -SP_INF;
-          pi[q] = (c < NBLK && lane < KC && pv[q] != -SP_INF) ? (int)__ldcg(S + O_CI + at) : 0x7fffffff;
-        }
-        tv = pv[0];
-        ti = pi[0];
-#pragma unroll
-        for (int q = 1; q < LPW; ++q) warp_merge<32>(tv, ti, pv[q], pi[q]);
-        __syncthreads();  // (s_topv: the last row's merge read them)
-        merge_runs<32, false>(tv, ti, s_topv, s_topi);
+          merge_runs<32, false>(tv, ti, s_topv, s_topi);
         }
       }
       if (DIAG_NO_DRAW && warp == 0) {
@@ -2599,9 +2386,7 @@ _SOURCE = r"""
       }
     }
   }
-  // (FC_SPLIT, sampled: the warps past warp 0 while it draws the last row)
-  if (SPLIT && !GREEDY && s + 1 < STEPS && warp >= 1) fc_hidden(1);
-  __syncthreads();  // (s_tok; FC_SPLIT: s_fch)
+  __syncthreads();  // (s_tok)
   stamp();
   }  // steps
 """
@@ -3374,12 +3159,6 @@ class FusedStep:
             ("FOLD", fold),
             ("REDUX_TOPK", REDUX_TOPK),
             ("SHARED_CDF", SHARED_CDF),
-            ("FC_SPLIT", FC_SPLIT),
-            ("FAST_PROLOGUE", FAST_PROLOGUE),
-            ("WHOLE_ROLLED", WHOLE_ROLLED),
-            ("DOWN_AHEAD", DOWN_AHEAD),
-            ("O_AHEAD", O_AHEAD),
-            ("STAGE_BATCH", STAGE_BATCH),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -567,13 +567,6 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         # (DRAW_RUNS' off arm; one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-DRAW_RUNS",)),
         ("moe", False, False, False, 3, 1, 2, ("-DRAW_RUNS", "HK=2")),
-        # fc's hidden half summed during the last step's draw (FC_SPLIT, off):
-        # a round, a chain; greedy and sampled; one row, and three (where it
-        # keeps the old fc)
-        ("moe", True, True, True, 1, 2, 3, ("FC_SPLIT",)),
-        ("moe", False, True, True, 1, 2, 3, ("FC_SPLIT",)),
-        ("moe", False, False, False, 3, 1, 2, ("FC_SPLIT",)),
-        ("dense", True, False, False, 2, 1, 2, ("FC_SPLIT",)),
         # the warps' runs merged in turn by warp 0 (TREE_MERGE's off arm; one row and three)
         ("moe", False, True, True, 1, 2, 3, ("-TREE_MERGE",)),
         ("moe", False, False, False, 3, 1, 2, ("-TREE_MERGE", "-DRAW_HEADS")),
@@ -609,10 +602,6 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
         ("dense", True, False, False, 1, 1, 4, ("-BF16_SHIFTS", "ATT_GROUPED")),
         # the timing diagnostics
         ("moe", False, True, False, 1, 2, 3, ("DIAG_NO_DRAW", "DIAG_NO_SORT")),
-        # stagings' loads before their stores (STAGE_BATCH, off): dense too
-        ("dense", False, True, False, 2, 1, 2, ("STAGE_BATCH",)),
-        ("dense", True, False, True, 8, 1, 1, ("STAGE_BATCH",)),
-        ("moe", False, False, False, 3, 1, 2, ("STAGE_BATCH", "DOWN_AHEAD", "O_AHEAD")),
     ],
 )
 def test_the_step_kernel_compiles_without_spills(
@@ -762,30 +751,6 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
         (1, 3, True, 512, ("-REDUX_TOPK",)),
         (1, 3, False, 512, ("-DRAW_RUNS",)),
-        (1, 3, True, 512, ("FC_SPLIT",)),
-        (1, 3, False, 512, ("FC_SPLIT",)),
-        (3, 2, False, 64, ("FC_SPLIT",)),  # (three rows: the old fc)
-        # a derived round's prologue loads all at once (FAST_PROLOGUE, off)
-        (1, 3, True, 512, ("FAST_PROLOGUE", "FC_SPLIT")),
-        (1, 3, False, 512, ("FAST_PROLOGUE", "FC_SPLIT")),
-        (3, 2, False, 64, ("FAST_PROLOGUE",)),
-        # a sampled draw's rarely run whole-list merge rolled (WHOLE_ROLLED, off)
-        (1, 3, False, 512, ("WHOLE_ROLLED",)),
-        (3, 2, False, 64, ("WHOLE_ROLLED",)),
-        # the down product's rows asked of L2 ahead, residuals read with the
-        # weights, stagings' loads before their stores (DOWN_AHEAD, O_AHEAD,
-        # STAGE_BATCH, off)
-        (1, 3, True, 512, ("STAGE_BATCH",)),
-        (1, 3, True, 512, ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH")),
-        (
-            1,
-            3,
-            False,
-            512,
-            ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH", "FC_SPLIT", "FAST_PROLOGUE"),
-        ),
-        (3, 2, False, 64, ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH")),
-        (3, 2, True, 64, ("DOWN_AHEAD", "O_AHEAD", "STAGE_BATCH")),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
