@@ -180,7 +180,11 @@
 #  removed): its first two runs, the defaults, hit LIMIT=60 on the fresh machine (the first ncu run compiles
 #  MLX's kernels: give a fresh machine's first run 150 s), the agreement run too; then `EXPERTS=512
 #  SETS=none SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=110 switches` and the
-#  sets apart, and SETS=none at DEPTHS=3: no switch faster (FC_SPLIT,FAST_PROLOGUE slower), all six removed)
+#  sets apart, and SETS=none at DEPTHS=3: no switch faster (FC_SPLIT,FAST_PROLOGUE slower), five removed,
+#  FAST_PROLOGUE kept (off) as it was never timed apart from FC_SPLIT. Next, on the first lease (H200 or
+#  H100): call 2 `EXPERTS=512 SETS="none FAST_PROLOGUE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2
+#  CONTEXT=48 REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, then `SWITCHES=FAST_PROLOGUE
+#  ROWS=1,3 DEPTHS=1,2 LIMIT=90 bash bench/h200_run.sh derive-check`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
