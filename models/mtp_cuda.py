@@ -592,11 +592,6 @@ __device__ __forceinline__ void prefetch_range(const void* p, size_t bytes) {
 #endif
 }
 
-// The L2 line holding p, asked for ahead (no register waits on it).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // A hint: ask L2 to fetch this block's share (1 / gridDim.x) of the first
 // min(bytes, cap) bytes at p (16-byte aligned), one bulk prefetch (sm_90).
 // Weights a later phase reads arrive while the current one, latency-bound,
