@@ -25,7 +25,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from block_support import as_target, check_output_is_plain, start_rows
+from block_support import (
+    as_target,
+    check_output_is_plain,
+    features,
+    padded,
+    start_rows,
+)
 from mlx.utils import tree_flatten
 from returns.result import Failure, Success
 from spec_support import (
@@ -242,18 +248,10 @@ def test_a_commit_leaves_the_draft_of_a_fresh_open(
     drafter = DFlashDrafter(tapped, draft)
     prompts = [list(range(3, 14)), [7, 8, 9, 10, 11], [42]]
     rows = start_rows(prompts, SamplingParams())
-    prefill = [
-        tapped(mx.array([p[:-1]]), tapped.make_cache(1), [0]).features
-        if len(p) > 1
-        else mx.zeros((1, 0, 128))
-        for p in prompts
-    ]
-    longest = max(f.shape[1] for f in prefill if f is not None)
-    hidden = mx.concatenate(
+    hidden = padded(
         [
-            mx.concatenate([f, mx.zeros((1, longest - f.shape[1], 128))], axis=1)
-            for f in prefill
-            if f is not None
+            features(tapped, p[:-1]) if len(p) > 1 else mx.zeros((1, 0, 128))
+            for p in prompts
         ]
     )
     state = drafter.open(rows, hidden)
@@ -275,19 +273,7 @@ def test_a_commit_leaves_the_draft_of_a_fresh_open(
         row.advanced((*d[:a], 1 + b))
         for b, (row, d, a) in enumerate(zip(rows, drafted, accepted, strict=True))
     ]
-    fresh_prompts = [list(r.tokens) for r in after]
-    fresh_features = [
-        tapped(mx.array([p[:-1]]), tapped.make_cache(1), [0]).features
-        for p in fresh_prompts
-    ]
-    longest = max(f.shape[1] for f in fresh_features if f is not None)
-    fresh_hidden = mx.concatenate(
-        [
-            mx.concatenate([f, mx.zeros((1, longest - f.shape[1], 128))], axis=1)
-            for f in fresh_features
-            if f is not None
-        ]
-    )
+    fresh_hidden = padded([features(tapped, list(r.tokens)[:-1]) for r in after])
     fresh = drafter.open(after, fresh_hidden)
     assert isinstance(fresh, DFlashRows)
     # the same context lengths, then the same block outputs
