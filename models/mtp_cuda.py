@@ -400,16 +400,6 @@ REDUX_TOPK = True
 # With ATT_PIPE off it spills 8 bytes at three sampled rows (not an arm
 # the tests compile).
 SHARED_CDF = True
-# Whether a round's launch that derives its inputs on the device
-# (DERIVED_INPUTS) issues every load of its prologue at once: per row (a
-# warp, a lane per slot) its drafts, the verify window's draws and the last
-# launch's state, thread 0 the step count and the grid barrier's counter;
-# the accepted count by a ballot, the tail's ids by shuffles from the draws.
-# The old prologue waits on about four DRAM round trips in a row after the
-# verify forward (L2 flushed): the drafts and draws one pair per accepted
-# draft, the state, the tail's ids after a block barrier, the counter. The
-# same inputs (a window past 32 draws takes the old path).
-FAST_PROLOGUE = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -982,36 +972,7 @@ _SOURCE = r"""
   // verify window's draws agree with), the tail's ids (those draws up to the
   // bonus token, padded with it), the start one past the last round's tail,
   // the step key moved by the tokens the round emitted
-  // FAST_PROLOGUE: the grid barrier's counter (thread 0), read first
-  unsigned long long counter_seen = 0ull;
-  if (FAST_PROLOGUE && DERIVE && threadIdx.x == 0) counter_seen = *(volatile unsigned long long*)sync;
-  const bool fast_in = FAST_PROLOGUE && DERIVE && drafts_shape[1] < 32 && samples_shape[1] <= 32;
-  if (fast_in) {
-    // warp b row b, lane j its j-th draft and draw, lanes 0-3 its state:
-    // all in flight at once; the accepted count is the first lane whose
-    // draft differs from its draw or that has none
-    const int steps_in = threadIdx.x == 0 ? nsteps[0] : 0;
-    if ((int)(threadIdx.x >> 5) < B) {
-      const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
-      const int dp = drafts_shape[1], sw = samples_shape[1];
-      const int d = j < dp ? (int)drafts[b * dp + j] : 0;
-      const int drawn = j < sw ? (int)samples[b * sw + j] : 0;
-      const unsigned int pv = j < 4 ? prev[b * 4 + j] : 0u;
-      const unsigned int stop = __ballot_sync(0xffffffffu, !(j < dp && d == drawn));
-      const int a = __ffs(stop) - 1;  // (lane dp has no draft: a <= dp)
-      const unsigned int p0 = __shfl_sync(0xffffffffu, pv, 0), p1 = __shfl_sync(0xffffffffu, pv, 1);
-      const unsigned int p2 = __shfl_sync(0xffffffffu, pv, 2), p3 = __shfl_sync(0xffffffffu, pv, 3);
-      const int tail = __shfl_sync(0xffffffffu, drawn, min(j, a));
-      if (j == 0) {
-        s_in_last[b] = a;
-        s_in_start[b] = (int)(p0 + p1 + 1u);
-        s_in_step[b] = p2 + (unsigned int)a + 1u;
-        s_in_seed[b] = p3;
-      }
-      if (j < TT) s_in_ids[b * TT + j] = tail;
-    }
-    if (threadIdx.x == 0) s_in_steps = steps_in;
-  } else if (DERIVE) {
+  if (DERIVE) {
     if (threadIdx.x < B) {
       const int b = threadIdx.x, dp = drafts_shape[1], sw = samples_shape[1];
       int a = 0;
@@ -1035,7 +996,7 @@ _SOURCE = r"""
       s_in_step[threadIdx.x] = steps[threadIdx.x];
     }
   }
-  if (!fast_in && threadIdx.x == 0) s_in_steps = nsteps[0];
+  if (threadIdx.x == 0) s_in_steps = nsteps[0];
   __syncthreads();
   if (blockIdx.x == 0 && threadIdx.x < B) {  // this launch's inputs, for the next one to derive from
     const int b = threadIdx.x;
@@ -1113,7 +1074,7 @@ _SOURCE = r"""
   if (tid == 0) {  // launches run one after another: the counter is a
     // multiple of NBLK at each start, and no block passes the first barrier
     // before this one arrives
-    const u64 c = fast_in ? (u64)counter_seen : *(volatile u64*)bar;
+    const u64 c = *(volatile u64*)bar;
     goal = c - c % (u64)NBLK;
   }
   // PROFILE: every block stamps the time (the global timer's low 32 bits,
@@ -3193,7 +3154,6 @@ class FusedStep:
             ("FOLD", fold),
             ("REDUX_TOPK", REDUX_TOPK),
             ("SHARED_CDF", SHARED_CDF),
-            ("FAST_PROLOGUE", FAST_PROLOGUE),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -751,10 +751,6 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
         (1, 3, True, 512, ("-REDUX_TOPK",)),
         (1, 3, False, 512, ("-DRAW_RUNS",)),
-        # a derived round's prologue loads all at once (FAST_PROLOGUE, off)
-        (1, 3, True, 512, ("FAST_PROLOGUE",)),
-        (1, 3, False, 512, ("FAST_PROLOGUE",)),
-        (3, 2, False, 64, ("FAST_PROLOGUE",)),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
