@@ -233,6 +233,11 @@ _SWITCHES = [
         "DRAW_RUNS",
         "a sampled draw's head runs sorted interleaved, first stages skipped",
     ),
+    (
+        "trim-code",
+        "TRIM_CODE",
+        "the step's code trimmed where counts were runtime ones (block sums, strided loops)",
+    ),
 ]
 
 

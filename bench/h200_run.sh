@@ -185,6 +185,15 @@
 #  H100): call 2 `EXPERTS=512 SETS="none FAST_PROLOGUE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2
 #  CONTEXT=48 REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, then `SWITCHES=FAST_PROLOGUE
 #  ROWS=1,3 DEPTHS=1,2 LIMIT=90 bash bench/h200_run.sh derive-check`)
+# (forty-third session: three H100 leases: that call 2 (FAST_PROLOGUE no faster: removed), then
+#  `EXPERTS=512 CONTEXTS=48 PSETS="none;DIAG_NO_DRAW,DIAG_NO_SORT;DIAG_NO_DRAW" PSAMPLINGS=greedy,qwen HEADS=fr
+#  PROBE_TAG=-diag LIMIT=330 phases` (the sampled step's extra time is its draw's and sort's code), then
+#  `EXPERTS=512 SETS="none TRIM_CODE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8
+#  LIMIT=150 setup-min switches` and `SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS=--trim-code PROBE_TAG=-trim
+#  LIMIT=200 agree`: TRIM_CODE ~10 us faster a launch, on since. Next, on an H200 (the goal's figure):
+#  call 2 `EXPERTS=512 SETS="none -TRIM_CODE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48
+#  REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, then the same with SETS=none DEPTHS=3
+#  (the switches step's file names carry the depths since); on an H100, the next trims against the defaults)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
@@ -364,10 +373,11 @@ for step in "$@"; do
     # PROBE_FLAGS (fused_probe.py's flags), then each set's draft device time
     [ -n "${NO_AGREE:-}" ] || SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_TAG=-switches \
         LIMIT=${LIMIT:-300} bash $0 agree
+    dtag=${DEPTHS:-1,2,3}; dtag=${dtag//,/}  # (the depths in the file names: runs at other depths keep theirs)
     for sw in ${SETS:-none -FOLD_ROUTER}; do
       for sampling in ${SAMPLINGS:-greedy qwen}; do
         SWITCHES=$([ $sw = none ] || echo $sw) SAMPLING=$sampling DEPTHS=${DEPTHS:-1,2,3} ROWS=${ROWS:-1} \
-            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//[,=]/-}${EXPERTS:+-e$EXPERTS}${CONTEXT:+-ctx$CONTEXT} \
+            REPEATS=${REPEATS:-10} CACHE=all LIMIT=${LIMIT:-240} TAG=-$sampling-${sw//[,=]/-}${EXPERTS:+-e$EXPERTS}${CONTEXT:+-ctx$CONTEXT}-d$dtag \
         bash $0 device
       done
     done

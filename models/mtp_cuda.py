@@ -401,6 +401,27 @@ REDUX_TOPK = True
 # the tests compile).
 SHARED_CDF = True
 
+# Whether the step's code is trimmed where the compiler could not know a
+# count: block sums and strided loops take the launch's SP_THREADS threads
+# (a constant) instead of blockDim (runtime counts, which the compiler
+# unrolls with remainders), staging loops from L2 have a known count, and
+# the one-split attention output takes each warp's weight once for its sum
+# and its output (one loop over the warps, not two). The same sums in the
+# same order. A step is bound by fetching its code (DRAW_HEADS's note; a
+# chained step's code is re-read every step): Qwen3-Next's sampled chained
+# step ran as fast as greedy's with the draw's and the head sort's code left
+# out (H100 phase stamps, forty-third session: 126.6 us, 116.8 without them,
+# greedy's 117.4), the phases after the draw slower with it (attention's
+# positions 3.6 against 2.3 us). The step loop's code: 141.3 / 169.8 KB
+# (greedy / sampled derived round, 512 experts, one row, sm_90a) -> 131.3 /
+# 159.8, registers as before. On: H100, 512 experts, one row, 48 positions,
+# depth-2 launch, full / FR-Spec us, 579.8 / 272.1 -> 568.5 / 262.3 greedy
+# (2.13x -> 2.17x), 601.6 / 283.9 -> 590.1 / 273.4 Qwen's (2.12x -> 2.16x);
+# drafts the same as the defaults' in all 72 of fused_probe's comparisons
+# (one and three rows, greedy and Qwen's, both heads, every launch form;
+# bench/RESULTS.md).
+TRIM_CODE = True
+
 _HEADER = r"""
 namespace specpipe_mtp {
 
@@ -594,7 +615,13 @@ __device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, size
   prefetch_range(static_cast<const char*>(p) + lo, min(share, bytes - lo));
 }
 
+constexpr int SP_THREADS = 256;  // threads per block (BLOCK)
+
 // Sum over the block (all threads get it); `red` holds one float per warp.
+// FIXED (`TRIM_CODE`): the warps counted as the launch's SP_THREADS / 32, a
+// constant, instead of from blockDim (a loop of unknown count, which the
+// compiler unrolls with remainders: ~100 instructions a call against ~10).
+template <bool FIXED = false>
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = warp_sum(v);
@@ -602,11 +629,14 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   if (lane == 0) red[warp] = v;
   __syncthreads();
   float t = 0.0f;
-  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
+  if constexpr (FIXED) {
+#pragma unroll
+    for (int i = 0; i < SP_THREADS / 32; ++i) t += red[i];
+  } else {
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
+  }
   return t;
 }
-
-constexpr int SP_THREADS = 256;  // threads per block (BLOCK)
 constexpr int PHASE_STAMPS = @STAMPS@;  // floats of phase stamps
 constexpr int INNER_STAMPS = @INNER@;  // of them, points within phases (the last ones)
 
@@ -614,14 +644,25 @@ constexpr int INNER_STAMPS = @INNER@;  // of them, points within phases (the las
 __host__ __device__ constexpr int groups8(int n) { return (n / 8 + SP_THREADS - 1) / SP_THREADS; }
 
 // N floats (N a multiple of 4, both ends 16-byte aligned) from scratch (L2)
-// into shared memory, 16-byte loads.
-template <int N>
+// into shared memory, 16-byte loads. FIXED (`TRIM_CODE`): a loop of known
+// count, fully unrolled, not one the compiler unrolls by 8 with remainders
+// (its count depends on the thread's index).
+template <int N, bool FIXED = false>
 __device__ __forceinline__ void stage_l2(float* to, const float* from) {
   const float4* src = reinterpret_cast<const float4*>(from);
   float4* dst = reinterpret_cast<float4*>(to);
   constexpr int V = N / 4;
+  if constexpr (FIXED) {
+    constexpr int G = (V + SP_THREADS - 1) / SP_THREADS;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int i = threadIdx.x + g * SP_THREADS;
+      if (i < V) dst[i] = __ldcg(src + i);
+    }
+  } else {
 #pragma unroll 8
-  for (int i = threadIdx.x; i < V; i += SP_THREADS) dst[i] = __ldcg(src + i);
+    for (int i = threadIdx.x; i < V; i += SP_THREADS) dst[i] = __ldcg(src + i);
+  }
 }
 
 // RMSNorm of `count` scratch vectors of N floats into `to` (float32, shared
@@ -629,7 +670,7 @@ __device__ __forceinline__ void stage_l2(float* to, const float* from) {
 // (16-byte loads, all in flight together); `copy`, when given, also gets
 // them in the weights' dtype; `inv`, when given (shared), each vector's
 // rsqrt(mean(x^2) + eps).
-template <typename W, int N>
+template <typename W, int N, bool FIXED = false>
 __device__ __forceinline__ void stage_normed(
     float* to, const float* from, int count, const W* w, float eps, float* red, W* copy,
     float* inv = nullptr) {
@@ -646,7 +687,7 @@ __device__ __forceinline__ void stage_normed(
         for (int i = 0; i < 8; ++i) s += x[g][i] * x[g][i];
       }
     }
-    const float iv = rsqrtf(block_sum(s, red) / N + eps);
+    const float iv = rsqrtf(block_sum<FIXED>(s, red) / N + eps);
     if (inv != nullptr && threadIdx.x == 0) inv[m] = iv;
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
@@ -1152,8 +1193,8 @@ _SOURCE = r"""
         for (int i = 0; i < 8; ++i) { se += ev[g][i] * ev[g][i]; sh += hv[g][i] * hv[g][i]; }
       }
     }
-    const float ie = rsqrtf(block_sum(se, red) / H + eps);
-    float ih = rsqrtf(block_sum(sh, red) / H + eps);
+    const float ie = rsqrtf(block_sum<TRIM_CODE>(se, red) / H + eps);
+    float ih = rsqrtf(block_sum<TRIM_CODE>(sh, red) / H + eps);
     if (FIRST && s == 0) {  // the target's final norm first, then the head's
       float s2 = 0.0f;
 #pragma unroll
@@ -1166,7 +1207,7 @@ _SOURCE = r"""
           for (int i = 0; i < 8; ++i) { hv[g][i] *= ih * wf[i]; s2 += hv[g][i] * hv[g][i]; }
         }
       }
-      ih = rsqrtf(block_sum(s2, red) / H + eps);
+      ih = rsqrtf(block_sum<TRIM_CODE>(s2, red) / H + eps);
     }
 #pragma unroll
     for (int g = 0; g < NGH; ++g) {
@@ -1240,7 +1281,7 @@ _SOURCE = r"""
   };
   // each row's query vector of this step
   auto query_vec = [&](int b) { return b * TT + s_in_last[b]; };
-  stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
+  stage_normed<W, H, TRIM_CODE>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV>(
       QKVN, H, gwarp, NW, qkv_row,
@@ -1434,7 +1475,7 @@ _SOURCE = r"""
         const int np = min(TP, n_c - t * TP);
         const W* gk = keys + (cache_row + a0 + t * TP) * D;
         const W* gv = values + (cache_row + a0 + t * TP) * D;
-        for (int i = tid; i < np * D / CH; i += blockDim.x) {
+        for (int i = tid; i < np * D / CH; i += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
           cp_async16(sk + i * CH, gk + i * CH);
           cp_async16(sk + TILE + i * CH, gv + i * CH);
         }
@@ -1504,7 +1545,7 @@ _SOURCE = r"""
       if (item == blk) mark(3);
       // this split's partial of each head of the group (its NSUB warps'
       // combined): max, sum, weighted values (unscaled)
-      for (int x = tid; x < GROUP * PART; x += blockDim.x) {
+      for (int x = tid; x < GROUP * PART; x += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
         const int h = x / PART, d = x % PART;
         float top = -SP_INF;
 #pragma unroll
@@ -1585,7 +1626,7 @@ _SOURCE = r"""
         __syncthreads();
         const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)(g * GROUP + h) * 2 * D + D;
         constexpr int CU = 8;  // splits' loads in flight per thread
-        for (int d = tid; d < D; d += blockDim.x) {
+        for (int d = tid; d < D; d += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
           float n = 0.0f;
           int sp = 0;
 #pragma unroll 1
@@ -1684,23 +1725,40 @@ _SOURCE = r"""
       if (ATT_SHARE > 0 && nsp == 1) {
         // the only split: the head's output, weighted as the combine below
         // weights one split (1 / its sum), times sigmoid(gate)
-        float den = 0.0f;
-        for (int w = 0; w < NWARP; ++w)
-          if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
-        const float wt = 1.0f / den;
-        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-        for (int d = tid; d < D; d += blockDim.x) {
-          float num = 0.0f;
+        if constexpr (TRIM_CODE) {
+          const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+          // (one loop over the warps: each warp's weight taken once for the
+          // sum and the output, the same sums in the same order)
+          for (int d = tid; d < D; d += SP_THREADS) {
+            float den = 0.0f, num = 0.0f;
+            for (int w = 0; w < NWARP; ++w)
+              if (s_l[w] > 0.0f) {
+                const float e = expf(s_m[w] - top);
+                den += s_l[w] * e;
+                num += s_acc[w][d] * e;
+              }
+            const float out = 0.0f + num * (1.0f / den);
+            S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
+          }
+        } else {
+          float den = 0.0f;
           for (int w = 0; w < NWARP; ++w)
-            if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
-          const float out = 0.0f + num * wt;
-          S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
+            if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
+          const float wt = 1.0f / den;
+          const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+          for (int d = tid; d < D; d += blockDim.x) {
+            float num = 0.0f;
+            for (int w = 0; w < NWARP; ++w)
+              if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
+            const float out = 0.0f + num * wt;
+            S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
+          }
         }
         __syncthreads();  // (s_m, s_l, s_acc: the block's next item)
         continue;
       }
       float* part = S + O_ATT + (size_t)item * PART;
-      for (int d = tid; d < D; d += blockDim.x) {
+      for (int d = tid; d < D; d += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
         float num = 0.0f;
         for (int w = 0; w < NWARP; ++w)
           if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
@@ -1742,7 +1800,7 @@ _SOURCE = r"""
         }
         __syncthreads();
         const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-        for (int d = tid; d < D; d += blockDim.x) {
+        for (int d = tid; d < D; d += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
           float n = 0.0f;
   #pragma unroll
           for (int sp = 0; sp < SPLITS; ++sp)
@@ -1777,7 +1835,7 @@ _SOURCE = r"""
     }
   }
   // the attention's output (its splits combined by each head's last split)
-  stage_l2<B * HQ * D>(xs, S + O_COMB);
+  stage_l2<B * HQ * D, TRIM_CODE>(xs, S + O_COMB);
   __syncthreads();
   mark(4);
   // FOLD: the router's logits (and the shared expert's gate) are linear in
@@ -1844,7 +1902,7 @@ _SOURCE = r"""
     if (DENSE) prefetch_share(mlp1, (size_t)H * IM * WB, PF_CAP);
     else prefetch_share(mlp6, (size_t)H * IS * WB, PF_CAP);
   }
-  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
+  stage_normed<W, H, TRIM_CODE>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
@@ -1856,7 +1914,7 @@ _SOURCE = r"""
         });
     barrier();
     if (PREFETCH && tid == 0) prefetch_head();
-    stage_l2<B * IM>(xs, S + O_ACT);
+    stage_l2<B * IM, TRIM_CODE>(xs, S + O_ACT);
     __syncthreads();
     product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW, mlp1_row,
@@ -2047,8 +2105,8 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
-    stage_l2<B * KE * IE>(xe, S + O_EACT);
-    stage_l2<B * IS>(xsh, S + O_SACT);
+    stage_l2<B * KE * IE, TRIM_CODE>(xe, S + O_EACT);
+    stage_l2<B * IS, TRIM_CODE>(xsh, S + O_SACT);
     __syncthreads();
     mark(6);
     constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
@@ -2116,7 +2174,7 @@ _SOURCE = r"""
   // ---- 7. the head's norm, the projection, each block's candidates -------
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
-  stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
+  stage_normed<W, H, TRIM_CODE>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
   mark(7);
   const int lo = h_lo, hi = h_hi;
   float best_v[B];
@@ -3154,6 +3212,7 @@ class FusedStep:
             ("FOLD", fold),
             ("REDUX_TOPK", REDUX_TOPK),
             ("SHARED_CDF", SHARED_CDF),
+            ("TRIM_CODE", TRIM_CODE),
             ("DERIVE", derive is not None),
         ]
         window = (

@@ -751,6 +751,10 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
         (1, 3, True, 512, ("-REDUX_TOPK",)),
         (1, 3, False, 512, ("-DRAW_RUNS",)),
+        # the step's code untrimmed (TRIM_CODE's off arm)
+        (1, 3, True, 512, ("-TRIM_CODE",)),
+        (1, 3, False, 512, ("-TRIM_CODE",)),
+        (3, 2, False, 64, ("-TRIM_CODE",)),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
