@@ -238,6 +238,11 @@ _SWITCHES = [
         "TRIM_CODE",
         "the step's code trimmed where counts were runtime ones (block sums, strided loops)",
     ),
+    (
+        "trim-more",
+        "TRIM_MORE",
+        "stagings' and splits' loops kept rolled (one copy of their bodies)",
+    ),
 ]
 
 

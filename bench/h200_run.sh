@@ -190,10 +190,13 @@
 #  PROBE_TAG=-diag LIMIT=330 phases` (the sampled step's extra time is its draw's and sort's code), then
 #  `EXPERTS=512 SETS="none TRIM_CODE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8
 #  LIMIT=150 setup-min switches` and `SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS=--trim-code PROBE_TAG=-trim
-#  LIMIT=200 agree`: TRIM_CODE ~10 us faster a launch, on since. Next, on an H200 (the goal's figure):
-#  call 2 `EXPERTS=512 SETS="none -TRIM_CODE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48
-#  REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, then the same with SETS=none DEPTHS=3
-#  (the switches step's file names carry the depths since); on an H100, the next trims against the defaults)
+#  LIMIT=200 agree`: TRIM_CODE ~10 us faster a launch, on since. TRIM_MORE prepared (off). Next, on the
+#  first lease (H200: the goal's figure; H100: TRIM_MORE's choice): call 2 `EXPERTS=512 SETS="none
+#  -TRIM_CODE TRIM_MORE" SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=150 bash
+#  bench/h200_run.sh setup-min switches`, call 3 `SAMPLINGS=greedy,qwen ROWS=1,3 PROBE_FLAGS=--trim-more
+#  PROBE_TAG=-trimmore LIMIT=200 bash bench/h200_run.sh agree` and, on an H200, `EXPERTS=512 SETS=none
+#  SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=3 CONTEXT=48 REPEATS=8 LIMIT=120 ... switches` (the
+#  switches step's file names carry the depths since))
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

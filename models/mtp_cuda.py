@@ -421,6 +421,17 @@ SHARED_CDF = True
 # (one and three rows, greedy and Qwen's, both heads, every launch form;
 # bench/RESULTS.md).
 TRIM_CODE = True
+# Whether loops that TRIM_CODE left unrolled for no need keep one copy of
+# their body (`SP_ROLLED_LOOP`, a pragma the header defines): the stagings'
+# loop over their vectors (`stage_normed`; q/k/v's stage over a window's
+# positions), fc's stage over the positions, and thread 0's loops over
+# attention's splits (long contexts only). The same sums in the same order.
+# The step loop's code (the compile test's derived round, 512 experts, one
+# row of a 3-wide window, sm_90a) 131.3 / 159.8 KB greedy / sampled ->
+# 124.5 / 153.1, registers as without it. Prepared, off, not yet timed:
+# on, the first step's window positions wait on their embedding rows one
+# after another.
+TRIM_MORE = False
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -675,6 +686,7 @@ __device__ __forceinline__ void stage_normed(
     float* to, const float* from, int count, const W* w, float eps, float* red, W* copy,
     float* inv = nullptr) {
   constexpr int NG = groups8(N);
+  SP_ROLLED_LOOP
   for (int m = 0; m < count; ++m) {
     float x[NG][8];
     float s = 0.0f;
@@ -1173,6 +1185,7 @@ _SOURCE = r"""
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
+  SP_ROLLED_LOOP
   for (int m = 0; m < M; ++m) {
     // (a later step's window positions all take the row's one pair: their
     // duplicate products cost no extra weight reads)
@@ -1788,14 +1801,17 @@ _SOURCE = r"""
         __syncthreads();
         if (tid == 0) {  // each split's weight exp(max_s - max) / sum
           float top = -SP_INF;
+          SP_ROLLED_LOOP
           for (int sp = 0; sp < SPLITS; ++sp)
             if (sp < nsp && s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
           float den = 0.0f;
+          SP_ROLLED_LOOP
           for (int sp = 0; sp < SPLITS; ++sp) {
             const float l = sp < nsp ? s_split[2 * sp + 1] : 0.0f;  // (past nsp: none this step)
             s_split[2 * sp] = l > 0.0f ? expf(s_split[2 * sp] - top) : 0.0f;  // 0: an empty split
             den += l * s_split[2 * sp];
           }
+          SP_ROLLED_LOOP
           for (int sp = 0; sp < SPLITS; ++sp) s_split[2 * sp] /= den;
         }
         __syncthreads();
@@ -2530,22 +2546,30 @@ def compact(text: str) -> str:
     return "\n".join(lines)
 
 
-def header_text(shifts: bool) -> str:
-    """The kernel's header with `BF16_SHIFTS` as given (a macro: the header's
-    conversions are not templates of the kernel's constants)."""
-    return f"#define SP_BF16_SHIFTS {int(shifts)}\n" + _COMPACT_HEADER
+def header_text(shifts: bool, rolled: bool = False) -> str:
+    """The kernel's header with `BF16_SHIFTS` and `TRIM_MORE` as given
+    (macros: the header's conversions are not templates of the kernel's
+    constants, and a loop's unrolling is a pragma, which `SP_ROLLED_LOOP`
+    gives where `rolled`, nothing otherwise: the loops' text as before)."""
+    loop = '_Pragma("unroll 1")' if rolled else ""
+    return (
+        f"#define SP_BF16_SHIFTS {int(shifts)}\n#define SP_ROLLED_LOOP {loop}\n"
+        + _COMPACT_HEADER
+    )
 
 
 @cache
-def _kernel(shared: int, shifts: bool) -> Callable[..., list[mx.array]]:
+def _kernel(shared: int, shifts: bool, rolled: bool) -> Callable[..., list[mx.array]]:
     return cast(
         Callable[..., list[mx.array]],
         mx.fast.cuda_kernel(
-            name=f"specpipe_mtp_step_{shared}" + ("_shifts" if shifts else ""),
+            name=f"specpipe_mtp_step_{shared}"
+            + ("_shifts" if shifts else "")
+            + ("_rolled" if rolled else ""),
             input_names=_INPUTS,
             output_names=_OUTPUTS,
             source=_COMPACT_SOURCE,
-            header=header_text(shifts),
+            header=header_text(shifts, rolled),
             shared_memory=shared,
         ),
     )
@@ -3219,7 +3243,7 @@ class FusedStep:
             keys.shape if kv_out else (rows, s.kv_heads, length + count - 1, s.head_dim)
         )
         sub_ids = self.subset_ids if self.subset_ids is not None else last
-        outputs = _kernel(shared, BF16_SHIFTS)(
+        outputs = _kernel(shared, BF16_SHIFTS, TRIM_MORE)(
             inputs=[
                 ids.reshape(-1),
                 hidden.reshape(vectors, s.hidden),

@@ -480,7 +480,7 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
     is overridden: E=512)."""
     text = source(
         "mtp_step",
-        mtp_cuda.header_text(mtp_cuda.BF16_SHIFTS),
+        mtp_cuda.header_text(mtp_cuda.BF16_SHIFTS, mtp_cuda.TRIM_MORE),
         mtp_cuda._COMPACT_SOURCE,
         list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
@@ -755,6 +755,10 @@ QWEN3_NEXT_CONSTANTS = {
         (1, 3, True, 512, ("-TRIM_CODE",)),
         (1, 3, False, 512, ("-TRIM_CODE",)),
         (3, 2, False, 64, ("-TRIM_CODE",)),
+        # loops kept rolled by a pragma the header defines (TRIM_MORE, off)
+        (1, 3, True, 512, ("TRIM_MORE",)),
+        (1, 3, False, 512, ("TRIM_MORE",)),
+        (3, 2, False, 64, ("TRIM_MORE",)),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
