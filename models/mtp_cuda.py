@@ -412,11 +412,11 @@ SHARED_CDF = True
 # step ran as fast as greedy's with the draw's and the head sort's code left
 # out (H100 phase stamps, forty-third session: 126.6 us, 116.8 without them,
 # greedy's 117.4), the phases after the draw slower with it (attention's
-# positions 3.6 against 2.3 us). The step loop's code: 141.3 / 169.8 KB
-# (greedy / sampled derived round, 512 experts, one row, sm_90a) -> 131.3 /
-# 159.8, registers as before. On: H100, 512 experts, one row, 48 positions,
-# depth-2 launch, full / FR-Spec us, 579.8 / 272.1 -> 568.5 / 262.3 greedy
-# (2.13x -> 2.17x), 601.6 / 283.9 -> 590.1 / 273.4 Qwen's (2.12x -> 2.16x);
+# positions 3.6 against 2.3 us). The step loop's code (bench/code_size.py,
+# greedy / sampled derived round, 512 experts, one row, sm_90a): 141.3 /
+# 169.8 KB -> 131.3 / 159.8, registers as before. On: H100, 512 experts, one
+# row, 48 positions, depth-2 launch, full / FR-Spec us, 579.8 / 272.1 ->
+# 568.5 / 262.3 greedy (2.13x -> 2.17x), 601.6 / 283.9 -> 590.1 / 273.4 Qwen's (2.12x -> 2.16x);
 # drafts the same as the defaults' in all 72 of fused_probe's comparisons
 # (one and three rows, greedy and Qwen's, both heads, every launch form;
 # bench/RESULTS.md).
@@ -426,8 +426,8 @@ TRIM_CODE = True
 # loop over their vectors (`stage_normed`; q/k/v's stage over a window's
 # positions), fc's stage over the positions, and thread 0's loops over
 # attention's splits (long contexts only). The same sums in the same order.
-# The step loop's code (the compile test's derived round, 512 experts, one
-# row of a 3-wide window, sm_90a) 131.3 / 159.8 KB greedy / sampled ->
+# The step loop's code (bench/code_size.py: the derived round, 512 experts,
+# one row of a 3-wide window, sm_90a) 131.3 / 159.8 KB greedy / sampled ->
 # 124.5 / 153.1, registers as without it. Prepared, off, not yet timed:
 # on, the first step's window positions wait on their embedding rows one
 # after another.

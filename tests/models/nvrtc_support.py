@@ -134,8 +134,11 @@ def source(
     return text + "\n" + body + "\n}\n\n} // namespace mlx::core::cu\n"
 
 
-def compile_source(text: str, workdir: Path, arch: str = "sm_90") -> Compiled:
-    """Compile with NVRTC (ptxas verbose: registers and spills)."""
+def compile_source(
+    text: str, workdir: Path, arch: str = "sm_90", line_info: bool = False
+) -> Compiled:
+    """Compile with NVRTC (ptxas verbose: registers and spills); `line_info`:
+    with source line information (nvdisasm's `-gi`; the same instructions)."""
     stand_in = workdir / "mlx" / "backend" / "cuda" / "device" / "utils.cuh"
     stand_in.parent.mkdir(parents=True, exist_ok=True)
     stand_in.write_text(_STAND_IN)
@@ -148,6 +151,7 @@ def compile_source(text: str, workdir: Path, arch: str = "sm_90") -> Compiled:
         # lambdas without it (13.5 infers it)
         b"--device-as-default-execution-space",
         b"--ptxas-options=--verbose",
+        *([b"--generate-line-info"] if line_info else []),
         *[f"-I{path}".encode() for path in includes],
     ]
     nvrtc = _nvrtc()
