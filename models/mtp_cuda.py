@@ -425,10 +425,12 @@ TRIM_CODE = True
 # their body (`SP_ROLLED_LOOP`, a pragma the header defines): the stagings'
 # loop over their vectors (`stage_normed`; q/k/v's stage over a window's
 # positions), fc's stage over the positions, and thread 0's loops over
-# attention's splits (long contexts only). The same sums in the same order.
-# The step loop's code (bench/code_size.py: the derived round, 512 experts,
-# one row of a 3-wide window, sm_90a) 131.3 / 159.8 KB greedy / sampled ->
-# 124.5 / 153.1, registers as without it. Prepared, off, not yet timed:
+# attention's splits (long contexts only); and the router top-k's keys
+# (`order_key`) from integer operations (the same keys). The same sums in
+# the same order. The step loop's code (bench/code_size.py: the derived
+# round, 512 experts, one row of a 3-wide window, sm_90a) 131.3 / 159.8 KB
+# greedy / sampled -> 122.9 / 151.6, registers as without it. Prepared,
+# off, not yet timed:
 # on, the first step's window positions wait on their embedding rows one
 # after another.
 TRIM_MORE = False
@@ -724,7 +726,15 @@ __device__ __forceinline__ void stage_normed(
 #define SP_KEY_MIN (-2147483647 - 1)
 __device__ __forceinline__ int order_key(float x) {
   const int u = __float_as_int(x);
-  return x != x ? SP_KEY_MIN : x == 0.0f ? 0 : u >= 0 ? u : u ^ 0x7fffffff;
+  if constexpr (SP_TRIM_MORE) {
+    // (the same keys from integer operations: a negative float's magnitude
+    // bits flipped, either zero 0; one predicate, used at once, where the
+    // float compares' predicates outlived the registers for them)
+    const int k = ((unsigned int)u << 1) == 0u ? 0 : u ^ ((u >> 31) & 0x7fffffff);
+    return x != x ? SP_KEY_MIN : k;
+  } else {
+    return x != x ? SP_KEY_MIN : x == 0.0f ? 0 : u >= 0 ? u : u ^ 0x7fffffff;
+  }
 }
 __device__ __forceinline__ float key_value(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff); }
 
@@ -2553,8 +2563,8 @@ def header_text(shifts: bool, rolled: bool = False) -> str:
     gives where `rolled`, nothing otherwise: the loops' text as before)."""
     loop = '_Pragma("unroll 1")' if rolled else ""
     return (
-        f"#define SP_BF16_SHIFTS {int(shifts)}\n#define SP_ROLLED_LOOP {loop}\n"
-        + _COMPACT_HEADER
+        f"#define SP_BF16_SHIFTS {int(shifts)}\n#define SP_TRIM_MORE {int(rolled)}\n"
+        f"#define SP_ROLLED_LOOP {loop}\n" + _COMPACT_HEADER
     )
 
 
