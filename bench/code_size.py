@@ -23,7 +23,6 @@ or one on PATH; NVRTC and the CUDA headers come with the dev extra.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import re
@@ -191,12 +190,9 @@ def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--switches", default="", help="comma-separated NAME (on) / -NAME (off)"
-    )
+    from bench.mtp import apply_switches, switches_parser
+
+    parser = switches_parser(__doc__)
     parser.add_argument("--sampling", default="greedy,qwen", help="of greedy, qwen")
     parser.add_argument("--experts", type=int, default=512)
     parser.add_argument("--rows", type=int, default=1)
@@ -205,8 +201,6 @@ def main() -> None:
     )
     parser.add_argument("--phases", action="store_true", help="bytes by phase too")
     args = parser.parse_args()
-    from bench.mtp import apply_switches
-
     apply_switches(args.switches)
     for sampling in args.sampling.split(","):
         if sampling not in ("greedy", "qwen"):

@@ -29,7 +29,6 @@ sections alone (the kernel's instructions, whatever its name).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import struct
 import sys
@@ -115,15 +114,10 @@ def text_sections(cubin: bytes) -> bytes:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--switches", default="", help="comma-separated NAME (on) / -NAME (off)"
-    )
-    args = parser.parse_args()
-    from bench.mtp import apply_switches
+    from bench.mtp import apply_switches, switches_parser
 
+    parser = switches_parser(__doc__)
+    args = parser.parse_args()
     apply_switches(args.switches)
     import test_mtp_cuda
 

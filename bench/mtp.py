@@ -444,6 +444,18 @@ def set_switches(args: argparse.Namespace) -> None:
     apply_switches(args.kernel_switches)
 
 
+def switches_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A script's parser (its docstring as the description) with
+    `--switches`, the comma-separated kernel switches `apply_switches` takes."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--switches", default="", help="comma-separated NAME (on) / -NAME (off)"
+    )
+    return parser
+
+
 def apply_switches(text: str) -> None:
     """models.mtp_cuda's switches from comma-separated NAME (on) / -NAME (off),
     and its integer settings from NAME=VALUE (BLOCKS=132, DRAW_HEADS_K=2)."""
