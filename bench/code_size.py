@@ -73,7 +73,6 @@ def round_text(sampled: bool, experts: int, rows: int, width: int) -> str:
     kernel's commented source (the same code as the compact one MLX gets:
     comments mark the phases), as the compile test builds it."""
     import test_mtp_cuda as t
-    from attrs import evolve
 
     from models import mtp_cuda
 
@@ -82,14 +81,7 @@ def round_text(sampled: bool, experts: int, rows: int, width: int) -> str:
     try:
         patch.setattr(mtp_cuda, "_COMPACT_SOURCE", mtp_cuda._SOURCE)
         seen, _ = t.derived_round_call(*moe, patch, rows, width, not sampled)
-        constants = {k: str(v) for k, v in t.QWEN3_NEXT_CONSTANTS.items()}
-        constants["M"] = str(rows * width)
-        constants["E"] = str(experts)
-        weights = t.fused_weights(*moe, 0)
-        assert weights is not None
-        if not evolve(weights.shape, experts=experts).foldable:
-            constants["FOLD"] = "0"
-        return t.step_text(seen, constants)
+        return t.step_text(seen, t.qwen3_next_constants(moe, rows, width, experts))
     finally:
         patch.undo()
 

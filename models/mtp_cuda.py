@@ -416,8 +416,8 @@ SHARED_CDF = True
 # greedy / sampled derived round, 512 experts, one row, sm_90a): 141.3 /
 # 169.8 KB -> 131.3 / 159.8, registers as before. On: H100, 512 experts, one
 # row, 48 positions, depth-2 launch, full / FR-Spec us, 579.8 / 272.1 ->
-# 568.5 / 262.3 greedy (2.13x -> 2.17x), 601.6 / 283.9 -> 590.1 / 273.4 Qwen's (2.12x -> 2.16x);
-# drafts the same as the defaults' in all 72 of fused_probe's comparisons
+# 568.5 / 262.3 greedy (2.13x -> 2.17x), 601.6 / 283.9 -> 590.1 / 273.4
+# Qwen's (2.12x -> 2.16x); drafts the same as the defaults' in all 72 of fused_probe's comparisons
 # (one and three rows, greedy and Qwen's, both heads, every launch form;
 # bench/RESULTS.md).
 TRIM_CODE = True
@@ -430,9 +430,8 @@ TRIM_CODE = True
 # the same order. The step loop's code (bench/code_size.py: the derived
 # round, 512 experts, one row of a 3-wide window, sm_90a) 131.3 / 159.8 KB
 # greedy / sampled -> 122.9 / 151.6, registers as without it. Prepared,
-# off, not yet timed:
-# on, the first step's window positions wait on their embedding rows one
-# after another.
+# off, not yet timed: on, the first step's window positions wait on their
+# embedding rows one after another.
 TRIM_MORE = False
 
 _HEADER = r"""

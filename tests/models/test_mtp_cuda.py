@@ -738,6 +738,23 @@ QWEN3_NEXT_CONSTANTS = {
 }  # fmt: skip
 
 
+def qwen3_next_constants(
+    moe: tuple[Any, MtpHead], rows: int, width: int, experts: int
+) -> dict[str, str]:
+    """The template constants that compile a derived round of `rows` x
+    `width` positions at Qwen3-Next's sizes with `experts` experts (also
+    bench/code_size.py's)."""
+    constants = {k: str(v) for k, v in QWEN3_NEXT_CONSTANTS.items()}
+    constants["M"] = str(rows * width)
+    constants["E"] = str(experts)
+    weights = fused_weights(*moe, 0)
+    assert weights is not None
+    # as FusedStep.folds: past 127 experts, the router has its own phase
+    if not evolve(weights.shape, experts=experts).foldable:
+        constants["FOLD"] = "0"
+    return constants
+
+
 @pytest.mark.skipif(
     sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
 )
@@ -809,14 +826,7 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
             int(value) if value else not switch.startswith("-"),
         )
     seen, _ = derived_round_call(*moe, monkeypatch, rows, width, greedy)
-    constants = {k: str(v) for k, v in QWEN3_NEXT_CONSTANTS.items()}
-    constants["M"] = str(rows * width)
-    constants["E"] = str(experts)
-    weights = fused_weights(*moe, 0)
-    assert weights is not None
-    # as FusedStep.folds: past 127 experts, the router has its own phase
-    if not evolve(weights.shape, experts=experts).foldable:
-        constants["FOLD"] = "0"
+    constants = qwen3_next_constants(moe, rows, width, experts)
     compiled = compile_source(step_text(seen, constants), tmp_path, "sm_90a")
     assert compiled.ok, compiled.log[:4000]
     # The defaults spill nothing. The arms off by default, kept for timing
