@@ -1,7 +1,7 @@
 """The MTP step kernel's code size, without a GPU.
 
 A chained draft step is bound by fetching its code (models/mtp_cuda.py,
-`DRAW_HEADS`'s and `TRIM_CODE`'s notes): its code does not stay in the
+`DRAW_HEADS`'s note and the one on its trimmed code): its code does not stay in the
 multiprocessor's instruction cache from one step to the next, so the bytes a
 step runs cost time. This compiles the round a steady-state launch runs
 (derived inputs, the full head) at Qwen3-Next's sizes, as the compile test
@@ -15,7 +15,7 @@ does (tests/models/test_mtp_cuda.py, NVRTC, sm_90a), and prints:
   count for the phase that calls it).
 
     python bench/code_size.py --sampling qwen --phases
-    python bench/code_size.py --switches=-TRIM_CODE      # an arm against the defaults
+    python bench/code_size.py --switches=-REDUX_TOPK     # an arm against the defaults
 
 Needs nvdisasm: NVIDIA's wheel (`pip install "nvidia-cuda-nvdisasm>=13,<14"`)
 or one on PATH; NVRTC and the CUDA headers come with the dev extra.

@@ -233,16 +233,6 @@ _SWITCHES = [
         "DRAW_RUNS",
         "a sampled draw's head runs sorted interleaved, first stages skipped",
     ),
-    (
-        "trim-code",
-        "TRIM_CODE",
-        "the step's code trimmed where counts were runtime ones (block sums, strided loops)",
-    ),
-    (
-        "trim-more",
-        "TRIM_MORE",
-        "stagings' and splits' loops kept rolled (one copy of their bodies)",
-    ),
 ]
 
 

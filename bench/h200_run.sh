@@ -197,6 +197,12 @@
 #  PROBE_TAG=-trimmore LIMIT=200 bash bench/h200_run.sh agree` and, on an H200, `EXPERTS=512 SETS=none
 #  SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=3 CONTEXT=48 REPEATS=8 LIMIT=120 ... switches` (the
 #  switches step's file names carry the depths since))
+# (forty-fourth session: two H100 leases: that call 2 and the agree call (LIMIT=330: 200 s cut the first on a
+#  fresh machine), then `EXPERTS=512 SETS="TRIM_MORE none" ... DEPTHS=3 ... setup-min switches`: TRIM_MORE
+#  faster in all eight pairs, the same drafts; both TRIM switches removed, TRIM_MORE's code the only form.
+#  Next, on an H200 (the goal's figure): call 2 `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen" NO_AGREE=1
+#  DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, then the same with
+#  DEPTHS=3 and without setup-min)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash

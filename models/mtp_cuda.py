@@ -401,38 +401,30 @@ REDUX_TOPK = True
 # the tests compile).
 SHARED_CDF = True
 
-# Whether the step's code is trimmed where the compiler could not know a
-# count: block sums and strided loops take the launch's SP_THREADS threads
-# (a constant) instead of blockDim (runtime counts, which the compiler
-# unrolls with remainders), staging loops from L2 have a known count, and
-# the one-split attention output takes each warp's weight once for its sum
-# and its output (one loop over the warps, not two). The same sums in the
-# same order. A step is bound by fetching its code (DRAW_HEADS's note; a
-# chained step's code is re-read every step): Qwen3-Next's sampled chained
-# step ran as fast as greedy's with the draw's and the head sort's code left
-# out (H100 phase stamps, forty-third session: 126.6 us, 116.8 without them,
-# greedy's 117.4), the phases after the draw slower with it (attention's
-# positions 3.6 against 2.3 us). The step loop's code (bench/code_size.py,
-# greedy / sampled derived round, 512 experts, one row, sm_90a): 141.3 /
-# 169.8 KB -> 131.3 / 159.8, registers as before. On: H100, 512 experts, one
-# row, 48 positions, depth-2 launch, full / FR-Spec us, 579.8 / 272.1 ->
-# 568.5 / 262.3 greedy (2.13x -> 2.17x), 601.6 / 283.9 -> 590.1 / 273.4
-# Qwen's (2.12x -> 2.16x); drafts the same as the defaults' in all 72 of fused_probe's comparisons
-# (one and three rows, greedy and Qwen's, both heads, every launch form;
-# bench/RESULTS.md).
-TRIM_CODE = True
-# Whether loops that TRIM_CODE left unrolled for no need keep one copy of
-# their body (`SP_ROLLED_LOOP`, a pragma the header defines): the stagings'
-# loop over their vectors (`stage_normed`; q/k/v's stage over a window's
-# positions), fc's stage over the positions, and thread 0's loops over
-# attention's splits (long contexts only); and the router top-k's keys
-# (`order_key`) from integer operations (the same keys). The same sums in
-# the same order. The step loop's code (bench/code_size.py: the derived
-# round, 512 experts, one row of a 3-wide window, sm_90a) 131.3 / 159.8 KB
-# greedy / sampled -> 122.9 / 151.6, registers as without it. Prepared,
-# off, not yet timed: on, the first step's window positions wait on their
-# embedding rows one after another.
-TRIM_MORE = False
+# The step's code is kept short, since a step is bound by fetching it
+# (DRAW_HEADS's note; a chained step's code is re-read every step):
+# Qwen3-Next's sampled chained step ran as fast as greedy's with the draw's
+# and the head sort's code left out (H100 phase stamps, forty-third session:
+# 126.6 us, 116.8 without them, greedy's 117.4), and the phases after the
+# draw were slower with it (attention's positions 3.6 against 2.3 us). So no
+# loop has a count the compiler cannot know (block sums and strided loops
+# take SP_THREADS, staging loops from L2 a fixed count; such a loop is
+# unrolled with remainders), the one-split attention output takes each
+# warp's weight once for its sum and its output, loops with no need of
+# unrolling keep one copy of their body (`#pragma unroll 1`: the stagings'
+# loop over their vectors, fc's stage over a window's positions, thread 0's
+# loops over attention's splits), and the router top-k's keys come from
+# integer operations. The same sums in the same order, the same keys.
+# Measured as switches (bench/RESULTS.md, forty-third and forty-fourth
+# sessions; H100, 512 experts, one row, 48 positions, full / FR-Spec us):
+# the first part (TRIM_CODE) took the step loop's code (bench/code_size.py)
+# from 141.3 / 169.8 KB greedy / sampled to 131.3 / 159.8 and a depth-2
+# launch from 581.1 / 273.0 to 570.0 / 262.9 greedy, 602.6 / 287.6 to
+# 592.3 / 277.0 Qwen's; the rest (TRIM_MORE) to 122.9 / 151.6 KB and
+# 568.7 / 262.0, 590.0 / 275.4 (depth 3: 825.8 / 366.0 -> 824.4 / 363.9
+# greedy, 860.1 / 388.4 -> 854.9 / 382.4 Qwen's). Drafts the same as before
+# in all of fused_probe's comparisons (one and three rows, both samplings,
+# both heads, every launch form), registers as before.
 
 _HEADER = r"""
 namespace specpipe_mtp {
@@ -628,12 +620,14 @@ __device__ __forceinline__ void prefetch_share(const void* p, size_t bytes, size
 }
 
 constexpr int SP_THREADS = 256;  // threads per block (BLOCK)
+// A strided loop's step: unsigned, as blockDim.x is (an int step costs such a
+// loop one more instruction).
+constexpr unsigned SP_STRIDE = SP_THREADS;
 
 // Sum over the block (all threads get it); `red` holds one float per warp.
-// FIXED (`TRIM_CODE`): the warps counted as the launch's SP_THREADS / 32, a
-// constant, instead of from blockDim (a loop of unknown count, which the
-// compiler unrolls with remainders: ~100 instructions a call against ~10).
-template <bool FIXED = false>
+// The warps are counted as the launch's SP_THREADS / 32, a constant (counted
+// from blockDim, the loop's count is unknown and the compiler unrolls it with
+// remainders: ~100 instructions a call against ~10).
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = warp_sum(v);
@@ -641,12 +635,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   if (lane == 0) red[warp] = v;
   __syncthreads();
   float t = 0.0f;
-  if constexpr (FIXED) {
 #pragma unroll
-    for (int i = 0; i < SP_THREADS / 32; ++i) t += red[i];
-  } else {
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) t += red[i];
-  }
+  for (int i = 0; i < SP_THREADS / 32; ++i) t += red[i];
   return t;
 }
 constexpr int PHASE_STAMPS = @STAMPS@;  // floats of phase stamps
@@ -656,24 +646,19 @@ constexpr int INNER_STAMPS = @INNER@;  // of them, points within phases (the las
 __host__ __device__ constexpr int groups8(int n) { return (n / 8 + SP_THREADS - 1) / SP_THREADS; }
 
 // N floats (N a multiple of 4, both ends 16-byte aligned) from scratch (L2)
-// into shared memory, 16-byte loads. FIXED (`TRIM_CODE`): a loop of known
-// count, fully unrolled, not one the compiler unrolls by 8 with remainders
-// (its count depends on the thread's index).
-template <int N, bool FIXED = false>
+// into shared memory, 16-byte loads: a loop of known count, fully unrolled
+// (not one whose count depends on the thread's index, which the compiler
+// unrolls with remainders).
+template <int N>
 __device__ __forceinline__ void stage_l2(float* to, const float* from) {
   const float4* src = reinterpret_cast<const float4*>(from);
   float4* dst = reinterpret_cast<float4*>(to);
   constexpr int V = N / 4;
-  if constexpr (FIXED) {
-    constexpr int G = (V + SP_THREADS - 1) / SP_THREADS;
+  constexpr int G = (V + SP_THREADS - 1) / SP_THREADS;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int i = threadIdx.x + g * SP_THREADS;
-      if (i < V) dst[i] = __ldcg(src + i);
-    }
-  } else {
-#pragma unroll 8
-    for (int i = threadIdx.x; i < V; i += SP_THREADS) dst[i] = __ldcg(src + i);
+  for (int g = 0; g < G; ++g) {
+    const int i = threadIdx.x + g * SP_THREADS;
+    if (i < V) dst[i] = __ldcg(src + i);
   }
 }
 
@@ -682,12 +667,12 @@ __device__ __forceinline__ void stage_l2(float* to, const float* from) {
 // (16-byte loads, all in flight together); `copy`, when given, also gets
 // them in the weights' dtype; `inv`, when given (shared), each vector's
 // rsqrt(mean(x^2) + eps).
-template <typename W, int N, bool FIXED = false>
+template <typename W, int N>
 __device__ __forceinline__ void stage_normed(
     float* to, const float* from, int count, const W* w, float eps, float* red, W* copy,
     float* inv = nullptr) {
   constexpr int NG = groups8(N);
-  SP_ROLLED_LOOP
+  #pragma unroll 1
   for (int m = 0; m < count; ++m) {
     float x[NG][8];
     float s = 0.0f;
@@ -700,7 +685,7 @@ __device__ __forceinline__ void stage_normed(
         for (int i = 0; i < 8; ++i) s += x[g][i] * x[g][i];
       }
     }
-    const float iv = rsqrtf(block_sum<FIXED>(s, red) / N + eps);
+    const float iv = rsqrtf(block_sum(s, red) / N + eps);
     if (inv != nullptr && threadIdx.x == 0) inv[m] = iv;
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
@@ -725,15 +710,11 @@ __device__ __forceinline__ void stage_normed(
 #define SP_KEY_MIN (-2147483647 - 1)
 __device__ __forceinline__ int order_key(float x) {
   const int u = __float_as_int(x);
-  if constexpr (SP_TRIM_MORE) {
-    // (the same keys from integer operations: a negative float's magnitude
-    // bits flipped, either zero 0; one predicate, used at once, where the
-    // float compares' predicates outlived the registers for them)
-    const int k = ((unsigned int)u << 1) == 0u ? 0 : u ^ ((u >> 31) & 0x7fffffff);
-    return x != x ? SP_KEY_MIN : k;
-  } else {
-    return x != x ? SP_KEY_MIN : x == 0.0f ? 0 : u >= 0 ? u : u ^ 0x7fffffff;
-  }
+  // (integer operations: a negative float's magnitude bits flipped, either
+  // zero 0; one predicate, used at once, where float compares' predicates
+  // outlived the registers for them: 32 moves to registers for 16 keys)
+  const int k = ((unsigned int)u << 1) == 0u ? 0 : u ^ ((u >> 31) & 0x7fffffff);
+  return x != x ? SP_KEY_MIN : k;
 }
 __device__ __forceinline__ float key_value(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff); }
 
@@ -1194,7 +1175,7 @@ _SOURCE = r"""
   // ---- 1. fc over [norm(embed(token)), norm(hidden)], every position -----
   if (PREFETCH && tid == 0) prefetch_share(w_qkv, (size_t)QKVN * H * WB, PF_CAP);
   // (step s > 0: the previous step's token and normed output, this launch's)
-  SP_ROLLED_LOOP
+  #pragma unroll 1
   for (int m = 0; m < M; ++m) {
     // (a later step's window positions all take the row's one pair: their
     // duplicate products cost no extra weight reads)
@@ -1215,8 +1196,8 @@ _SOURCE = r"""
         for (int i = 0; i < 8; ++i) { se += ev[g][i] * ev[g][i]; sh += hv[g][i] * hv[g][i]; }
       }
     }
-    const float ie = rsqrtf(block_sum<TRIM_CODE>(se, red) / H + eps);
-    float ih = rsqrtf(block_sum<TRIM_CODE>(sh, red) / H + eps);
+    const float ie = rsqrtf(block_sum(se, red) / H + eps);
+    float ih = rsqrtf(block_sum(sh, red) / H + eps);
     if (FIRST && s == 0) {  // the target's final norm first, then the head's
       float s2 = 0.0f;
 #pragma unroll
@@ -1229,7 +1210,7 @@ _SOURCE = r"""
           for (int i = 0; i < 8; ++i) { hv[g][i] *= ih * wf[i]; s2 += hv[g][i] * hv[g][i]; }
         }
       }
-      ih = rsqrtf(block_sum<TRIM_CODE>(s2, red) / H + eps);
+      ih = rsqrtf(block_sum(s2, red) / H + eps);
     }
 #pragma unroll
     for (int g = 0; g < NGH; ++g) {
@@ -1303,7 +1284,7 @@ _SOURCE = r"""
   };
   // each row's query vector of this step
   auto query_vec = [&](int b) { return b * TT + s_in_last[b]; };
-  stage_normed<W, H, TRIM_CODE>(xs, S + O_H0, M, w_in, eps, red, nullptr);
+  stage_normed<W, H>(xs, S + O_H0, M, w_in, eps, red, nullptr);
   mark(1);
   product<W, M, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL, KEEP_QKV>(
       QKVN, H, gwarp, NW, qkv_row,
@@ -1497,7 +1478,7 @@ _SOURCE = r"""
         const int np = min(TP, n_c - t * TP);
         const W* gk = keys + (cache_row + a0 + t * TP) * D;
         const W* gv = values + (cache_row + a0 + t * TP) * D;
-        for (int i = tid; i < np * D / CH; i += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
+        for (int i = tid; i < np * D / CH; i += SP_STRIDE) {
           cp_async16(sk + i * CH, gk + i * CH);
           cp_async16(sk + TILE + i * CH, gv + i * CH);
         }
@@ -1567,7 +1548,7 @@ _SOURCE = r"""
       if (item == blk) mark(3);
       // this split's partial of each head of the group (its NSUB warps'
       // combined): max, sum, weighted values (unscaled)
-      for (int x = tid; x < GROUP * PART; x += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
+      for (int x = tid; x < GROUP * PART; x += SP_STRIDE) {
         const int h = x / PART, d = x % PART;
         float top = -SP_INF;
 #pragma unroll
@@ -1648,7 +1629,7 @@ _SOURCE = r"""
         __syncthreads();
         const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)(g * GROUP + h) * 2 * D + D;
         constexpr int CU = 8;  // splits' loads in flight per thread
-        for (int d = tid; d < D; d += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
+        for (int d = tid; d < D; d += SP_STRIDE) {
           float n = 0.0f;
           int sp = 0;
 #pragma unroll 1
@@ -1747,40 +1728,25 @@ _SOURCE = r"""
       if (ATT_SHARE > 0 && nsp == 1) {
         // the only split: the head's output, weighted as the combine below
         // weights one split (1 / its sum), times sigmoid(gate)
-        if constexpr (TRIM_CODE) {
-          const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-          // (one loop over the warps: each warp's weight taken once for the
-          // sum and the output, the same sums in the same order)
-          for (int d = tid; d < D; d += SP_THREADS) {
-            float den = 0.0f, num = 0.0f;
-            for (int w = 0; w < NWARP; ++w)
-              if (s_l[w] > 0.0f) {
-                const float e = expf(s_m[w] - top);
-                den += s_l[w] * e;
-                num += s_acc[w][d] * e;
-              }
-            const float out = 0.0f + num * (1.0f / den);
-            S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
-          }
-        } else {
-          float den = 0.0f;
+        const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
+        // (one loop over the warps: each warp's weight taken once for the
+        // sum and the output)
+        for (int d = tid; d < D; d += SP_THREADS) {
+          float den = 0.0f, num = 0.0f;
           for (int w = 0; w < NWARP; ++w)
-            if (s_l[w] > 0.0f) den += s_l[w] * expf(s_m[w] - top);
-          const float wt = 1.0f / den;
-          const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-          for (int d = tid; d < D; d += blockDim.x) {
-            float num = 0.0f;
-            for (int w = 0; w < NWARP; ++w)
-              if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
-            const float out = 0.0f + num * wt;
-            S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
-          }
+            if (s_l[w] > 0.0f) {
+              const float e = expf(s_m[w] - top);
+              den += s_l[w] * e;
+              num += s_acc[w][d] * e;
+            }
+          const float out = 0.0f + num * (1.0f / den);
+          S[O_COMB + (size_t)bh * D + d] = out * sigmoid(__ldcg(gate + d));
         }
         __syncthreads();  // (s_m, s_l, s_acc: the block's next item)
         continue;
       }
       float* part = S + O_ATT + (size_t)item * PART;
-      for (int d = tid; d < D; d += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
+      for (int d = tid; d < D; d += SP_STRIDE) {
         float num = 0.0f;
         for (int w = 0; w < NWARP; ++w)
           if (s_l[w] > 0.0f) num += s_acc[w][d] * expf(s_m[w] - top);
@@ -1810,22 +1776,22 @@ _SOURCE = r"""
         __syncthreads();
         if (tid == 0) {  // each split's weight exp(max_s - max) / sum
           float top = -SP_INF;
-          SP_ROLLED_LOOP
+          #pragma unroll 1
           for (int sp = 0; sp < SPLITS; ++sp)
             if (sp < nsp && s_split[2 * sp + 1] > 0.0f) top = fmaxf(top, s_split[2 * sp]);
           float den = 0.0f;
-          SP_ROLLED_LOOP
+          #pragma unroll 1
           for (int sp = 0; sp < SPLITS; ++sp) {
             const float l = sp < nsp ? s_split[2 * sp + 1] : 0.0f;  // (past nsp: none this step)
             s_split[2 * sp] = l > 0.0f ? expf(s_split[2 * sp] - top) : 0.0f;  // 0: an empty split
             den += l * s_split[2 * sp];
           }
-          SP_ROLLED_LOOP
+          #pragma unroll 1
           for (int sp = 0; sp < SPLITS; ++sp) s_split[2 * sp] /= den;
         }
         __syncthreads();
         const float* gate = S + O_QKV + (size_t)mq * QKVN + (size_t)hq * 2 * D + D;
-        for (int d = tid; d < D; d += (TRIM_CODE ? SP_THREADS : blockDim.x)) {
+        for (int d = tid; d < D; d += SP_STRIDE) {
           float n = 0.0f;
   #pragma unroll
           for (int sp = 0; sp < SPLITS; ++sp)
@@ -1860,7 +1826,7 @@ _SOURCE = r"""
     }
   }
   // the attention's output (its splits combined by each head's last split)
-  stage_l2<B * HQ * D, TRIM_CODE>(xs, S + O_COMB);
+  stage_l2<B * HQ * D>(xs, S + O_COMB);
   __syncthreads();
   mark(4);
   // FOLD: the router's logits (and the shared expert's gate) are linear in
@@ -1927,7 +1893,7 @@ _SOURCE = r"""
     if (DENSE) prefetch_share(mlp1, (size_t)H * IM * WB, PF_CAP);
     else prefetch_share(mlp6, (size_t)H * IS * WB, PF_CAP);
   }
-  stage_normed<W, H, TRIM_CODE>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
+  stage_normed<W, H>(xs, S + O_R1, B, w_post, eps, red, nullptr, FOLD ? s_inv : nullptr);
   if constexpr (DENSE) {
     product<W, B, 2, false, WIDE_LOADS, EVICT_ALL>(
         MLP0_ROWS, H, gwarp, NW, mlp0_row,
@@ -1939,7 +1905,7 @@ _SOURCE = r"""
         });
     barrier();
     if (PREFETCH && tid == 0) prefetch_head();
-    stage_l2<B * IM, TRIM_CODE>(xs, S + O_ACT);
+    stage_l2<B * IM>(xs, S + O_ACT);
     __syncthreads();
     product<W, B, 1, PAIR_ROWS, WIDE_LOADS, EVICT_ALL>(
         H, IM, gwarp, NW, mlp1_row,
@@ -2130,8 +2096,8 @@ _SOURCE = r"""
     if (PREFETCH && tid == 0) prefetch_head();
     float* xe = xs;                               // [B, KE, IE]
     float* xsh = xs + (size_t)B * KE * IE;        // [B, IS]
-    stage_l2<B * KE * IE, TRIM_CODE>(xe, S + O_EACT);
-    stage_l2<B * IS, TRIM_CODE>(xsh, S + O_SACT);
+    stage_l2<B * KE * IE>(xe, S + O_EACT);
+    stage_l2<B * IS>(xsh, S + O_SACT);
     __syncthreads();
     mark(6);
     constexpr int CH = IE / 256, SCH = IS / 256;  // 16-byte loads per lane per row
@@ -2199,7 +2165,7 @@ _SOURCE = r"""
   // ---- 7. the head's norm, the projection, each block's candidates -------
   // xs: [B, H] normed; lg: [B, CHUNK] this block's logits (sampled)
   float* lg = dyn + (size_t)B * H;
-  stage_normed<W, H, TRIM_CODE>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
+  stage_normed<W, H>(xs, S + O_R2, B, w_hnorm, eps, red, blk == 0 ? normed : nullptr);
   mark(7);
   const int lo = h_lo, hi = h_hi;
   float best_v[B];
@@ -2555,30 +2521,22 @@ def compact(text: str) -> str:
     return "\n".join(lines)
 
 
-def header_text(shifts: bool, rolled: bool = False) -> str:
-    """The kernel's header with `BF16_SHIFTS` and `TRIM_MORE` as given
-    (macros: the header's conversions are not templates of the kernel's
-    constants, and a loop's unrolling is a pragma, which `SP_ROLLED_LOOP`
-    gives where `rolled`, nothing otherwise: the loops' text as before)."""
-    loop = '_Pragma("unroll 1")' if rolled else ""
-    return (
-        f"#define SP_BF16_SHIFTS {int(shifts)}\n#define SP_TRIM_MORE {int(rolled)}\n"
-        f"#define SP_ROLLED_LOOP {loop}\n" + _COMPACT_HEADER
-    )
+def header_text(shifts: bool) -> str:
+    """The kernel's header with `BF16_SHIFTS` as given (a macro: the
+    header's conversions are not templates of the kernel's constants)."""
+    return f"#define SP_BF16_SHIFTS {int(shifts)}\n" + _COMPACT_HEADER
 
 
 @cache
-def _kernel(shared: int, shifts: bool, rolled: bool) -> Callable[..., list[mx.array]]:
+def _kernel(shared: int, shifts: bool) -> Callable[..., list[mx.array]]:
     return cast(
         Callable[..., list[mx.array]],
         mx.fast.cuda_kernel(
-            name=f"specpipe_mtp_step_{shared}"
-            + ("_shifts" if shifts else "")
-            + ("_rolled" if rolled else ""),
+            name=f"specpipe_mtp_step_{shared}" + ("_shifts" if shifts else ""),
             input_names=_INPUTS,
             output_names=_OUTPUTS,
             source=_COMPACT_SOURCE,
-            header=header_text(shifts, rolled),
+            header=header_text(shifts),
             shared_memory=shared,
         ),
     )
@@ -3245,14 +3203,13 @@ class FusedStep:
             ("FOLD", fold),
             ("REDUX_TOPK", REDUX_TOPK),
             ("SHARED_CDF", SHARED_CDF),
-            ("TRIM_CODE", TRIM_CODE),
             ("DERIVE", derive is not None),
         ]
         window = (
             keys.shape if kv_out else (rows, s.kv_heads, length + count - 1, s.head_dim)
         )
         sub_ids = self.subset_ids if self.subset_ids is not None else last
-        outputs = _kernel(shared, BF16_SHIFTS, TRIM_MORE)(
+        outputs = _kernel(shared, BF16_SHIFTS)(
             inputs=[
                 ids.reshape(-1),
                 hidden.reshape(vectors, s.hidden),

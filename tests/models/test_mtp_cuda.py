@@ -480,7 +480,7 @@ def step_text(seen: dict[str, Any], constants: dict[str, str]) -> str:
     is overridden: E=512)."""
     text = source(
         "mtp_step",
-        mtp_cuda.header_text(mtp_cuda.BF16_SHIFTS, mtp_cuda.TRIM_MORE),
+        mtp_cuda.header_text(mtp_cuda.BF16_SHIFTS),
         mtp_cuda._COMPACT_SOURCE,
         list(zip(mtp_cuda._INPUTS, seen["inputs"], strict=True)),
         list(zip(mtp_cuda._OUTPUTS, seen["output_dtypes"], strict=True)),
@@ -768,14 +768,6 @@ def qwen3_next_constants(
         (1, 3, False, 512, ()),  # the released model's 512: the router in its own phase
         (1, 3, True, 512, ("-REDUX_TOPK",)),
         (1, 3, False, 512, ("-DRAW_RUNS",)),
-        # the step's code untrimmed (TRIM_CODE's off arm)
-        (1, 3, True, 512, ("-TRIM_CODE",)),
-        (1, 3, False, 512, ("-TRIM_CODE",)),
-        (3, 2, False, 64, ("-TRIM_CODE",)),
-        # loops kept rolled by a pragma the header defines (TRIM_MORE, off)
-        (1, 3, True, 512, ("TRIM_MORE",)),
-        (1, 3, False, 512, ("TRIM_MORE",)),
-        (3, 2, False, 64, ("TRIM_MORE",)),
         (1, 3, False, 512, ("-REDUX_TOPK", "-SHARED_CDF")),
         (3, 2, False, 64, ("-REDUX_TOPK", "-SHARED_CDF")),
         # attention per kv head (ATT_GROUPED, off), bfloat16 by the compiler's
@@ -845,24 +837,21 @@ def test_the_round_at_qwen3_next_shape_compiles_without_spills(
 @pytest.mark.skipif(
     sys.platform != "linux", reason="NVIDIA's NVRTC wheels are Linux-only"
 )
-def test_the_trims_shorten_the_step_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("greedy", "ceiling_kb"), [(True, 126.0), (False, 155.0)])
+def test_the_step_loop_stays_short(greedy: bool, ceiling_kb: float) -> None:
     """The step loop a chained step runs (bench/code_size.py: the derived
-    sampled round at Qwen3-Next's sizes, 512 experts, a 3-wide window) is
-    shorter with TRIM_CODE than without (10 KB when it was made, 2026-12-07)
-    and shorter again with TRIM_MORE (8.3 KB), at no more registers and no
-    spill: a step is bound by fetching its code, so these bytes are time."""
+    round at Qwen3-Next's sizes, 512 experts, one row of a 3-wide window)
+    stays within a few KB of its size when its code was last trimmed
+    (2026-12-07: 122.9 KB greedy, 151.6 KB sampled, from 141.3 / 169.8
+    before), with no spill: a step is bound by fetching its code, so these
+    bytes are time (about 1 us a KB a launch on an H100). A change that
+    lengthens it past the ceiling should be timed, and the ceiling moved
+    only with the figures that justify it (bench/RESULTS.md)."""
     from bench.code_size import measure
 
-    on = measure(True, 512, 1, 3, False)
-    monkeypatch.setattr(mtp_cuda, "TRIM_CODE", False)
-    off = measure(True, 512, 1, 3, False)
-    monkeypatch.setattr(mtp_cuda, "TRIM_CODE", True)
-    monkeypatch.setattr(mtp_cuda, "TRIM_MORE", True)
-    more = measure(True, 512, 1, 3, False)
-    assert off["step_loop_bytes"] - on["step_loop_bytes"] >= 8192, (off, on)
-    assert on["step_loop_bytes"] - more["step_loop_bytes"] >= 4096, (on, more)
-    for arm in (on, more):
-        assert arm["spill_bytes"] == 0 and arm["registers"] <= off["registers"]
+    sized = measure(not greedy, 512, 1, 3, False)
+    assert sized["spill_bytes"] == 0, sized
+    assert sized["step_loop_bytes"] <= ceiling_kb * 1024, sized
 
 
 @pytest.mark.skipif(
