@@ -202,7 +202,8 @@
 #  faster in all eight pairs, the same drafts; both TRIM switches removed, TRIM_MORE's code the only form.
 #  Next, on an H200 (the goal's figure): call 2 `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen" NO_AGREE=1
 #  DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, then the same with
-#  DEPTHS=3 and without setup-min)
+#  DEPTHS=3 and without setup-min; two more requests got H100s: one given back, one ran the MTP suites
+#  on the GPU, `PYTHONPATH=$HOME/site MLX_ENABLE_TF32=0 python3 -m pytest -q tests/specpipe/test_mtp*.py`)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
