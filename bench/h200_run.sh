@@ -200,9 +200,9 @@
 # (forty-fourth session: two H100 leases: that call 2 and the agree call (LIMIT=330: 200 s cut the first on a
 #  fresh machine), then `EXPERTS=512 SETS="TRIM_MORE none" ... DEPTHS=3 ... setup-min switches`: TRIM_MORE
 #  faster in all eight pairs, the same drafts; both TRIM switches removed, TRIM_MORE's code the only form.
-#  Next, on an H200 (the goal's figure): call 2 `EXPERTS=512 SETS=none SAMPLINGS="greedy qwen" NO_AGREE=1
-#  DEPTHS=2 CONTEXT=48 REPEATS=8 LIMIT=150 bash bench/h200_run.sh setup-min switches`, then the same with
-#  DEPTHS=3 and without setup-min; two more requests got H100s: one given back, one ran the MTP suites
+#  Next, on an H200 (the goal's figure), one call after the stash call: `EXPERTS=512 SETS=none
+#  SAMPLINGS="greedy qwen" NO_AGREE=1 DEPTHS=2,3 CONTEXT=48 REPEATS=8 LIMIT=240 bash bench/h200_run.sh
+#  setup-min switches` (a first ncu run compiles: give it 150 s or more); two more requests got H100s: one given back, one ran the MTP suites
 #  on the GPU, `PYTHONPATH=$HOME/site MLX_ENABLE_TF32=0 python3 -m pytest -q tests/specpipe/test_mtp.py
 #  tests/specpipe/test_mtp_derived.py tests/specpipe/test_mtp_ahead.py`: 32 passed)
 set -uo pipefail
