@@ -33,6 +33,7 @@ from common import (
     RESULTS,
     Run,
     first_difference,
+    ints,
     machine_info,
     mlxlm_load,
     mlxlm_plain,
@@ -45,10 +46,6 @@ from common import (
 
 NEVER_LOSE = 0.98  # adaptive / plain, every class
 NEAR_BEST = 0.95  # adaptive / best fixed width, code
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main() -> None:

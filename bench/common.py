@@ -440,6 +440,11 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None
 
 
+def ints(text: str) -> list[int]:
+    """A comma-separated list of ints (empty items ignored)."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 

@@ -29,6 +29,7 @@ from common import (
     RESULTS,
     Run,
     first_difference,
+    ints,
     machine_info,
     mlxlm_load,
     mlxlm_plain,
@@ -38,10 +39,6 @@ from common import (
     table,
     write_json,
 )
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main() -> None:
