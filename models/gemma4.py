@@ -87,7 +87,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from attrs import evolve, frozen
+from attrs import frozen
 
 from models.base import (
     Mask,
@@ -100,11 +100,9 @@ from models.base import (
 )
 from models.cache import KVCache
 from models.fuse import FusedProjection, fuse, fused_or_none
-from models.layers import add_lm_head, model_dtype
+from models.layers import HeadedLM, model_dtype
 from models.parallel import Embedding, Linear
 from models.qwen3_next import SwitchGLU
-from models.vocab_head import HeadWeights, softcapped
-from schemas.hf import DecoderArgs
 from schemas.hf_gemma4 import (
     FULL_ATTENTION,
     LAYER_TYPES,
@@ -661,19 +659,16 @@ class Gemma4TextModel(nn.Module):
         return combined
 
 
-class Model(nn.Module, Tapping):
-    """The causal LM: implements `models.base.CausalLM`."""
+class Model(HeadedLM, Tapping):
+    """The causal LM: implements `models.base.CausalLM` (its `args` the
+    protocol's type, always a Gemma4Args here: see `gemma`)."""
 
     padding_safe = True  # attention only: padded positions are overwritten later
-    # the protocol's type; always Gemma4Args here (see `gemma`)
-    args: DecoderArgs
+    model: Gemma4TextModel
 
     def __init__(self, args: Gemma4Args) -> None:
         refuse(target_problem(args))
-        super().__init__()
-        self.args = args
-        self.model = Gemma4TextModel(args)
-        add_lm_head(self, args)
+        super().__init__(args, Gemma4TextModel(args))
 
     @property
     def gemma(self) -> Gemma4Args:
@@ -744,33 +739,9 @@ class Model(nn.Module, Tapping):
         """The token embedding times sqrt(H) (what the first layer reads)."""
         return self.model.embed(ids)
 
-    def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
-        return self.model.norm(hidden)
-
-    def lm_head(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        return self.project(self.final_norm(hidden))
-
-    def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        """The vocabulary projection, logits capped (`final_logit_softcapping`)."""
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(normed)
-        else:
-            projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
-            logits = projection(normed)
-        cap = self.gemma.final_logit_softcapping
-        return logits if cap is None else softcapped(logits, cap)
-
-    def head_weights(self) -> HeadWeights:
-        """The vocabulary projection (the embedding when tied) as arrays, with
-        the logit cap, which `HeadWeights.project` applies."""
-        module = (
-            self.model.embed_tokens
-            if self.args.tie_word_embeddings
-            else self["lm_head"]
-        )
-        return evolve(
-            HeadWeights.of(module), softcap=self.gemma.final_logit_softcapping
-        )
+    @property
+    def logit_softcap(self) -> float | None:
+        return self.gemma.final_logit_softcapping
 
     def sanitize(self, weights: Mapping[str, mx.array]) -> dict[str, mx.array]:
         """HF (text or multimodal) / MLX checkpoint names -> this model's."""

@@ -16,14 +16,14 @@ from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from attrs import frozen
+from attrs import evolve, frozen
 from mlx.utils import tree_flatten
 
 from models.base import Mask, RoPE
 from models.cache import KVCache, KVWrite
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.parallel import Linear
-from models.vocab_head import HeadWeights
+from models.vocab_head import HeadWeights, softcapped
 from schemas.hf import DecoderArgs
 
 
@@ -227,17 +227,22 @@ def add_lm_head(lm: nn.Module, args: DecoderArgs) -> None:
 
 
 class HeadedBackbone(Protocol):
-    """What `HeadedLM` reads of its backbone."""
+    """What `HeadedLM` reads of its backbone (read-only: a backbone's own
+    norm class will do)."""
 
-    embed_tokens: nn.Embedding | nn.QuantizedEmbedding
-    norm: nn.RMSNorm
+    @property
+    def embed_tokens(self) -> nn.Embedding | nn.QuantizedEmbedding: ...
+
+    @property
+    def norm(self) -> Callable[[mx.array], mx.array]: ...
 
 
 class HeadedLM(nn.Module):
     """A causal LM's token embedding and vocabulary head over its backbone
     (`model`: `embed_tokens`, the final `norm`) and `args` (tied or own
-    `lm_head`): llama's family and Qwen3-Next's share them. A subclass
-    narrows `model` to its backbone's class, which it calls."""
+    `lm_head`): llama's family, Qwen3-Next's and Gemma-4's share them. A
+    subclass narrows `model` to its backbone's class, which it calls, and
+    may scale its embedding (`embed`) and cap its logits (`logit_softcap`)."""
 
     args: DecoderArgs
     model: HeadedBackbone
@@ -257,18 +262,32 @@ class HeadedLM(nn.Module):
     def final_norm(self, hidden: mx.array) -> mx.array:  # [..., H] -> [..., H]
         return self.model.norm(hidden)
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """The cap `project` puts on the logits (cap * tanh(logits / cap)):
+        none unless the architecture has one."""
+        return None
+
     def project(self, normed: mx.array) -> mx.array:  # [..., H] -> [..., V]
-        """The vocabulary projection alone (an MTP head brings its own norm)."""
+        """The vocabulary projection alone (an MTP head brings its own
+        norm), its logits capped where the model caps them."""
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(normed)
-        projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
-        return projection(normed)
+            logits = self.model.embed_tokens.as_linear(normed)
+        else:
+            projection: nn.Linear | nn.QuantizedLinear = self["lm_head"]
+            logits = projection(normed)
+        cap = self.logit_softcap
+        return logits if cap is None else softcapped(logits, cap)
 
     def head_weights(self) -> HeadWeights:
-        """The vocabulary projection (the embedding when tied) as arrays."""
-        if self.args.tie_word_embeddings:
-            return HeadWeights.of(self.model.embed_tokens)
-        return HeadWeights.of(self["lm_head"])
+        """The vocabulary projection (the embedding when tied) as arrays, with
+        the logit cap, which `HeadWeights.project` applies."""
+        module = (
+            self.model.embed_tokens
+            if self.args.tie_word_embeddings
+            else self["lm_head"]
+        )
+        return evolve(HeadWeights.of(module), softcap=self.logit_softcap)
 
 
 def decoder_cache(
