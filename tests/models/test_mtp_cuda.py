@@ -844,9 +844,11 @@ def test_the_step_loop_stays_short(greedy: bool, ceiling_kb: float) -> None:
     stays within a few KB of its size when its code was last trimmed
     (2026-12-07: 122.9 KB greedy, 151.6 KB sampled, from 141.3 / 169.8
     before), with no spill: a step is bound by fetching its code, so these
-    bytes are time (about 1 us a KB a launch on an H100). A change that
-    lengthens it past the ceiling should be timed, and the ceiling moved
-    only with the figures that justify it (bench/RESULTS.md)."""
+    bytes cost time (the trims took 1-12 us off a launch on an H100, more
+    where they cut instructions every step runs than where they cut bytes
+    alone). A change that lengthens it past the ceiling should be timed,
+    and the ceiling moved only with the figures that justify it
+    (bench/RESULTS.md)."""
     from bench.code_size import measure
 
     sized = measure(not greedy, 512, 1, 3, False)
