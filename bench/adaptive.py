@@ -32,6 +32,8 @@ from common import (
     PROMPTS,
     RESULTS,
     Run,
+    Styles,
+    field_column,
     first_difference,
     ints,
     machine_info,
@@ -39,7 +41,9 @@ from common import (
     mlxlm_plain,
     mlxlm_speculative,
     model_folder,
+    runs_table,
     specpipe_run,
+    speedup_plot,
     table,
     write_json,
 )
@@ -298,38 +302,7 @@ def report(payload: dict[str, Any]) -> None:
     print(f"cost model: {payload['cost_model']}")
     for prompt, block in payload["prompts"].items():
         print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
-        rows = [
-            [
-                r["library"],
-                r["method"],
-                r["width"],
-                r["n_tokens"],
-                r["decode_tps"],
-                r["speedup"],
-                r["acceptance_length"],
-                r["ms_per_round"],
-                r["extra"].get("depths", ""),
-                "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
-            ]
-            for r in block["runs"]
-        ]
-        print(
-            table(
-                [
-                    "library",
-                    "method",
-                    "k",
-                    "tokens",
-                    "tok/s",
-                    "speedup",
-                    "tokens/round",
-                    "ms/round",
-                    "depths (adaptive)",
-                    "== specpipe plain",
-                ],
-                rows,
-            )
-        )
+        print(runs_table(block["runs"], REPORT_COLUMNS))
     rows = []
     for prompt, g in payload.get("goals", goals(payload)).items():
         rows.append(
@@ -357,39 +330,15 @@ def report(payload: dict[str, Any]) -> None:
     )
 
 
+REPORT_COLUMNS = [
+    field_column("tokens/round", "acceptance_length"),
+    field_column("ms/round", "ms_per_round"),
+    ("depths (adaptive)", lambda r: r["extra"].get("depths", "")),
+]
+
+
 def plot(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    prompts = list(payload["prompts"])
-    fig, axes = plt.subplots(
-        1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True
-    )
-    for ax, prompt in zip(axes[0], prompts, strict=True):
-        runs = payload["prompts"][prompt]["runs"]
-        for (lib, method), (color, style, label) in {
-            ("specpipe", "fixed"): (
-                "C0",
-                "o-",
-                f"specpipe {payload.get('drafter', '')} fixed width",
-            ),
-            ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
-        }.items():
-            pts = sorted(
-                (r["width"], r["speedup"])
-                for r in runs
-                if r["library"] == lib and r["method"] == method
-            )
-            if pts:
-                ax.plot(
-                    [p[0] for p in pts],
-                    [p[1] for p in pts],
-                    style,
-                    color=color,
-                    label=label,
-                )
+    def adaptive_line(ax: Any, runs: list[dict[str, Any]]) -> None:
         adaptive = next(r for r in runs if r["method"] == "adaptive")
         ax.axhline(
             adaptive["speedup"],
@@ -397,23 +346,19 @@ def plot(payload: dict[str, Any], path: Path) -> None:
             lw=2,
             label=f"specpipe adaptive (max {adaptive['width']})",
         )
-        ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(NEVER_LOSE, color="grey", lw=0.8, ls=":")
-        ax.set_title(f"prompt '{prompt}'")
-        ax.set_xlabel("draft width k")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("decode tok/s over the same library's plain decode")
-    axes[0][0].legend(fontsize=8)
-    m = payload["machine"]
-    fig.suptitle(
-        f"adaptive drafting: {Path(payload['target']).name} + {Path(payload['draft']).name} "
-        f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} {m['cpu']}",
-        fontsize=9,
+
+    styles: Styles = {
+        ("specpipe", "fixed"): (
+            "C0",
+            "o-",
+            f"specpipe {payload.get('drafter', '')} fixed width",
+        ),
+        ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
+    }
+    speedup_plot(
+        payload, path, styles, "adaptive drafting: ", "draft width k", adaptive_line
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -479,6 +479,105 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+# a column of a run table: its header and how a run record gives its cell
+Column = tuple[str, Callable[[dict[str, Any]], Any]]
+
+
+def field_column(header: str, key: str) -> Column:
+    return header, lambda r: r.get(key, 0.0)
+
+
+def runs_table(runs: Sequence[dict[str, Any]], middle: Sequence[Column]) -> str:
+    """A prompt's runs (speculative.py / adaptive.py records): library, method,
+    width, tokens, tok/s and speedup, then `middle`, then the losslessness mark."""
+    columns: list[Column] = [
+        field_column("library", "library"),
+        field_column("method", "method"),
+        field_column("k", "width"),
+        field_column("tokens", "n_tokens"),
+        field_column("tok/s", "decode_tps"),
+        field_column("speedup", "speedup"),
+        *middle,
+        (
+            "== specpipe plain",
+            lambda r: (
+                "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}"
+            ),
+        ),
+    ]
+    return table(
+        [header for header, _ in columns],
+        [[cell(r) for _, cell in columns] for r in runs],
+    )
+
+
+# a line of a speedup plot: (library, method) -> (colour, style, label)
+Styles = dict[tuple[str, str], tuple[str, str, str]]
+
+
+def speedup_plot(
+    payload: dict[str, Any],
+    path: Path,
+    styles: Styles,
+    title: str,
+    xlabel: str,
+    extra: Callable[[Any, list[dict[str, Any]]], None] | None = None,
+) -> None:
+    """One panel a prompt: each method's speedup over its library's plain
+    decode against the draft width; `extra(ax, runs)` adds to a panel."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot ({path}): matplotlib is not installed", file=sys.stderr)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = list(payload["prompts"])
+    fig, axes = plt.subplots(
+        1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True
+    )
+    for ax, prompt in zip(axes[0], prompts, strict=True):
+        runs = payload["prompts"][prompt]["runs"]
+        for (lib, method), (color, style, label) in styles.items():
+            points = sorted(
+                (r["width"], r["speedup"])
+                for r in runs
+                if r["library"] == lib and r["method"] == method
+            )
+            if points:
+                ax.plot(
+                    [x for x, _ in points],
+                    [y for _, y in points],
+                    style,
+                    color=color,
+                    label=label,
+                )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        if extra is not None:
+            extra(ax, runs)
+        ax.set_title(f"prompt '{prompt}'")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode tok/s over the same library's plain decode")
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
+    m = payload["machine"]
+    fig.suptitle(
+        f"{title}{Path(payload['target']).name} + {Path(payload['draft']).name} "
+        f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} {m['cpu']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"

@@ -12,7 +12,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import table
+from common import field_column, runs_table, table
 
 
 def machine_line(m: dict[str, Any]) -> str:
@@ -68,47 +68,21 @@ def plain(d: dict[str, Any]) -> str:
     )
 
 
+SPECULATIVE_COLUMNS = [
+    field_column("speedup (CPU time)", "cpu_speedup"),
+    field_column("tokens/round", "acceptance_length"),
+    field_column("ms/round", "ms_per_round"),
+    field_column("rounds", "rounds"),
+    field_column("cpu/wall", "cpu_per_wall"),
+]
+
+
 def speculative(d: dict[str, Any]) -> str:
-    out = []
-    for prompt, block in d["prompts"].items():
-        out.append(f"\nprompt `{prompt}` ({block['prompt_tokens']} prompt tokens)\n")
-        rows = [
-            [
-                r["library"],
-                r["method"],
-                r["width"],
-                r["n_tokens"],
-                r["decode_tps"],
-                r["speedup"],
-                r.get("cpu_speedup", 0.0),
-                r["acceptance_length"],
-                r["ms_per_round"],
-                r["rounds"],
-                r["cpu_per_wall"],
-                "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
-            ]
-            for r in block["runs"]
-        ]
-        out.append(
-            table(
-                [
-                    "library",
-                    "method",
-                    "k",
-                    "tokens",
-                    "tok/s",
-                    "speedup",
-                    "speedup (CPU time)",
-                    "tokens/round",
-                    "ms/round",
-                    "rounds",
-                    "cpu/wall",
-                    "== specpipe plain",
-                ],
-                rows,
-            )
-        )
-    return "\n".join(out)
+    return "\n".join(
+        f"\nprompt `{prompt}` ({block['prompt_tokens']} prompt tokens)\n\n"
+        + runs_table(block["runs"], SPECULATIVE_COLUMNS)
+        for prompt, block in d["prompts"].items()
+    )
 
 
 def window(d: dict[str, Any]) -> str:

@@ -28,6 +28,8 @@ from common import (
     PROMPTS,
     RESULTS,
     Run,
+    Styles,
+    field_column,
     first_difference,
     ints,
     machine_info,
@@ -35,8 +37,9 @@ from common import (
     mlxlm_plain,
     mlxlm_speculative,
     model_folder,
+    runs_table,
     specpipe_run,
-    table,
+    speedup_plot,
     write_json,
 )
 
@@ -342,104 +345,40 @@ def report(payload: dict[str, Any]) -> None:
     )
     for prompt, block in payload["prompts"].items():
         print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
-        rows = [
-            [
-                r["library"],
-                r["method"],
-                r["width"],
-                r["n_tokens"],
-                r["decode_tps"],
-                r["speedup"],
-                r["cpu_speedup"],
-                r["acceptance_length"],
-                r["ms_per_round"],
-                r["wall_s"],
-                "yes" if r["equals_specpipe_plain"] else f"NO @{r['first_difference']}",
-            ]
-            for r in block["runs"]
-        ]
-        print(
-            table(
-                [
-                    "library",
-                    "method",
-                    "k",
-                    "tokens",
-                    "tok/s",
-                    "speedup",
-                    "speedup (CPU time)",
-                    "tokens/round",
-                    "ms/round",
-                    "wall s",
-                    "== specpipe plain",
-                ],
-                rows,
-            )
-        )
+        print(runs_table(block["runs"], REPORT_COLUMNS))
+
+
+REPORT_COLUMNS = [
+    field_column("speedup (CPU time)", "cpu_speedup"),
+    field_column("tokens/round", "acceptance_length"),
+    field_column("ms/round", "ms_per_round"),
+    field_column("wall s", "wall_s"),
+]
+STYLES: Styles = {
+    ("specpipe", "two-model"): ("C0", "o-", "specpipe two-model"),
+    ("specpipe", "two-model-fr"): ("C3", "D-", "specpipe two-model, FR-Spec draft"),
+    ("specpipe", "two-model-fr-unstaged"): (
+        "C4",
+        "v:",
+        "specpipe two-model, FR-Spec, unstaged",
+    ),
+    ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
+    ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
+}
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"no plot ({path}): matplotlib is not installed", file=sys.stderr)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    prompts = list(payload["prompts"])
-    fig, axes = plt.subplots(
-        1, len(prompts), figsize=(5 * len(prompts), 4), squeeze=False, sharey=True
-    )
-    styles = {
-        ("specpipe", "two-model"): ("C0", "o-", "specpipe two-model"),
-        ("specpipe", "two-model-fr"): ("C3", "D-", "specpipe two-model, FR-Spec draft"),
-        ("specpipe", "two-model-fr-unstaged"): (
-            "C4",
-            "v:",
-            "specpipe two-model, FR-Spec, unstaged",
-        ),
-        ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
-        ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
-    }
-    for ax, prompt in zip(axes[0], prompts, strict=True):
-        runs = payload["prompts"][prompt]["runs"]
-        for (lib, method), (color, style, label) in styles.items():
-            pts = sorted(
-                (r["width"], r["speedup"])
-                for r in runs
-                if r["library"] == lib and r["method"] == method
-            )
-            if pts:
-                ax.plot(
-                    [p[0] for p in pts],
-                    [p[1] for p in pts],
-                    style,
-                    color=color,
-                    label=label,
-                )
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_title(f"prompt '{prompt}'")
-        ax.set_xlabel("draft width k (draft tokens per round)")
+    def width_ticks(ax: Any, runs: list[dict[str, Any]]) -> None:
         ax.set_xticks(range(1, 1 + max((r["width"] for r in runs), default=1)))
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("decode tok/s over the same library's plain decode")
-    handles = {}
-    for ax in axes[0]:
-        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(label, h)
-    axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
-    m = payload["machine"]
-    fig.suptitle(
-        f"{Path(payload['target']).name} + {Path(payload['draft']).name} [{payload['dtype']}], "
-        f"{payload['max_tokens']} tokens, {m['device']} {m['cpu']}",
-        fontsize=9,
+
+    speedup_plot(
+        payload,
+        path,
+        STYLES,
+        "",
+        "draft width k (draft tokens per round)",
+        width_ticks,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
