@@ -205,6 +205,8 @@
 #  setup-min switches` (a first ncu run compiles: give it 150 s or more); two more requests got H100s: one given back, one ran the MTP suites
 #  on the GPU, `PYTHONPATH=$HOME/site MLX_ENABLE_TF32=0 python3 -m pytest -q tests/specpipe/test_mtp.py
 #  tests/specpipe/test_mtp_derived.py tests/specpipe/test_mtp_ahead.py`: 32 passed)
+# (forty-fifth session: fourteen requests for an H200 started no machine; the next call stays the one above.
+#  With less than ~600 s of device time left, call 2 with DEPTHS=2 LIMIT=170 alone, the goal's depth)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
