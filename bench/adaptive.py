@@ -293,6 +293,13 @@ def goals(payload: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+REPORT_COLUMNS = [
+    field_column("tokens/round", "acceptance_length"),
+    field_column("ms/round", "ms_per_round"),
+    ("depths (adaptive)", lambda r: r["extra"].get("depths", "")),
+]
+
+
 def report(payload: dict[str, Any]) -> None:
     m = payload["machine"]
     print(
@@ -328,13 +335,6 @@ def report(payload: dict[str, Any]) -> None:
             rows,
         )
     )
-
-
-REPORT_COLUMNS = [
-    field_column("tokens/round", "acceptance_length"),
-    field_column("ms/round", "ms_per_round"),
-    ("depths (adaptive)", lambda r: r["extra"].get("depths", "")),
-]
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:

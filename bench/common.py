@@ -484,7 +484,8 @@ Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
 def field_column(header: str, key: str) -> Column:
-    return header, lambda r: r.get(key, 0.0)
+    """A column of a field every run record has."""
+    return header, lambda r: r[key]
 
 
 def runs_table(runs: Sequence[dict[str, Any]], middle: Sequence[Column]) -> str:
@@ -519,7 +520,7 @@ def speedup_plot(
     payload: dict[str, Any],
     path: Path,
     styles: Styles,
-    title: str,
+    title_prefix: str,
     xlabel: str,
     extra: Callable[[Any, list[dict[str, Any]]], None] | None = None,
 ) -> None:
@@ -568,7 +569,7 @@ def speedup_plot(
     axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
     m = payload["machine"]
     fig.suptitle(
-        f"{title}{Path(payload['target']).name} + {Path(payload['draft']).name} "
+        f"{title_prefix}{Path(payload['target']).name} + {Path(payload['draft']).name} "
         f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} {m['cpu']}",
         fontsize=9,
     )

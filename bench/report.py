@@ -69,7 +69,8 @@ def plain(d: dict[str, Any]) -> str:
 
 
 SPECULATIVE_COLUMNS = [
-    field_column("speedup (CPU time)", "cpu_speedup"),
+    # (files from before the CPU-time speedup was recorded: 0)
+    ("speedup (CPU time)", lambda r: r.get("cpu_speedup", 0.0)),
     field_column("tokens/round", "acceptance_length"),
     field_column("ms/round", "ms_per_round"),
     field_column("rounds", "rounds"),

@@ -337,17 +337,6 @@ def main() -> None:
             raise SystemExit(1)
 
 
-def report(payload: dict[str, Any]) -> None:
-    m = payload["machine"]
-    print(
-        f"\nspeculative decoding, {Path(payload['target']).name} + {Path(payload['draft']).name} "
-        f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} ({m['cpu']}), {m['date']}"
-    )
-    for prompt, block in payload["prompts"].items():
-        print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
-        print(runs_table(block["runs"], REPORT_COLUMNS))
-
-
 REPORT_COLUMNS = [
     field_column("speedup (CPU time)", "cpu_speedup"),
     field_column("tokens/round", "acceptance_length"),
@@ -365,6 +354,17 @@ STYLES: Styles = {
     ("mlx-lm", "speculative"): ("C1", "s--", "mlx-lm speculative"),
     ("specpipe", "ngram"): ("C2", "^-", "specpipe ngram"),
 }
+
+
+def report(payload: dict[str, Any]) -> None:
+    m = payload["machine"]
+    print(
+        f"\nspeculative decoding, {Path(payload['target']).name} + {Path(payload['draft']).name} "
+        f"[{payload['dtype']}], {payload['max_tokens']} tokens, {m['device']} ({m['cpu']}), {m['date']}"
+    )
+    for prompt, block in payload["prompts"].items():
+        print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
+        print(runs_table(block["runs"], REPORT_COLUMNS))
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
