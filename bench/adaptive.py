@@ -311,7 +311,8 @@ def report(payload: dict[str, Any]) -> None:
         print(f"\nprompt '{prompt}' ({block['prompt_tokens']} prompt tokens)")
         print(runs_table(block["runs"], REPORT_COLUMNS))
     rows = []
-    for prompt, g in payload.get("goals", goals(payload)).items():
+    stored = payload.get("goals")
+    for prompt, g in (stored if stored is not None else goals(payload)).items():
         rows.append(
             [
                 prompt,
