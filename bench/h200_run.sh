@@ -207,6 +207,11 @@
 #  tests/specpipe/test_mtp_derived.py tests/specpipe/test_mtp_ahead.py`: 32 passed)
 # (forty-fifth session: fourteen requests for an H200 started no machine; the next call stays the one above.
 #  With less than ~600 s of device time left, call 2 with DEPTHS=2 LIMIT=170 alone, the goal's depth)
+# (forty-sixth session: eight requests for an H200: six started no machine, two got H100s (a call naming
+#  nvidia-h200 may run on an H100; needs_h200 is only for work that cannot fit one). The first was given back;
+#  the second ran the GLM-5, GLM-4.5 and Gemma-3 model tests on the GPU (after `setup-min`, carry .whlB):
+#  `PYTHONPATH=$HOME/site python3 -m pytest -q tests/models/test_glm_moe_dsa.py`, 34 passed; test_glm4_moe.py
+#  39 passed; test_gemma3.py 9 passed. The next call stays the one above)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
