@@ -118,9 +118,13 @@ def _generate(args: argparse.Namespace) -> None:
         _fail("--logprobs needs --json (the log-probabilities are in its object)")
     sampling = _sampling(args)
     limits = _limits(args, args.logprobs)
+    if args.prompt_option is not None:
+        if args.prompt is not None:
+            _fail("give the prompt once: either PROMPT or --prompt, not both")
+        args.prompt = args.prompt_option
     if args.prompts_file:
         if args.prompt is not None:
-            _fail("give either PROMPT or --prompts-file, not both")
+            _fail("give either PROMPT (or --prompt) or --prompts-file, not both")
         prompts = [item["prompt"] for item in _read_prompts(args.prompts_file)]
     elif args.prompt is not None:
         prompts = [args.prompt]
@@ -441,6 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text (plain or speculative)")
     gen.add_argument("prompt", nargs="?", help="the prompt (or pipe it on stdin)")
+    gen.add_argument(
+        "-p",
+        "--prompt",
+        dest="prompt_option",
+        metavar="PROMPT",
+        default=None,
+        help="the prompt as an option (as mlx_lm.generate takes it), instead of PROMPT",
+    )
     gen.add_argument(
         "--chat", action="store_true", help="apply the model's chat template"
     )

@@ -537,6 +537,37 @@ def test_logprobs_need_json_and_an_empty_stdin_is_no_prompt(
     fails_with(capsys, "stdin was empty", "generate", *model)
 
 
+def test_the_prompt_as_an_option(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--prompt` / `-p` (as mlx_lm.generate takes it) is the positional
+    PROMPT under another spelling; giving the prompt twice, or beside
+    `--prompts-file`, is refused rather than one of them ignored."""
+    model = ("--model", str(tiny_model), "--max-tokens", "5")
+    positional = generate_json(capsys, "def fib", *model)
+    assert positional["prompt_tokens"] > 0
+    for flag in ("--prompt", "-p"):
+        result = generate_json(capsys, flag, "def fib", *model)
+        assert result["prompt_tokens"] == positional["prompt_tokens"]
+        assert result["tokens"] == positional["tokens"]
+        assert result["text"] == positional["text"]
+    fails_with(
+        capsys, "either PROMPT or --prompt", "generate", "x", "--prompt", "y", *model
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    fails_with(
+        capsys,
+        "--prompts-file, not both",
+        "generate",
+        "--prompt",
+        "y",
+        "--prompts-file",
+        str(prompts),
+        *model,
+    )
+
+
 @pytest.mark.parametrize(
     ("key", "value", "needle"),
     [
