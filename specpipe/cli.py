@@ -300,9 +300,15 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MODEL,
         help=f"folder, .gguf, fixture name or hub id (default {DEFAULT_MODEL})",
     )
-    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default)"
+        "-m", "--max-tokens", type=int, default=256, help="(default 256)"
+    )
+    parser.add_argument(
+        "--temperature",
+        "--temp",
+        type=float,
+        default=0.0,
+        help="0 = greedy (default)",
     )
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -320,10 +326,12 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--draft",
+        "--draft-model",
         default="none",
         help="none | ngram | mtp | auto | a draft model reference: a second "
         "model, a DFlash / DFlash2 / DSpark drafter, a Gemma-4 assistant or an "
-        "mtp/ companion folder",
+        "mtp/ companion folder (--draft-model: the same, as mlx_lm.generate "
+        "names it)",
     )
     parser.add_argument(
         "--draft-dtype",
@@ -520,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--model", default=DEFAULT_MODEL)
     cal.add_argument(
         "--draft",
+        "--draft-model",
         default=None,
         help="the draft as generate's --draft takes it: ngram | auto | mtp | a draft "
         "model reference or companion folder (omit for none)",

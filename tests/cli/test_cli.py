@@ -568,6 +568,31 @@ def test_the_prompt_as_an_option(
     )
 
 
+def test_mlx_lm_spellings_are_the_same_options(
+    tiny_model: Path, tiny_draft: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mlx_lm.generate's `-m`, `--temp` and `--draft-model` spell
+    `--max-tokens`, `--temperature` and `--draft`: the same run, token for
+    token, sampled with one seed."""
+    common = ("def fib", "--model", str(tiny_model), "--seed", "5", "--top-k", "8")
+    own = generate_json(
+        capsys,
+        *common,
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--draft",
+        str(tiny_draft),
+    )
+    theirs = generate_json(
+        capsys, *common, "-m", "6", "--temp", "0.8", "--draft-model", str(tiny_draft)
+    )
+    assert theirs["generated_tokens"] == 6
+    assert theirs["tokens"] == own["tokens"]
+    assert theirs["stats"]["draft"] == own["stats"]["draft"] == "two-model"
+
+
 @pytest.mark.parametrize(
     ("key", "value", "needle"),
     [
