@@ -212,8 +212,8 @@
 #  the second ran the GLM-5, GLM-4.5 and Gemma-3 model tests on the GPU (after `setup-min`, carry .whlB):
 #  `PYTHONPATH=$HOME/site python3 -m pytest -q tests/models/test_glm_moe_dsa.py`, 34 passed; test_glm4_moe.py
 #  39 passed; test_gemma3.py 9 passed. The next call stays the one above)
-# (forty-seventh session: twelve requests for an H200: three got H100s (given back), nine started no
-#  machine (cooldowns, 75-180 s of device time each); 343 s left, too little to start one. The next call stays the one above)
+# (forty-seventh session: thirteen requests for an H200: three got H100s (given back), ten started no
+#  machine (cooldowns, 75-180 s of device time each); 253 s left, too little to start one. The next call stays the one above)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
