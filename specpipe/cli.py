@@ -118,16 +118,17 @@ def _generate(args: argparse.Namespace) -> None:
         _fail("--logprobs needs --json (the log-probabilities are in its object)")
     sampling = _sampling(args)
     limits = _limits(args, args.logprobs)
+    prompt: str | None = args.prompt
     if args.prompt_option is not None:
-        if args.prompt is not None:
+        if prompt is not None:
             _fail("give the prompt once: either PROMPT or --prompt, not both")
-        args.prompt = args.prompt_option
+        prompt = args.prompt_option
     if args.prompts_file:
-        if args.prompt is not None:
+        if prompt is not None:
             _fail("give either PROMPT (or --prompt) or --prompts-file, not both")
         prompts = [item["prompt"] for item in _read_prompts(args.prompts_file)]
-    elif args.prompt is not None:
-        prompts = [args.prompt]
+    elif prompt is not None:
+        prompts = [prompt]
     elif not sys.stdin.isatty():
         prompts = [sys.stdin.read()]
         if not prompts[0]:
