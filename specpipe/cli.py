@@ -16,7 +16,7 @@ from models.build import AFFINE_GROUPS, float_other_groups
 from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
-from specpipe.api import Conversation, Pipeline, load
+from specpipe.api import Conversation, Pipeline, Prompt, load
 from specpipe.load import DEFAULT_MODEL, checkpoint, save_folder
 from specpipe.load import load as load_model
 from specpipe.precision import prefer_exact_float32
@@ -142,9 +142,20 @@ def _generate(args: argparse.Namespace) -> None:
         )
     if args.prompt_cache_mb <= 0:
         _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
+    requests: list[Prompt] = list(prompts)
+    if args.system is not None:  # each prompt after the system message, as a chat
+        requests = [
+            [{"role": "system", "content": args.system}, {"role": "user", "content": p}]
+            for p in prompts
+        ]
     cached = args.prompt_cache_file is not None
     pipeline = _pipeline(args, args.prompt_cache_mb << 20 if cached else False)
     pipeline = _with_cache_file(pipeline, args)
+    if args.system is not None and not pipeline.target.tokenizer.has_chat_template:
+        _fail(
+            f"--system-prompt needs a chat template, and {args.model} has none "
+            "(a base model): give the system text as part of the prompt instead"
+        )
     streaming = not args.json and not args.prompts_file
 
     def on_text(_row: int, text: str) -> None:
@@ -153,7 +164,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     results = _unwrap(
         pipeline.generate_batch(
-            prompts, sampling, limits, args.chat, on_text if streaming else None
+            requests, sampling, limits, args.chat, on_text if streaming else None
         )
     )
     if streaming:
@@ -466,6 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="apply the model's chat template"
     )
     gen.add_argument(
+        "--system-prompt",
+        "--system",
+        dest="system",
+        default=None,
+        metavar="TEXT",
+        help="a system message before each prompt (implies --chat; "
+        "mlx_lm.generate's --system-prompt)",
+    )
+    gen.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object instead of streaming text",
@@ -486,7 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a conversation on stdin, one user turn a line (/reset starts over); "
         "earlier turns stay in the prompt cache",
     )
-    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument(
+        "--system",
+        "--system-prompt",
+        dest="system",
+        default=None,
+        metavar="TEXT",
+        help="a system message (--system-prompt: the same, as mlx_lm names it)",
+    )
     chat.add_argument(
         "--json",
         action="store_true",

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from schemas.request import GenerationLimits
+from specpipe.api import load
 from tests.cli.conftest import generate_json, run, write_tiny_model
 
 
@@ -565,6 +567,47 @@ def test_the_prompt_as_an_option(
         "--prompts-file",
         str(prompts),
         *model,
+    )
+
+
+def test_a_system_prompt_goes_before_each_prompt(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate --system-prompt TEXT` (mlx_lm.generate's spelling; `--system`
+    as `chat` names it) runs each prompt as a chat after that system message:
+    the same prompt and tokens as the library given the two messages; a base
+    model is refused with a message naming the option."""
+    model = ("--model", str(tiny_model), "--max-tokens", "6")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def fib"},
+    ]
+    expected = (
+        load(str(tiny_model))
+        .unwrap()
+        .generate(messages, limits=GenerationLimits(max_tokens=6))
+        .unwrap()
+    )
+    chat_only = generate_json(capsys, "def fib", "--chat", *model)
+    for flag in ("--system-prompt", "--system"):
+        result = generate_json(capsys, "def fib", flag, "Be brief.", *model)
+        assert result["prompt_tokens"] == expected.prompt_tokens
+        assert result["prompt_tokens"] > chat_only["prompt_tokens"]
+        assert result["tokens"] == list(expected.tokens)
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    fails_with(
+        capsys,
+        "--system-prompt needs a chat template",
+        "generate",
+        "hello",
+        "--system-prompt",
+        "Be brief.",
+        "--model",
+        str(base),
     )
 
 
