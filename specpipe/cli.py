@@ -10,13 +10,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import mlx.core as mx
 from returns.result import Success
 
 from models.build import AFFINE_GROUPS, float_other_groups
 from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
-from specpipe.api import Conversation, Pipeline, Prompt, load
+from specpipe.api import Conversation, GenerationResult, Pipeline, Prompt, load
 from specpipe.load import DEFAULT_MODEL, checkpoint, save_folder
 from specpipe.load import load as load_model
 from specpipe.precision import prefer_exact_float32
@@ -169,6 +170,8 @@ def _generate(args: argparse.Namespace) -> None:
     )
     if streaming:
         sys.stdout.write("\n")
+        if results[0].finish_reason != "failed":
+            print(_summary(results[0]), file=sys.stderr)
     elif args.prompts_file:
         for result in results:
             print(json.dumps(result.to_json(), ensure_ascii=False))
@@ -178,6 +181,31 @@ def _generate(args: argparse.Namespace) -> None:
     if failed:
         _fail(failed[0].error or "generation failed", code=1)
     _save_cache_file(pipeline, args)
+
+
+def _summary(result: GenerationResult) -> str:
+    """A streamed run's figures, one line for stderr (`--json` has them all)."""
+    stats = result.stats
+    cached = (
+        f", {stats.cached_tokens} from the prompt cache" if stats.cached_tokens else ""
+    )
+    accepted = (
+        f"{stats.accepted} of {stats.drafted} drafts accepted"
+        if stats.drafted
+        else "no drafts made"
+    )
+    drafting = (
+        f"; draft {stats.draft}: {stats.acceptance_length:.2f} tokens a round, {accepted}"
+        if stats.draft != "none"
+        else ""
+    )
+    peak = mx.get_peak_memory()
+    memory = f"{peak / 1e9:.2f} GB" if peak >= 1e9 else f"{peak / 1e6:.1f} MB"
+    return (
+        f"[{result.generated_tokens} tokens, {stats.tokens_per_second:.1f} tok/s; "
+        f"prompt {result.prompt_tokens} tokens in {stats.prompt_seconds:.2f} s{cached}"
+        f"{drafting}; peak memory {memory}]"
+    )
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -226,17 +254,11 @@ def _chat(args: argparse.Namespace) -> None:
             print(f"specpipe: error: {turn.failure()}", file=sys.stderr)
             continue
         conversation, result = turn.unwrap()
-        stats = result.stats
         if args.json:
             print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
         else:
             sys.stdout.write("\n")
-            print(
-                f"[{result.generated_tokens} tokens, {stats.tokens_per_second:.1f} "
-                f"tok/s; prompt {result.prompt_tokens} tokens, "
-                f"{stats.cached_tokens} from the prompt cache]",
-                file=sys.stderr,
-            )
+            print(_summary(result), file=sys.stderr)
         if result.finish_reason == "failed":
             _fail(result.error or "generation failed", code=1)
     _save_cache_file(pipeline, args)

@@ -611,6 +611,35 @@ def test_a_system_prompt_goes_before_each_prompt(
     )
 
 
+def test_a_streamed_run_ends_with_its_figures_on_stderr(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Streamed text goes to stdout alone; one line on stderr gives the
+    run's tokens, speed, prompt, the draft's acceptance and peak memory (as
+    mlx_lm.generate prints them); `--json` carries them in its object and
+    prints nothing more."""
+    model = ("--model", str(tiny_model), "--max-tokens", "6")
+    draft = ("--draft", str(tiny_model), "--no-adaptive")
+    result = generate_json(capsys, "def fib", *model, *draft)
+    assert result["stats"]["drafted"] > 0
+    code, out, err = run(capsys, "generate", "def fib", *model, *draft)
+    assert code == 0
+    assert out == result["text"] + "\n"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    summary = lines[0]
+    assert summary.startswith(f"[{result['generated_tokens']} tokens, ")
+    assert f"prompt {result['prompt_tokens']} tokens in " in summary
+    stats = result["stats"]
+    assert f"{stats['acceptance_length']:.2f} tokens a round" in summary
+    assert f"{stats['accepted']} of {stats['drafted']} drafts accepted" in summary
+    assert "; peak memory " in summary and summary.endswith(("MB]", "GB]"))
+    code, _out, err = run(capsys, "generate", "def fib", *model)
+    assert code == 0 and "tokens a round" not in err and "peak memory" in err
+    code, _out, err = run(capsys, "generate", "def fib", *model, "--json")
+    assert code == 0 and err == ""
+
+
 def test_mlx_lm_spellings_are_the_same_options(
     tiny_model: Path, tiny_draft: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
