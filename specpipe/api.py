@@ -180,6 +180,30 @@ class Pipeline:
         )
         return evolve(self, prompt_cache=cache)
 
+    def with_end_tokens(self, tokens: Sequence[str]) -> Result[Pipeline, RequestError]:
+        """This pipeline also ending a row at each of `tokens` (token texts
+        of the model's vocabulary, as mlx_lm's `--extra-eos-token`): an end
+        token is not emitted, as the model's own end-of-sequence tokens are
+        not. Text that is not one token is refused, naming it."""
+        tok = self.target.tokenizer
+        ids = list(tok.eos_token_ids)
+        for text in tokens:
+            index = tok.backend.token_to_id(text)
+            if index is None:
+                pieces = tok.encode(text, add_special_tokens=False)
+                if len(pieces) != 1:
+                    return Failure(
+                        RequestError(
+                            f"end token {text!r} is not one token of {self.target.source}'s "
+                            f"vocabulary (it encodes as {len(pieces)}); give a token "
+                            "the model has, or use --stop for text"
+                        )
+                    )
+                index = pieces[0]
+            ids.append(index)
+        tokenizer = evolve(tok, eos_token_ids=tuple(dict.fromkeys(ids)))
+        return Success(evolve(self, target=evolve(self.target, tokenizer=tokenizer)))
+
     def load_prompt_cache(self, path: str | Path) -> Result[Pipeline, SpecpipeError]:
         """This pipeline with the checkpoints a `save_prompt_cache` file holds
         added to its prompt cache (made with the default budget if it has

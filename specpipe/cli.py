@@ -111,6 +111,8 @@ def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pip
             gguf_quantized=args.gguf_quantized,
         )
     )
+    if args.extra_eos_token:
+        pipeline = _unwrap(pipeline.with_end_tokens(args.extra_eos_token))
     return pipeline
 
 
@@ -316,6 +318,14 @@ def _convert(args: argparse.Namespace) -> None:
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
     """The model, sampling and draft options of generate and chat."""
+    parser.add_argument(
+        "--extra-eos-token",
+        nargs="+",
+        default=[],
+        metavar="TOKEN",
+        help="more tokens that end a row, beside the model's end-of-sequence "
+        "tokens (token texts such as <|im_end|>; as mlx_lm.generate takes them)",
+    )
     parser.add_argument(
         "--prompt-cache-file",
         default=None,

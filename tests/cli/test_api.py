@@ -50,20 +50,27 @@ def test_stop_string_through_the_pipeline(tiny_model: Path) -> None:
 
 
 def test_eos_ends_a_row(tiny_model: Path) -> None:
-    pipeline = load(str(tiny_model)).unwrap()
-    plain = pipeline.generate(
-        "def fib", limits=GenerationLimits(max_tokens=12)
-    ).unwrap()
-    # make the 5th generated token an end-of-sequence token for this run
-    eos = plain.tokens[4]
-    first = plain.tokens.index(eos)
-    tokenizer = pipeline.target.tokenizer
-    object.__setattr__(tokenizer, "eos_token_ids", (eos,))
-    ended = pipeline.generate(
-        "def fib", limits=GenerationLimits(max_tokens=12)
-    ).unwrap()
-    assert ended.finish_reason == "stop"
-    assert ended.tokens == plain.tokens[:first]
+    """An end token (`with_end_tokens`, the CLI's `--extra-eos-token`) ends
+    a row where plain decoding first reaches it, unemitted, with a draft as
+    without; text that is not one token is refused."""
+    limits = GenerationLimits(max_tokens=12)
+    for draft in ("none", str(tiny_model)):
+        pipeline = load(str(tiny_model), draft=draft, adaptive=False).unwrap()
+        plain = pipeline.generate("def fib", limits=limits).unwrap()
+        # make the 5th generated token an end-of-sequence token for this run
+        eos = plain.tokens[4]
+        first = plain.tokens.index(eos)
+        text = pipeline.target.tokenizer.backend.id_to_token(eos)
+        ended = (
+            pipeline.with_end_tokens([text])
+            .unwrap()
+            .generate("def fib", limits=limits)
+            .unwrap()
+        )
+        assert ended.finish_reason == "stop"
+        assert ended.tokens == plain.tokens[:first]
+    refused = pipeline.with_end_tokens(["def fib(n): return"])
+    assert "is not one token" in str(refused.failure())
 
 
 def test_stream_yields_the_generated_text(tiny_model: Path) -> None:

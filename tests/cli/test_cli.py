@@ -640,6 +640,30 @@ def test_a_streamed_run_ends_with_its_figures_on_stderr(
     assert code == 0 and err == ""
 
 
+def test_extra_eos_tokens_end_the_run(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--extra-eos-token T...` (mlx_lm.generate's) ends the run where plain
+    decoding first reaches T, without emitting it; text that is not one of
+    the model's tokens is refused by name."""
+    model = ("--model", str(tiny_model), "--max-tokens", "12")
+    plain = generate_json(capsys, "def fib", *model)
+    end = plain["tokens"][4]
+    text = load(str(tiny_model)).unwrap().target.tokenizer.backend.id_to_token(end)
+    ended = generate_json(capsys, "def fib", *model, "--extra-eos-token", text)
+    assert ended["finish_reason"] == "stop"
+    assert ended["tokens"] == plain["tokens"][: plain["tokens"].index(end)]
+    fails_with(
+        capsys,
+        "end token 'def fib(n): return' is not one token",
+        "generate",
+        "x",
+        *model,
+        "--extra-eos-token",
+        "def fib(n): return",
+    )
+
+
 def test_mlx_lm_spellings_are_the_same_options(
     tiny_model: Path, tiny_draft: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
