@@ -214,6 +214,9 @@
 #  39 passed; test_gemma3.py 9 passed. The next call stays the one above)
 # (forty-seventh session: thirteen requests for an H200: three got H100s (given back), ten started no
 #  machine (cooldowns, 75-180 s of device time each); 253 s left, too little to start one. The next call stays the one above)
+# (forty-eighth session: fourteen requests for an H200 between 18:39 and 20:35 UTC, none started a machine
+#  (cooldowns, 15-181 s each; 961 s of device time spent); the last was told no machine is lent at present.
+#  The next call stays the one above)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
