@@ -571,12 +571,13 @@ def test_the_prompt_as_an_option(
 
 
 def test_a_system_prompt_goes_before_each_prompt(
-    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`generate --system-prompt TEXT` (mlx_lm.generate's spelling; `--system`
     as `chat` names it) runs each prompt as a chat after that system message:
-    the same prompt and tokens as the library given the two messages; a base
-    model is refused with a message naming the option."""
+    the same prompt and tokens as the library given the two messages (a base
+    model's refusal:
+    `test_chat_needs_a_chat_model_and_a_script_s_failed_turn_fails`)."""
     model = ("--model", str(tiny_model), "--max-tokens", "6")
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -594,21 +595,6 @@ def test_a_system_prompt_goes_before_each_prompt(
         assert result["prompt_tokens"] == expected.prompt_tokens
         assert result["prompt_tokens"] > chat_only["prompt_tokens"]
         assert result["tokens"] == list(expected.tokens)
-    base = tmp_path / "base"
-    shutil.copytree(tiny_model, base)
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (base / "tokenizer_config.json").write_text(json.dumps(config))
-    fails_with(
-        capsys,
-        "--system-prompt needs a chat template",
-        "generate",
-        "hello",
-        "--system-prompt",
-        "Be brief.",
-        "--model",
-        str(base),
-    )
 
 
 def test_a_streamed_run_ends_with_its_figures_on_stderr(
@@ -783,8 +769,8 @@ def test_chat_needs_a_chat_model_and_a_script_s_failed_turn_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A base model (no chat template) is refused by `chat` at its start and
-    by `generate --chat`; a turn that fails when stdin is a script ends the
-    command with status 1."""
+    by `generate --chat` and `--system-prompt` (naming the option); a turn
+    that fails when stdin is a script ends the command with status 1."""
     base = tmp_path / "base"
     shutil.copytree(tiny_model, base)
     config = json.loads((base / "tokenizer_config.json").read_text())
@@ -800,6 +786,16 @@ def test_chat_needs_a_chat_model_and_a_script_s_failed_turn_fails(
         "generate",
         "hello",
         "--chat",
+        "--model",
+        str(base),
+    )
+    fails_with(
+        capsys,
+        "--system-prompt needs a chat template",
+        "generate",
+        "hello",
+        "--system-prompt",
+        "Be brief.",
         "--model",
         str(base),
     )
