@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, cast
 
 import jinja2
@@ -37,6 +38,14 @@ from specpipe.output import TextSink
 from specpipe.precision import notice_tf32
 from specpipe.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
+
+# the names the chat template renderer passes itself (`Pipeline.with_template_args`)
+_RENDER_NAMES = frozenset({"messages", "add_generation_prompt"})
+
+
+def _read_only(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(values))
+
 
 # the widest draft a round may verify (--num-draft-tokens): no drafter's block
 # or chain comes near it, and a wider window only costs a verify forward
@@ -163,6 +172,10 @@ class Pipeline:
     # rows' states kept between calls, to start later prompts from
     # (`specpipe.prompt_cache`; `with_prompt_cache`)
     prompt_cache: PromptCache | None = None
+    # more values for the chat template (`with_template_args`)
+    template_args: Mapping[str, Any] = field(
+        factory=dict, converter=_read_only, repr=False
+    )
 
     @property
     def draft_kind(self) -> str:
@@ -204,6 +217,29 @@ class Pipeline:
         tokenizer = evolve(tok, eos_token_ids=tuple(dict.fromkeys(ids)))
         return Success(evolve(self, target=evolve(self.target, tokenizer=tokenizer)))
 
+    def with_template_args(
+        self, values: Mapping[str, Any]
+    ) -> Result[Pipeline, RequestError]:
+        """This pipeline rendering chat messages with `values` beside them (as
+        mlx_lm's `--chat-template-config`: e.g. `{"enable_thinking": False}`
+        for Qwen3's and Qwen3.5's templates, or `tools`), over any given
+        before. The names the renderer itself passes are refused."""
+        for name in values:
+            if not isinstance(name, str) or not name.isidentifier():
+                return Failure(
+                    RequestError(
+                        f"a chat template value's name must be an identifier, got {name!r}"
+                    )
+                )
+            if name in _RENDER_NAMES:
+                return Failure(
+                    RequestError(
+                        f"the chat template value {name!r} is the renderer's own; "
+                        "give the conversation as messages instead"
+                    )
+                )
+        return Success(evolve(self, template_args={**self.template_args, **values}))
+
     def load_prompt_cache(self, path: str | Path) -> Result[Pipeline, SpecpipeError]:
         """This pipeline with the checkpoints a `save_prompt_cache` file holds
         added to its prompt cache (made with the default budget if it has
@@ -240,7 +276,7 @@ class Pipeline:
         tok = self.target.tokenizer
         items = list(prompt) if not isinstance(prompt, str) else []
         if items and all(isinstance(m, Mapping) for m in items):
-            rendered = _render(tok, cast(list[Message], items))
+            rendered = _render(tok, cast(list[Message], items), self.template_args)
             if not isinstance(rendered, Success):
                 return Failure(rendered.failure())
             ids = tuple(tok.encode(rendered.unwrap(), add_special_tokens=False))
@@ -257,7 +293,9 @@ class Pipeline:
         else:
             text = prompt
             if chat:
-                rendered = _render(tok, [{"role": "user", "content": prompt}])
+                rendered = _render(
+                    tok, [{"role": "user", "content": prompt}], self.template_args
+                )
                 if not isinstance(rendered, Success):
                     return Failure(rendered.failure())
                 text = rendered.unwrap()
@@ -463,7 +501,7 @@ class Conversation:
         said: tuple[Message, ...] = ({"role": "user", "content": content},)
         messages = (*self.opening, *self.messages, *said)
         tok = pipeline.target.tokenizer
-        rendered = _render(tok, list(messages))
+        rendered = _render(tok, list(messages), pipeline.template_args)
         if not isinstance(rendered, Success):
             return Failure(rendered.failure())
         ids = self.continued(tok, rendered.unwrap())
@@ -497,8 +535,11 @@ class Conversation:
         return tuple(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def _render(tokenizer: Any, messages: list[Message]) -> Result[str, RequestError]:
-    """A conversation's prompt text by the model's chat template."""
+def _render(
+    tokenizer: Any, messages: list[Message], values: Mapping[str, Any]
+) -> Result[str, RequestError]:
+    """A conversation's prompt text by the model's chat template, with the
+    pipeline's more `values` for it."""
     for number, message in enumerate(messages):
         if not isinstance(message.get("role"), str) or not isinstance(
             message.get("content"), str
@@ -510,7 +551,9 @@ def _render(tokenizer: Any, messages: list[Message]) -> Result[str, RequestError
                 )
             )
     try:
-        return Success(tokenizer.apply_chat_template([dict(m) for m in messages]))
+        return Success(
+            tokenizer.apply_chat_template([dict(m) for m in messages], **values)
+        )
     except ValueError as exc:  # no template (a base model)
         return Failure(
             RequestError(
@@ -520,6 +563,14 @@ def _render(tokenizer: Any, messages: list[Message]) -> Result[str, RequestError
         )
     except jinja2.TemplateError as exc:  # e.g. the template's raise_exception
         return Failure(RequestError(f"the chat template refused the messages: {exc}"))
+    except TypeError as exc:  # a value of the wrong type (tools=3)
+        if not values:
+            raise
+        return Failure(
+            RequestError(
+                f"the chat template cannot use the values given ({', '.join(values)}): {exc}"
+            )
+        )
 
 
 def _row_text(

@@ -113,7 +113,23 @@ def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pip
     )
     if args.extra_eos_token:
         pipeline = _unwrap(pipeline.with_end_tokens(args.extra_eos_token))
+    if args.chat_template_config is not None:
+        pipeline = _unwrap(pipeline.with_template_args(args.chat_template_config))
     return pipeline
+
+
+def _template_config(text: str) -> dict[str, Any]:
+    """--chat-template-config's JSON object."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from exc
+    if not isinstance(values, dict):
+        raise argparse.ArgumentTypeError(
+            f"give a JSON object of names and values, e.g. "
+            f"'{{\"enable_thinking\": false}}', not {text!r}"
+        )
+    return values
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -154,11 +170,20 @@ def _generate(args: argparse.Namespace) -> None:
     cached = args.prompt_cache_file is not None
     pipeline = _pipeline(args, args.prompt_cache_mb << 20 if cached else False)
     pipeline = _with_cache_file(pipeline, args)
-    if args.system is not None and not pipeline.target.tokenizer.has_chat_template:
-        _fail(
-            f"--system-prompt needs a chat template, and {args.model} has none "
-            "(a base model): give the system text as part of the prompt instead"
-        )
+    templated = args.chat_template_config is not None
+    chat_options = {  # each: given, and the fix for a model without a template
+        "--system-prompt": (
+            args.system is not None,
+            "give the system text as part of the prompt instead",
+        ),
+        "--chat-template-config": (templated, "leave the option out"),
+    }
+    for option, (given, fix) in chat_options.items():
+        if given and not pipeline.target.tokenizer.has_chat_template:
+            _fail(
+                f"{option} needs a chat template, and {args.model} has none "
+                f"(a base model): {fix}"
+            )
     streaming = not args.json and not args.prompts_file
 
     def on_text(_row: int, text: str) -> None:
@@ -167,7 +192,11 @@ def _generate(args: argparse.Namespace) -> None:
 
     results = _unwrap(
         pipeline.generate_batch(
-            requests, sampling, limits, args.chat, on_text if streaming else None
+            requests,
+            sampling,
+            limits,
+            args.chat or templated,
+            on_text if streaming else None,
         )
     )
     if streaming:
@@ -318,6 +347,14 @@ def _convert(args: argparse.Namespace) -> None:
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
     """The model, sampling and draft options of generate and chat."""
+    parser.add_argument(
+        "--chat-template-config",
+        type=_template_config,
+        default=None,
+        metavar="JSON",
+        help="more values for the chat template, a JSON object (as mlx_lm.generate "
+        "takes it), e.g. '{\"enable_thinking\": false}'; with generate it implies --chat",
+    )
     parser.add_argument(
         "--extra-eos-token",
         nargs="+",

@@ -597,6 +597,77 @@ def test_a_system_prompt_goes_before_each_prompt(
         assert result["tokens"] == list(expected.tokens)
 
 
+def test_chat_template_values_reach_the_template(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--chat-template-config JSON` (mlx_lm.generate's option; the library's
+    `Pipeline.with_template_args`) hands its values to the chat template, as
+    Qwen3's reads `enable_thinking`: the same prompt and tokens as the
+    library, for generate (where it implies --chat) and each chat turn. A
+    value that is not a JSON object, the renderer's own names, and a value
+    the template cannot use are refused by name."""
+    folder = tmp_path / "thinking"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] += (
+        "{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{% endif %}"
+        "{% for t in tools or [] %}{{ t }}{% endfor %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    pipeline = load(str(folder)).unwrap()
+    limits = GenerationLimits(max_tokens=5)
+    plain = pipeline.generate("def fib", limits=limits, chat=True).unwrap()
+    quiet = pipeline.with_template_args({"enable_thinking": False}).unwrap()
+    expected = quiet.generate("def fib", limits=limits, chat=True).unwrap()
+    assert expected.prompt_tokens > plain.prompt_tokens
+    # the values add up; a later value for a name replaces the earlier one
+    again = quiet.with_template_args({"enable_thinking": True}).unwrap()
+    assert dict(again.template_args) == {"enable_thinking": True}
+    assert (
+        again.encode("def fib", chat=True).unwrap()
+        == pipeline.encode("def fib", chat=True).unwrap()
+    )
+
+    model = ("--model", str(folder), "--max-tokens", "5")
+    values = '{"enable_thinking": false}'
+    result = generate_json(capsys, "def fib", "--chat-template-config", values, *model)
+    assert result["prompt_tokens"] == expected.prompt_tokens
+    assert result["tokens"] == list(expected.tokens)
+    monkeypatch.setattr("sys.stdin", io.StringIO("def fib\n"))
+    code, out, err = run(
+        capsys, "chat", "--chat-template-config", values, "--json", *model
+    )
+    assert code == 0, err
+    turn = json.loads(out)
+    assert turn["prompt_tokens"] == expected.prompt_tokens
+    assert turn["tokens"] == list(expected.tokens)
+
+    for bad, needle in (
+        ("{enable_thinking: false}", "not JSON"),
+        ("[1, 2]", "give a JSON object of names and values"),
+    ):
+        code, _out, err = run(
+            capsys, "generate", "x", "--chat-template-config", bad, *model
+        )
+        assert code == 2 and needle in err and "Traceback" not in err, err
+    for name in ("messages", "add_generation_prompt"):
+        refused = pipeline.with_template_args({name: 1})
+        assert "the renderer's own" in str(refused.failure())
+    fails_with(
+        capsys,
+        "cannot use the values given (tools)",
+        "generate",
+        "x",
+        "--chat-template-config",
+        '{"tools": 3}',
+        *model,
+    )
+
+
 def test_a_streamed_run_ends_with_its_figures_on_stderr(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -769,7 +840,8 @@ def test_chat_needs_a_chat_model_and_a_script_s_failed_turn_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A base model (no chat template) is refused by `chat` at its start and
-    by `generate --chat` and `--system-prompt` (naming the option); a turn
+    by `generate --chat`, `--system-prompt` and `--chat-template-config`
+    (naming the option); a turn
     that fails when stdin is a script ends the command with status 1."""
     base = tmp_path / "base"
     shutil.copytree(tiny_model, base)
@@ -789,16 +861,20 @@ def test_chat_needs_a_chat_model_and_a_script_s_failed_turn_fails(
         "--model",
         str(base),
     )
-    fails_with(
-        capsys,
-        "--system-prompt needs a chat template",
-        "generate",
-        "hello",
-        "--system-prompt",
-        "Be brief.",
-        "--model",
-        str(base),
-    )
+    for option, value in (
+        ("--system-prompt", "Be brief."),
+        ("--chat-template-config", '{"enable_thinking": false}'),
+    ):
+        fails_with(
+            capsys,
+            f"{option} needs a chat template",
+            "generate",
+            "hello",
+            option,
+            value,
+            "--model",
+            str(base),
+        )
     monkeypatch.setattr("sys.stdin", io.StringIO("hello world " * 300 + "\n"))
     code, _out, err = run(
         capsys, "chat", "--model", str(tiny_model), "--max-tokens", "2"
