@@ -22,6 +22,7 @@ values back from the device.
 
 from models.blas import route_blas
 from specpipe.api import (
+    Arrival,
     Conversation,
     GenerationResult,
     GenerationStats,
@@ -33,6 +34,7 @@ from specpipe.prompt_cache import PromptCache
 route_blas()  # models/__init__ routed it before specpipe.api imported mlx
 
 __all__ = [
+    "Arrival",
     "Conversation",
     "GenerationResult",
     "GenerationStats",

@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any, cast
 
 import jinja2
+import mlx.core as mx
 import mlx.nn as nn
 from attrs import asdict, evolve, field, frozen
 from returns.result import Failure, Result, Success
@@ -88,6 +89,33 @@ class GenerationResult:
     logprobs: tuple[float, ...] | None = None
     error: str | None = None
 
+    def summary(self) -> str:
+        """The run's figures in one line, as `mlx_lm.generate` prints them
+        after a run (the command line's stderr; `to_json` has them all)."""
+        stats = self.stats
+        cached = (
+            f", {stats.cached_tokens} from the prompt cache"
+            if stats.cached_tokens
+            else ""
+        )
+        accepted = (
+            f"{stats.accepted} of {stats.drafted} drafts accepted"
+            if stats.drafted
+            else "no drafts made"
+        )
+        drafting = (
+            f"; draft {stats.draft}: {stats.acceptance_length:.2f} tokens a round, {accepted}"
+            if stats.draft != "none"
+            else ""
+        )
+        peak = mx.get_peak_memory()
+        memory = f"{peak / 1e9:.2f} GB" if peak >= 1e9 else f"{peak / 1e6:.1f} MB"
+        return (
+            f"[{self.generated_tokens} tokens, {stats.tokens_per_second:.1f} tok/s; "
+            f"prompt {self.prompt_tokens} tokens in {stats.prompt_seconds:.2f} s{cached}"
+            f"{drafting}; peak memory {memory}]"
+        )
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "text": self.text,
@@ -153,11 +181,34 @@ class _PreparedBatch:
         }
 
     def results(self, rows: Sequence[RowResult]) -> list[GenerationResult]:
-        out = []
-        for ids, sink, row in zip(self.encoded, self.sinks, rows, strict=True):
-            sink.close()
-            out.append(self.pipeline._result(ids, sink, row))
-        return out
+        return [
+            self.pipeline._result(ids, sink, _closed(sink, row))
+            for ids, sink, row in zip(self.encoded, self.sinks, rows, strict=True)
+        ]
+
+
+def _closed(sink: TextSink, row: RowResult) -> RowResult:
+    """`row` after its sink flushed the text held back for stop strings; a
+    consumer that raises there fails only its own row."""
+    try:
+        sink.close()
+    except Exception as exc:
+        if row.finish != "failed":
+            return evolve(row, finish="failed", error=f"{type(exc).__name__}: {exc}")
+    return row
+
+
+@frozen
+class Arrival:
+    """A request that joins a running batch (`Pipeline.generate_arriving`):
+    its prompt ids, and `on_done`, told its result as soon as its row ends (a
+    failure where the arrival itself is refused)."""
+
+    prompt: tuple[int, ...]
+    on_done: Callable[[Result[GenerationResult, RequestError]], None]
+    sampling: SamplingParams = field(factory=SamplingParams)
+    limits: GenerationLimits = field(factory=GenerationLimits)
+    on_text: Callable[[str], None] | None = None  # its text as it is generated
 
 
 @frozen
@@ -422,14 +473,80 @@ class Pipeline:
             )
             for ids, sink in zip(encoded, sinks, strict=True)
         ]
-        options = RoundOptions(
+        return Success(_PreparedBatch(self, encoded, sinks, requests, self._options()))
+
+    def _options(self) -> RoundOptions:
+        return RoundOptions(
             depth=self.draft.width if self.draft is not None else 0,
             device_round=self.device_round,
             adaptive=self.adaptive if self.draft is not None else None,
             phase_timing=self.phase_timing,
             draft_ahead=self.draft_ahead,
         )
-        return Success(_PreparedBatch(self, encoded, sinks, requests, options))
+
+    def generate_arriving(self, arrivals: Callable[[], Sequence[Arrival]]) -> None:
+        """Continuous batching: `arrivals` is asked for requests before the
+        first round and between rounds; they are prefilled and join the live
+        rows (each with its own sampling, limits and drafts accepted), and
+        each one's `on_done` is told its result as soon as its row ends.
+        Returns when no row is live and `arrivals` has none. An arrival
+        whose values are bad, or whose prompt is empty or fills the context,
+        is told so at once and does not join. Every row's output is the one
+        `generate` gives it alone."""
+        context = self.target.args.max_position_embeddings
+
+        def admitted() -> list[RowRequest]:
+            out = []
+            for arrival in arrivals():
+                request = self._arriving(arrival, context)
+                if not isinstance(request, Success):
+                    arrival.on_done(Failure(request.failure()))
+                    continue
+                out.append(request.unwrap())
+            return out
+
+        first = admitted()
+        if not first:
+            return
+        target, draft = self.target, self.draft
+        generate_rows(
+            target.model,
+            first,
+            target.tokenizer.eos_token_ids,
+            draft.drafter if draft is not None else None,
+            self._options(),
+            admitted,
+            self.prompt_cache,
+        )
+
+    def _arriving(
+        self, arrival: Arrival, context: int
+    ) -> Result[RowRequest, RequestError]:
+        """An arrival's row request, its values checked."""
+        sampling = arrival.sampling.checked()
+        if not isinstance(sampling, Success):
+            return Failure(sampling.failure())
+        limits = arrival.limits.checked()
+        if not isinstance(limits, Success):
+            return Failure(limits.failure())
+        ids = arrival.prompt
+        if not ids or len(ids) >= context:
+            return Failure(
+                RequestError(
+                    f"the prompt has {len(ids)} tokens; the model takes 1 to "
+                    f"{context - 1} (its context is {context})"
+                )
+            )
+        stop, logprobs = limits.unwrap().stop, limits.unwrap().logprobs
+        sink = TextSink(self.target.tokenizer.detokenizer(), stop, arrival.on_text)
+
+        def finished(row: RowResult) -> None:
+            arrival.on_done(Success(self._result(ids, sink, _closed(sink, row))))
+
+        budget = min(limits.unwrap().max_tokens, context - len(ids))
+        return Success(
+            RowRequest(ids, sampling.unwrap(), budget, sink, logprobs, None, finished)
+        )
 
     def _result(
         self, ids: tuple[int, ...], sink: TextSink, row: RowResult

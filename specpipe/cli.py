@@ -5,22 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import mlx.core as mx
 from returns.result import Success
 
 from models.build import AFFINE_GROUPS, float_other_groups
 from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
-from specpipe.api import Conversation, GenerationResult, Pipeline, Prompt, load
+from specpipe.api import Conversation, Pipeline, Prompt, load
 from specpipe.load import DEFAULT_MODEL, checkpoint, save_folder
 from specpipe.load import load as load_model
 from specpipe.precision import prefer_exact_float32
+from specpipe.server import Defaults, Server
 
 # An auto/on/off option's value: None leaves the choice to the device.
 _SWITCH: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
@@ -202,7 +204,7 @@ def _generate(args: argparse.Namespace) -> None:
     if streaming:
         sys.stdout.write("\n")
         if results[0].finish_reason != "failed":
-            print(_summary(results[0]), file=sys.stderr)
+            print(results[0].summary(), file=sys.stderr)
     elif args.prompts_file:
         for result in results:
             print(json.dumps(result.to_json(), ensure_ascii=False))
@@ -212,31 +214,6 @@ def _generate(args: argparse.Namespace) -> None:
     if failed:
         _fail(failed[0].error or "generation failed", code=1)
     _save_cache_file(pipeline, args)
-
-
-def _summary(result: GenerationResult) -> str:
-    """A streamed run's figures, one line for stderr (`--json` has them all)."""
-    stats = result.stats
-    cached = (
-        f", {stats.cached_tokens} from the prompt cache" if stats.cached_tokens else ""
-    )
-    accepted = (
-        f"{stats.accepted} of {stats.drafted} drafts accepted"
-        if stats.drafted
-        else "no drafts made"
-    )
-    drafting = (
-        f"; draft {stats.draft}: {stats.acceptance_length:.2f} tokens a round, {accepted}"
-        if stats.draft != "none"
-        else ""
-    )
-    peak = mx.get_peak_memory()
-    memory = f"{peak / 1e9:.2f} GB" if peak >= 1e9 else f"{peak / 1e6:.1f} MB"
-    return (
-        f"[{result.generated_tokens} tokens, {stats.tokens_per_second:.1f} tok/s; "
-        f"prompt {result.prompt_tokens} tokens in {stats.prompt_seconds:.2f} s{cached}"
-        f"{drafting}; peak memory {memory}]"
-    )
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -289,9 +266,44 @@ def _chat(args: argparse.Namespace) -> None:
             print(json.dumps(result.to_json(), ensure_ascii=False), flush=True)
         else:
             sys.stdout.write("\n")
-            print(_summary(result), file=sys.stderr)
+            print(result.summary(), file=sys.stderr)
         if result.finish_reason == "failed":
             _fail(result.error or "generation failed", code=1)
+    _save_cache_file(pipeline, args)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """The pipeline behind an OpenAI-compatible HTTP endpoint until Ctrl-C;
+    the run options are each request's defaults."""
+    if args.prompt_cache_mb <= 0:
+        _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
+    if not 0 <= args.port <= 65535:
+        _fail(f"--port must be 0-65535 (0: any free port), got {args.port}")
+    if args.max_batch < 1:
+        _fail(f"--max-batch must be at least 1, got {args.max_batch}")
+    defaults = Defaults(_sampling(args), _limits(args))
+    pipeline = _with_cache_file(_pipeline(args, args.prompt_cache_mb << 20), args)
+    name = str(pipeline.target.source)
+    server = Server(pipeline, name, args.host, args.port, defaults, args.max_batch)
+    try:
+        host, port = server.bind()
+    except OSError as exc:
+        _fail(str(exc))
+    print(
+        f"specpipe: serving {name} (draft {pipeline.draft_kind}) at "
+        f"http://{host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = threading.Event()  # SIGTERM stops it as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, lambda _signal, _frame: stop.set())
+    try:
+        server.serve(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("specpipe: stopped", file=sys.stderr)
     _save_cache_file(pipeline, args)
 
 
@@ -590,6 +602,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _run_options(chat)
     chat.set_defaults(func=_chat)
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, "
+        "/v1/chat/completions, /v1/models), speculating for every request",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="(default 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=8080, help="(default 8080; 0: any free port)"
+    )
+    serve.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="the most requests generated at once: waiting requests join the "
+        "live rows between rounds (continuous batching; default 8)",
+    )
+    _run_options(serve)
+    serve.set_defaults(func=_serve)
 
     conv = sub.add_parser(
         "convert", help="write an HF-layout MLX folder from any model reference"

@@ -11,6 +11,7 @@ token before the current one is read back.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
@@ -63,6 +64,9 @@ class RowRequest:
     sink: TokenSink
     logprobs: bool = False
     cancelled: Callable[[], bool] | None = None
+    # told the row's result as soon as the row ends (with `arrivals`, long
+    # before the run returns); what it raises is its own, the row has ended
+    on_finish: Callable[[RowResult], None] | None = None
 
 
 @define
@@ -348,15 +352,24 @@ class _Run:
     def finish(self, slot: int, reason: FinishReason, error: str | None = None) -> None:
         if self.batch.draft_error is not None:
             self.metrics[slot].draft_errors.append(self.batch.draft_error)
-        self.results[slot] = RowResult(
+        result = RowResult(
             reason,
             self.metrics[slot],
             self.prompt_seconds[slot],
             time.perf_counter() - self.decode_start[slot],
             error,
             self.round_ms[slot],
+            self.phases,
+            dict(self.adapt[slot].depths)
+            if self.options.adaptive is not None
+            else None,
             cached_tokens=self.cached[slot],
         )
+        self.results[slot] = result
+        told = self.requests[slot].on_finish
+        if told is not None:
+            with contextlib.suppress(Exception):  # the row has ended as it has
+                told(result)
 
     def fail_live(self, what: str, exc: Exception) -> None:
         message = f"{what} failed: {type(exc).__name__}: {exc}"

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
 
 from models.cache import on_gpu
 from schemas.request import GenerationLimits, SamplingParams
-from specpipe.api import Conversation, load
+from specpipe.api import Arrival, Conversation, load
 from specpipe.output import TextSink
 
 
@@ -47,6 +49,88 @@ def test_stop_string_through_the_pipeline(tiny_model: Path) -> None:
     assert cut.finish_reason == "stop"
     assert cut.text == plain.text[: plain.text.index(stop)]
     assert cut.generated_tokens <= plain.generated_tokens
+
+
+def test_a_raising_text_consumer_fails_only_its_row(tiny_model: Path) -> None:
+    """`on_text` raising fails its own row and no other, whether it raises
+    on a piece mid-run or on the text a stop string held back to the end
+    (flushed after the last round)."""
+    pipeline = load(str(tiny_model), draft="ngram").unwrap()
+    limits = GenerationLimits(max_tokens=10)
+    prompts = ["def fib", "for i in", "def fib"]
+    alone = [pipeline.generate(p, limits=limits).unwrap() for p in prompts]
+    # a stop string that never occurs but whose first letter ends the text,
+    # so the last piece is held back until the run closes
+    tail = alone[2].text[-1]
+    held = GenerationLimits(max_tokens=10, stop=(tail + "\x00",))
+
+    def consumer(raise_at: str) -> Callable[[int, str], None]:
+        def on_text(row: int, text: str) -> None:
+            if row == 2 and (raise_at == "first piece" or text.endswith(tail)):
+                raise ConnectionResetError("the client went away")
+
+        return on_text
+
+    for raise_at in ("first piece", "close"):
+        results = pipeline.generate_batch(
+            prompts, limits=held, on_text=consumer(raise_at)
+        ).unwrap()
+        assert results[2].finish_reason == "failed", raise_at
+        assert "ConnectionResetError" in (results[2].error or "")
+        for row in (0, 1):
+            assert results[row].tokens == alone[row].tokens, raise_at
+            assert results[row].finish_reason == alone[row].finish_reason
+
+
+def test_requests_arriving_mid_run_equal_their_runs_alone(tiny_model: Path) -> None:
+    """`Pipeline.generate_arriving`: requests that join between rounds, each
+    with its own sampling and limits, each told its result as its row ends,
+    give what `generate` gives each alone; a refused arrival is told why at
+    once and the run goes on."""
+    pipeline = load(str(tiny_model), draft=str(tiny_model), adaptive=False).unwrap()
+    prompts = [pipeline.encode(p).unwrap() for p in ("def fib", "for i in", "The")]
+    asked = [
+        (
+            prompts[0],
+            SamplingParams(temperature=0.8, seed=3),
+            GenerationLimits(max_tokens=12),
+        ),
+        (prompts[1], SamplingParams(), GenerationLimits(max_tokens=5, stop=("i",))),
+        (
+            prompts[2],
+            SamplingParams(temperature=1.2, top_p=0.9, seed=4),
+            GenerationLimits(max_tokens=9),
+        ),
+    ]
+    alone = [pipeline.generate(list(p), s, lim).unwrap() for p, s, lim in asked]
+    told: dict[int, Any] = {}
+    texts: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    calls = 0
+
+    def arrival(i: int) -> Arrival:
+        prompt, sampling, limits = asked[i]
+        return Arrival(
+            prompt, lambda r: told.__setitem__(i, r), sampling, limits, texts[i].append
+        )
+
+    def arrivals() -> list[Arrival]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return [arrival(0)]
+        if calls == 3:  # joins the running row
+            assert 0 not in told
+            bad = Arrival((), lambda r: told.__setitem__(-1, r))
+            return [arrival(1), bad, arrival(2)]
+        return []
+
+    pipeline.generate_arriving(arrivals)
+    assert "1 to 255" in str(told[-1].failure())
+    for i, single in enumerate(alone):
+        result = told[i].unwrap()
+        assert result.tokens == single.tokens and result.text == single.text
+        assert result.finish_reason == single.finish_reason
+        assert "".join(texts[i]) == single.text
 
 
 def test_eos_ends_a_row(tiny_model: Path) -> None:

@@ -1,0 +1,661 @@
+"""An OpenAI-compatible HTTP server over one pipeline (`specpipe serve`).
+
+`POST /v1/completions` and `POST /v1/chat/completions` (streamed as
+server-sent events with `"stream": true`), `GET /v1/models` and
+`GET /health`, as `mlx_lm.server` and vLLM answer them, with the pipeline's
+drafter speculating for every request: the output is the target's own, as
+with `specpipe generate`.
+
+- One thread computes: the one that calls `Server.serve` (MLX's streams
+  belong to the thread that made them). Handler threads parse, encode and
+  answer; a request waits in a queue for its turn.
+- Continuous batching: between rounds, waiting requests join the live rows
+  (up to `max_batch` rows), each with its own sampling and limits and each
+  row accepting its own drafts; a row leaves as soon as it ends.
+- The pipeline's prompt cache (on by default) serves a request that begins
+  with what an earlier one processed, e.g. the next turn of a chat.
+- A request's sampling values default to the server's (`specpipe serve
+  --temperature ...`); `seed` fixes its draws as `--seed` does.
+- A client that goes away mid-stream fails only its own row.
+
+The request's parsing and the response's objects are pure functions of their
+inputs (`parse_request`, `completion_body`, `chunk_body`), tested apart from
+the sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+
+from attrs import define, evolve, field, frozen
+from returns.result import Failure, Result, Success
+
+from schemas.errors import RequestError
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.api import Arrival, GenerationResult, Pipeline
+
+Endpoint = Literal["completions", "chat"]
+
+# the largest request body read (a long chat's JSON is far smaller)
+MAX_BODY_BYTES = 32 << 20
+
+_SAMPLING_FIELDS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+    "seed": int,
+}
+
+
+@frozen
+class ParsedRequest:
+    """What one completion request asks for, checked."""
+
+    endpoint: Endpoint
+    ids: tuple[int, ...]
+    sampling: SamplingParams
+    limits: GenerationLimits
+    stream: bool = False
+    include_usage: bool = False
+
+
+@frozen
+class Defaults:
+    """The server's values for what a request leaves out."""
+
+    sampling: SamplingParams = field(factory=SamplingParams)
+    limits: GenerationLimits = field(factory=GenerationLimits)
+
+
+def _refuse(message: str) -> Failure[RequestError]:
+    return Failure(RequestError(message))
+
+
+def _typed(
+    body: Mapping[str, Any], name: str, kind: type[int] | type[float]
+) -> Result[int | float | None, RequestError]:
+    """`body[name]` as a number of `kind` (an int is a float too, a bool is
+    neither), or None where it is absent or null."""
+    value = body.get(name)
+    if value is None:
+        return Success(None)
+    takes = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, takes):
+        return _refuse(f"'{name}' must be a number ({kind.__name__}), got {value!r}")
+    return Success(kind(value))
+
+
+def _stop_strings(
+    body: Mapping[str, Any],
+) -> Result[tuple[str, ...] | None, RequestError]:
+    stop = body.get("stop")
+    if stop is None:
+        return Success(None)
+    if isinstance(stop, str):
+        return Success((stop,))
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return Success(tuple(stop))
+    return _refuse(f"'stop' must be a string or a list of strings, got {stop!r}")
+
+
+def _message_text(number: int, message: Any) -> Result[dict[str, str], RequestError]:
+    """A chat message with its content as text (OpenAI's list of text parts
+    joined); other parts (images, audio) are refused."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return _refuse(f"message {number} needs a 'role' string, got {message!r}")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                return _refuse(
+                    f"message {number}: only text content parts are taken, got {part!r}"
+                )
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    if not isinstance(content, str):
+        return _refuse(f"message {number}'s 'content' must be text, got {content!r}")
+    return Success({"role": message["role"], "content": content})
+
+
+def _prompt_ids(
+    pipeline: Pipeline, endpoint: Endpoint, body: Mapping[str, Any]
+) -> Result[tuple[int, ...], RequestError]:
+    """The request's prompt as token ids: a chat's messages rendered by the
+    template (with `chat_template_kwargs`), a completion's text or ids."""
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _refuse("'messages' must be a non-empty list of chat messages")
+        texts = []
+        for number, message in enumerate(messages):
+            text = _message_text(number, message)
+            if not isinstance(text, Success):
+                return Failure(text.failure())
+            texts.append(text.unwrap())
+        values = body.get("chat_template_kwargs")
+        if values is not None:
+            if not isinstance(values, dict):
+                return _refuse(
+                    f"'chat_template_kwargs' must be an object, got {values!r}"
+                )
+            templated = pipeline.with_template_args(values)
+            if not isinstance(templated, Success):
+                return Failure(templated.failure())
+            pipeline = templated.unwrap()
+        return pipeline.encode(texts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one text
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return pipeline.encode(prompt)
+    return _refuse(
+        "'prompt' must be a string or a list of token ids (one prompt a request), "
+        f"got {prompt!r}"
+    )
+
+
+def parse_request(
+    pipeline: Pipeline,
+    endpoint: Endpoint,
+    body: Any,
+    defaults: Defaults,
+) -> Result[ParsedRequest, RequestError]:
+    """A request body's prompt ids, sampling and limits, checked, over the
+    server's `defaults`; the first problem is named."""
+    if not isinstance(body, dict):
+        return _refuse(f"the request body must be a JSON object, got {body!r}")
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return _refuse("one completion a request: 'n' and 'best_of' must be 1")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            return _refuse(
+                f"'{name}' is not supported; use 'repetition_penalty' (as mlx_lm.server)"
+            )
+    if body.get("echo") or body.get("suffix") or body.get("tools"):
+        return _refuse(
+            "'echo', 'suffix' and 'tools' are not supported (put tools in "
+            "'chat_template_kwargs' for a template that reads them)"
+        )
+    if body.get("top_logprobs") not in (None, 0):
+        return _refuse("'top_logprobs' is not supported; ask for 'logprobs' alone")
+    sampled: dict[str, Any] = {}
+    for name, kind in _SAMPLING_FIELDS.items():
+        value = _typed(body, name, kind)
+        if not isinstance(value, Success):
+            return Failure(value.failure())
+        if value.unwrap() is not None:
+            sampled[name] = value.unwrap()
+    sampling = evolve(defaults.sampling, **sampled).checked()
+    if not isinstance(sampling, Success):
+        return Failure(sampling.failure())
+    tokens: int | None = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _typed(body, name, int)
+        if not isinstance(value, Success):
+            return Failure(value.failure())
+        tokens = value.unwrap() if tokens is None else tokens
+    stop = _stop_strings(body)
+    if not isinstance(stop, Success):
+        return Failure(stop.failure())
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, True, 0, 1):  # 1: a completion's top-1
+        return _refuse(
+            f"'logprobs' must be true or false (the chosen tokens' alone; no top "
+            f"alternatives), got {logprobs!r}"
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        return _refuse(f"'stream' must be true or false, got {stream!r}")
+    if stream and logprobs not in (None, False, 0):
+        return _refuse("'logprobs' are given without 'stream'; leave one out")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        return _refuse(f"'stream_options' must be an object, got {options!r}")
+    limits = GenerationLimits.create(
+        max_tokens=defaults.limits.max_tokens if tokens is None else tokens,
+        stop=defaults.limits.stop if stop.unwrap() is None else stop.unwrap(),
+        logprobs=logprobs not in (None, False, 0),
+    )
+    if not isinstance(limits, Success):
+        return Failure(limits.failure())
+    ids = _prompt_ids(pipeline, endpoint, body)
+    if not isinstance(ids, Success):
+        return Failure(ids.failure())
+    return Success(
+        ParsedRequest(
+            endpoint,
+            ids.unwrap(),
+            sampling.unwrap(),
+            limits.unwrap(),
+            stream,
+            bool(options.get("include_usage", False)),
+        )
+    )
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.generated_tokens,
+        "total_tokens": result.prompt_tokens + result.generated_tokens,
+    }
+
+
+def _logprobs(
+    endpoint: Endpoint, result: GenerationResult, decode: Callable[[int], str]
+) -> dict[str, Any] | None:
+    if result.logprobs is None:
+        return None
+    pieces = [decode(t) for t in result.tokens]
+    if endpoint == "chat":
+        return {
+            "content": [
+                {
+                    "token": piece,
+                    "logprob": lp,
+                    "bytes": list(piece.encode("utf-8")),
+                    "top_logprobs": [],
+                }
+                for piece, lp in zip(pieces, result.logprobs, strict=False)
+            ]
+        }
+    offsets, at = [], 0
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {
+        "tokens": pieces,
+        "token_logprobs": list(result.logprobs),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def completion_body(
+    request: ParsedRequest,
+    result: GenerationResult,
+    ident: str,
+    model: str,
+    created: int,
+    decode: Callable[[int], str],
+) -> dict[str, Any]:
+    """The whole response of a request that did not stream."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "finish_reason": result.finish_reason,
+        "logprobs": _logprobs(request.endpoint, result, decode),
+    }
+    if request.endpoint == "chat":
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    return {
+        "id": ident,
+        "object": "chat.completion"
+        if request.endpoint == "chat"
+        else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(result),
+    }
+
+
+def chunk_body(
+    endpoint: Endpoint,
+    ident: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One streamed event: a piece of text, the opening role (chat), or the
+    closing finish reason."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    if endpoint == "chat":
+        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+        choice["logprobs"] = None
+    return {
+        "id": ident,
+        "object": "chat.completion.chunk" if endpoint == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+# A job's events, from the computing thread to its handler:
+# ("text", str), ("done", GenerationResult), ("error", (status, message))
+Event = tuple[str, Any]
+
+
+@define
+class _Job:
+    request: ParsedRequest
+    events: queue.Queue[Event] = field(factory=queue.Queue)
+    gone: bool = False  # the client went away: its row fails at its next text
+    batch: int = 0  # the live rows once it joined
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    app: Server
+
+
+@define
+class Server:
+    """A pipeline behind an OpenAI-compatible HTTP endpoint. `serve` computes
+    in the calling thread until `stop` is set (or Ctrl-C)."""
+
+    pipeline: Pipeline
+    model: str  # the name /v1/models lists and responses carry
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0: any free port (`address` tells which)
+    defaults: Defaults = field(factory=Defaults)
+    max_batch: int = 8
+    log: Callable[[str], None] = field(
+        default=lambda line: print(f"specpipe: {line}", file=sys.stderr)
+    )
+    _jobs: queue.Queue[_Job] = field(factory=queue.Queue, init=False)
+    _httpd: _HTTPServer | None = field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max-batch must be at least 1, got {self.max_batch}")
+
+    def bind(self) -> tuple[str, int]:
+        """Open the socket (an error names the address in use); the address
+        it listens on."""
+        if self._httpd is None:
+            try:
+                self._httpd = _HTTPServer((self.host, self.port), _Handler)
+            except OSError as exc:
+                raise OSError(
+                    f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc} "
+                    "(another server there? give --port)"
+                ) from exc
+            self._httpd.app = self
+        host, port = self._httpd.server_address[:2]
+        return str(host), int(port)
+
+    def serve(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        self.bind()
+        httpd = self._httpd
+        assert httpd is not None
+        listener = threading.Thread(target=httpd.serve_forever, daemon=True)
+        listener.start()
+        try:
+            while not stop.is_set():
+                try:
+                    first = self._jobs.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._run_arriving(first, stop)
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+            self._httpd = None
+            while not self._jobs.empty():
+                self._jobs.get().events.put(
+                    ("error", (HTTPStatus.SERVICE_UNAVAILABLE, "the server stopped"))
+                )
+
+    def submit(self, request: ParsedRequest) -> _Job:
+        job = _Job(request)
+        self._jobs.put(job)
+        return job
+
+    def _run_arriving(self, first: _Job, stop: threading.Event) -> None:
+        """Continuous batching from `first` on: between rounds, waiting jobs
+        join the live rows up to `max_batch`, each as soon as there is room
+        (`Pipeline.generate_arriving`); the run ends when no row is live and
+        none waits."""
+        waiting: list[_Job] = [first]
+        running: set[int] = set()  # the ids of the live jobs
+        jobs: dict[int, _Job] = {}
+
+        def arrivals() -> list[Arrival]:
+            if stop.is_set():
+                return []
+            while True:
+                try:
+                    waiting.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            room = self.max_batch - len(running)
+            joining, waiting[:] = waiting[:room], waiting[room:]
+            for job in joining:
+                running.add(id(job))
+                jobs[id(job)] = job
+            for job in joining:
+                job.batch = len(running)
+            return [self._arrival(job, running) for job in joining]
+
+        try:
+            self.pipeline.generate_arriving(arrivals)
+        except Exception as exc:  # a bug: answer each request, keep serving
+            self.log("".join(traceback.format_exception(exc)).rstrip())
+            message = f"{type(exc).__name__}: {exc}"
+            for key in running:
+                jobs[key].events.put(
+                    ("error", (HTTPStatus.INTERNAL_SERVER_ERROR, message))
+                )
+        for job in waiting:  # left behind by a stop
+            self._jobs.put(job)
+
+    def _arrival(self, job: _Job, running: set[int]) -> Arrival:
+        def on_text(text: str) -> None:
+            if job.gone:
+                raise _ClientGone
+            job.events.put(("text", text))
+
+        def on_done(outcome: Result[GenerationResult, RequestError]) -> None:
+            running.discard(id(job))
+            if not isinstance(outcome, Success):
+                status = HTTPStatus.BAD_REQUEST
+                job.events.put(("error", (status, outcome.failure().message)))
+                return
+            result = outcome.unwrap()
+            if not job.gone:
+                where = f"{job.request.endpoint}, joined {job.batch} live row(s)"
+                self.log(f"{where}: {result.summary()}")
+            job.events.put(("done", result))
+
+        request = job.request
+        return Arrival(request.ids, on_done, request.sampling, request.limits, on_text)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    server_version = "specpipe"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the computing thread logs each completion's figures
+
+    @property
+    def app(self) -> Server:
+        return self.server.app
+
+    def _json(self, status: int, body: Mapping[str, Any]) -> None:
+        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str) -> None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        if status == HTTPStatus.NOT_FOUND:
+            kind = "not_found_error"
+        self._json(status, error_body(message, kind))
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0].rstrip("/")
+        if path in ("/health", "/v1/health"):
+            self._json(HTTPStatus.OK, {"status": "ok"})
+        elif path == "/v1/models":
+            self._json(
+                HTTPStatus.OK,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": self.app.model,
+                            "object": "model",
+                            "created": int(time.time()),
+                            "owned_by": "specpipe",
+                        }
+                    ],
+                },
+            )
+        else:
+            self._error(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {path}")
+
+    def do_POST(self) -> None:
+        path = self.path.split("?")[0].rstrip("/")
+        endpoints: dict[str, Endpoint] = {
+            "/v1/completions": "completions",
+            "/v1/chat/completions": "chat",
+        }
+        endpoint = endpoints.get(path)
+        if endpoint is None:
+            self._error(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {path}")
+            return
+        body = self._body()
+        if body is None:
+            return
+        parsed = parse_request(self.app.pipeline, endpoint, body, self.app.defaults)
+        if not isinstance(parsed, Success):
+            self._error(HTTPStatus.BAD_REQUEST, parsed.failure().message)
+            return
+        request = parsed.unwrap()
+        job = self.app.submit(request)
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        ident = f"{prefix}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if request.stream:
+            self._stream(job, ident, created)
+            return
+        while True:
+            kind, value = job.events.get()
+            if kind == "done":
+                break
+            if kind == "error":
+                self._error(*value)
+                return
+        result: GenerationResult = value
+        if result.finish_reason == "failed":
+            self._error(
+                HTTPStatus.INTERNAL_SERVER_ERROR, result.error or "generation failed"
+            )
+            return
+        tok = self.app.pipeline.target.tokenizer
+        self._json(
+            HTTPStatus.OK,
+            completion_body(
+                request,
+                result,
+                ident,
+                self.app.model,
+                created,
+                lambda t: tok.decode([t]),
+            ),
+        )
+
+    def _body(self) -> Any | None:
+        """The request's JSON, or None after answering why there is none."""
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self._error(
+                HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length"
+            )
+            return None
+        if int(length) > MAX_BODY_BYTES:
+            self._error(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"the body is {length} bytes; at most {MAX_BODY_BYTES} are read",
+            )
+            return None
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self._error(HTTPStatus.BAD_REQUEST, f"the request body is not JSON: {exc}")
+            return None
+
+    def _stream(self, job: _Job, ident: str, created: int) -> None:
+        endpoint, model = job.request.endpoint, self.app.model
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+
+        def send(body: Mapping[str, Any] | str) -> None:
+            data = (
+                body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
+            )
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+
+        try:
+            if endpoint == "chat":
+                send(chunk_body(endpoint, ident, model, created, "", role=True))
+            while True:
+                kind, value = job.events.get()
+                if kind == "text":
+                    send(chunk_body(endpoint, ident, model, created, value))
+                    continue
+                if kind == "error":
+                    send(error_body(value[1]))
+                elif value.finish_reason == "failed":
+                    send(error_body(value.error or "generation failed", "server_error"))
+                else:
+                    send(
+                        chunk_body(
+                            endpoint, ident, model, created, None, value.finish_reason
+                        )
+                    )
+                    if job.request.include_usage:
+                        last = chunk_body(endpoint, ident, model, created, None)
+                        last["choices"] = []
+                        last["usage"] = usage(value)
+                        send(last)
+                send("[DONE]")
+                return
+        except OSError:  # the client went away: its row stops at its next text
+            job.gone = True

@@ -1,0 +1,461 @@
+"""`specpipe serve`: the OpenAI-compatible endpoints answer with exactly the
+library's output, stream it piece by piece, batch requests that wait
+together, and name every bad request."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from schemas.request import GenerationLimits, SamplingParams
+from specpipe.api import Pipeline, load
+from specpipe.server import Defaults, Server, parse_request
+from tests.cli.conftest import run
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model: Path) -> Pipeline:
+    """The tiny target drafting for itself (two-model, every round drafting),
+    so each request speculates."""
+    return load(str(tiny_model), draft=str(tiny_model), adaptive=False).unwrap()
+
+
+def served(pipeline: Pipeline, client: Callable[[str], T], **options: Any) -> T:
+    """`client(base_url)`'s value, run in a thread while the server computes
+    in this one (as `specpipe serve` does)."""
+    server = Server(pipeline, "tiny", port=0, **options)
+    host, port = server.bind()
+    stop = threading.Event()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = client(f"http://{host}:{port}")
+        except BaseException as exc:  # re-raised in the test's thread
+            out["error"] = exc
+        finally:
+            stop.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    server.serve(stop)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    value: T = out["value"]
+    return value
+
+
+def post(url: str, body: Any) -> tuple[int, Any]:
+    """The status and JSON body of a POST (an error status's too)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data, {"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def events(url: str, body: dict[str, Any]) -> list[Any]:
+    """A streamed request's server-sent events, "[DONE]" as the string."""
+    data = json.dumps({**body, "stream": True}).encode()
+    request = urllib.request.Request(
+        url, data, {"Content-Type": "application/json"}, method="POST"
+    )
+    out: list[Any] = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        for line in response.read().decode().split("\n\n"):
+            if line:
+                assert line.startswith("data: "), line
+                payload = line[len("data: ") :]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+
+
+def test_completions_equal_the_library_s_output(pipeline: Pipeline) -> None:
+    """A completion (text, usage, finish reason) and a chat completion are
+    the library's result for the same prompt, sampling and seed; streamed,
+    their pieces join to the same text, after the chat's role and before the
+    finish reason, the usage (when asked) and [DONE]."""
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    limits = GenerationLimits(max_tokens=9)
+    text = pipeline.generate("def fib", sampling, limits).unwrap()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def fib"},
+    ]
+    chat = pipeline.generate(messages, sampling, limits).unwrap()
+    assert text.stats.drafted > 0 and chat.stats.drafted > 0
+
+    def client(base: str) -> list[Any]:
+        plain = {"prompt": "def fib", "max_tokens": 9, **SAMPLED}
+        talk = {"messages": messages, "max_completion_tokens": 9, **SAMPLED}
+        return [
+            post(f"{base}/v1/completions", plain),
+            post(f"{base}/v1/chat/completions", talk),
+            events(f"{base}/v1/completions", plain),
+            events(
+                f"{base}/v1/chat/completions",
+                {**talk, "stream_options": {"include_usage": True}},
+            ),
+        ]
+
+    (code, done), (chat_code, chat_done), streamed, chat_streamed = served(
+        pipeline, client
+    )
+    assert code == 200 and done["object"] == "text_completion"
+    assert done["choices"][0]["text"] == text.text
+    assert done["choices"][0]["finish_reason"] == text.finish_reason
+    assert done["usage"] == {
+        "prompt_tokens": text.prompt_tokens,
+        "completion_tokens": text.generated_tokens,
+        "total_tokens": text.prompt_tokens + text.generated_tokens,
+    }
+    assert done["model"] == "tiny" and done["id"].startswith("cmpl-")
+    assert chat_code == 200 and chat_done["object"] == "chat.completion"
+    assert chat_done["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": chat.text,
+    }
+    assert chat_done["usage"]["prompt_tokens"] == chat.prompt_tokens
+
+    assert streamed[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in streamed[:-1]) == text.text
+    assert streamed[-2]["choices"][0]["finish_reason"] == text.finish_reason
+    assert len(streamed) > 3  # in pieces, not one
+    assert chat_streamed[0]["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "",
+    }
+    assert chat_streamed[-1] == "[DONE]"
+    usage = chat_streamed[-2]
+    assert usage["choices"] == [] and usage["usage"] == chat_done["usage"]
+    assert chat_streamed[-3]["choices"][0] == {
+        "index": 0,
+        "finish_reason": chat.finish_reason,
+        "delta": {},
+    }
+    pieces = [e["choices"][0]["delta"].get("content", "") for e in chat_streamed[1:-3]]
+    assert "".join(pieces) == chat.text
+    assert {e["id"] for e in chat_streamed[:-1]} == {chat_streamed[0]["id"]}
+
+
+def test_logprobs_stop_strings_and_defaults(pipeline: Pipeline) -> None:
+    """`logprobs` gives each token's log-probability (the library's), `stop`
+    ends the text before it, and what a request leaves out is the server's
+    default (`specpipe serve --temperature ...`)."""
+    sampling = SamplingParams(temperature=0.7, seed=3)
+    limits = GenerationLimits(max_tokens=8, logprobs=True)
+    expected = pipeline.generate("def fib", sampling, limits).unwrap()
+    assert expected.logprobs is not None
+    stop = expected.text[3:5]
+    stopped = pipeline.generate(
+        "def fib", sampling, GenerationLimits(max_tokens=8, stop=(stop,))
+    ).unwrap()
+    defaults = Defaults(sampling, GenerationLimits(max_tokens=8))
+
+    def client(base: str) -> list[Any]:
+        return [
+            post(f"{base}/v1/completions", {"prompt": "def fib", "logprobs": 1}),
+            post(
+                f"{base}/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "def fib"}],
+                    "logprobs": True,
+                },
+            ),
+            post(f"{base}/v1/completions", {"prompt": "def fib", "stop": stop}),
+        ]
+
+    (code, done), (_, chat), (_, cut) = served(pipeline, client, defaults=defaults)
+    assert code == 200
+    assert done["choices"][0]["text"] == expected.text
+    logprobs = done["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"] == pytest.approx(list(expected.logprobs))
+    assert "".join(logprobs["tokens"]) == expected.text
+    assert logprobs["text_offset"][0] == 0
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    assert all(isinstance(c["logprob"], float) and c["logprob"] <= 0 for c in content)
+    assert cut["choices"][0]["text"] == stopped.text
+    assert stop not in cut["choices"][0]["text"]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_waiting_requests_join_the_live_rows(pipeline: Pipeline) -> None:
+    """Continuous batching: queued requests join the live rows up to
+    `max_batch`, the rest as rows end, each with its own sampling and limits,
+    each the library's output alone; a row whose client went away fails
+    alone."""
+    asked = [
+        ("def fib", {"temperature": 0.8, "seed": 5, "max_tokens": 7}),
+        ("for i in", {"temperature": 0.0, "max_tokens": 12}),
+        ("The quick brown", {"temperature": 1.1, "top_k": 5, "seed": 2}),
+        ("def fib", {"temperature": 0.5, "seed": 9, "max_tokens": 4}),
+        ("for i in", {"temperature": 0.7, "seed": 1, "stop": "i"}),
+    ]
+    defaults = Defaults(limits=GenerationLimits(max_tokens=9))
+    parsed = [
+        parse_request(pipeline, "completions", {"prompt": p, **v}, defaults).unwrap()
+        for p, v in asked
+    ]
+    alone = [
+        pipeline.generate(list(r.ids), r.sampling, r.limits).unwrap() for r in parsed
+    ]
+    lines: list[str] = []
+    server = Server(pipeline, "tiny", port=0, max_batch=3, log=lines.append)
+    server.bind()
+    jobs = [server.submit(r) for r in [*parsed, parsed[0]]]
+    jobs[-1].gone = True  # its client left before its first piece
+    stop = threading.Event()
+    results = []
+
+    def collect() -> None:
+        try:
+            gather()
+        finally:
+            stop.set()
+
+    def gather() -> None:
+        for job in jobs:
+            while (event := job.events.get())[0] == "text":
+                pass
+            assert event[0] == "done", event
+            results.append(event[1])
+
+    thread = threading.Thread(target=collect)
+    thread.start()
+    server.serve(stop)
+    thread.join()
+    for result, single in zip(results, alone, strict=False):
+        assert result.tokens == single.tokens and result.text == single.text
+        assert result.finish_reason == single.finish_reason
+    assert results[-1].finish_reason == "failed"
+    joined = [int(line.split("joined ")[1].split(" ")[0]) for line in lines]
+    assert len(joined) == len(asked)  # the departed client's row is not logged
+    assert [job.batch for job in jobs[:3]] == [3, 3, 3]  # the first three at once
+    assert max(job.batch for job in jobs) <= 3
+    assert all(job.batch >= 1 for job in jobs[3:])  # the rest as rows ended
+
+
+def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
+    """Each bad request is answered 4xx with an OpenAI error object naming
+    the problem; the server goes on serving."""
+    chat = [{"role": "user", "content": "hi"}]
+    bad: list[tuple[str, Any, int, str]] = [
+        ("/v1/completions", b"{not json", 400, "not JSON"),
+        ("/v1/completions", [1, 2], 400, "must be a JSON object"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "temperature": "hot"},
+            400,
+            "'temperature' must be a number (float)",
+        ),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 0},
+            400,
+            "max-tokens must be a positive",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "n": 2},
+            400,
+            "'n' and 'best_of' must be 1",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "echo": True},
+            400,
+            "'echo', 'suffix' and 'tools' are not supported",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "logprobs": 5},
+            400,
+            "no top alternatives",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 2.5},
+            400,
+            "'max_tokens' must be a number (int)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "presence_penalty": 0.5},
+            400,
+            "repetition_penalty",
+        ),
+        ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "'stop' must be"),
+        ("/v1/completions", {"prompt": {"a": 1}}, 400, "'prompt' must be"),
+        ("/v1/completions", {"prompt": "hello world " * 300}, 400, "context is 256"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "stream": True, "logprobs": 1},
+            400,
+            "without 'stream'",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": []},
+            400,
+            "'messages' must be a non-empty list",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"content": "x"}]},
+            400,
+            "needs a 'role'",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "only text content parts",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": chat, "chat_template_kwargs": {"messages": 1}},
+            400,
+            "the renderer's own",
+        ),
+        ("/v1/embeddings", {"input": "x"}, 404, "no such endpoint"),
+    ]
+
+    def client(base: str) -> list[Any]:
+        answers = [post(f"{base}{path}", body) for path, body, _, _ in bad]
+        models = get(f"{base}/v1/models")
+        health = get(f"{base}/health")
+        missing = get(f"{base}/v2/nothing")
+        # as OpenAI's clients send it: nulls and zeros for what they leave
+        # out, fields the server has no use for, content as text parts
+        parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+        client_style = {
+            "messages": [{"role": "user", "content": parts}],
+            "max_tokens": 2,
+            "n": None,
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "logprobs": False,
+            "top_logprobs": None,
+            "stream": False,
+            "user": "someone",
+        }
+        ok = post(f"{base}/v1/chat/completions", client_style)
+        return [answers, models, health, missing, ok]
+
+    answers, models, health, missing, ok = served(pipeline, client)
+    for (_path, body, status, needle), (code, answer) in zip(bad, answers, strict=True):
+        assert code == status, (body, answer)
+        assert needle in answer["error"]["message"], (needle, answer)
+    assert models == (200, {"object": "list", "data": [models[1]["data"][0]]})
+    assert models[1]["data"][0]["id"] == "tiny"
+    assert health == (200, {"status": "ok"})
+    assert missing[0] == 404
+    assert ok[0] == 200 and ok[1]["usage"]["completion_tokens"] == 2
+    hi = pipeline.encode([{"role": "user", "content": "hi"}]).unwrap()
+    assert ok[1]["usage"]["prompt_tokens"] == len(hi)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_the_serve_command_answers_until_stopped(
+    tiny_model: Path, tmp_path: Path, stop: signal.Signals
+) -> None:
+    """`specpipe serve --port 0` says where it listens, answers there with
+    its options as defaults, and on Ctrl-C (SIGINT) or SIGTERM stops cleanly,
+    writing its prompt cache to `--prompt-cache-file`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cache = tmp_path / "served.cache"
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "specpipe", "serve", "--model", str(tiny_model)),
+            *("--port", "0", "--max-tokens", "3", "--draft", "ngram", "--no-adaptive"),
+            *("--prompt-cache-file", str(cache)),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        assert process.stderr is not None
+        lines: Iterator[str] = iter(process.stderr.readline, "")
+        first = next(lines)
+        found = re.search(r"serving (.+) \(draft ngram\) at (http://\S+/v1)", first)
+        assert found, first + process.stderr.read()
+        base = found.group(2)
+        code, models = get(f"{base}/models")
+        assert code == 200 and models["data"][0]["id"] == found.group(1)
+        code, done = post(f"{base}/completions", {"prompt": "def fib"})
+        assert code == 200 and done["usage"]["completion_tokens"] == 3
+        assert "3 tokens" in next(lines)  # the completion's figures
+        assert not cache.exists()
+        process.send_signal(stop)
+        assert process.wait(timeout=60) == 0
+        assert "stopped" in process.stderr.read()
+        assert cache.is_file()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_serve_options_are_checked(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv, needle in (
+        (["--port", "70000"], "--port must be 0-65535"),
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--temperature", "-1"], "temperature"),
+    ):
+        code, _out, err = run(capsys, "serve", "--model", str(tiny_model), *argv)
+        assert code != 0 and needle in err and "Traceback" not in err, err
+
+
+def test_a_request_s_values_go_over_the_server_s(pipeline: Pipeline) -> None:
+    """What a request gives replaces the server's default, field by field;
+    `max_completion_tokens` (OpenAI's newer name) goes before `max_tokens`."""
+    defaults = Defaults(
+        SamplingParams(temperature=0.5, top_k=4, seed=1),
+        GenerationLimits(max_tokens=9, stop=("x",)),
+    )
+    body = {"prompt": "hi", "seed": 4, "max_tokens": 3, "max_completion_tokens": 5}
+    parsed = parse_request(pipeline, "completions", body, defaults).unwrap()
+    assert parsed.sampling == SamplingParams(temperature=0.5, top_k=4, seed=4)
+    assert parsed.limits == GenerationLimits(max_tokens=5, stop=("x",))
+    assert parsed.ids == pipeline.encode("hi").unwrap()
+    assert not parsed.stream
+    token_ids = parse_request(pipeline, "completions", {"prompt": [5, 6, 7]}, defaults)
+    assert token_ids.unwrap().ids == (5, 6, 7)
