@@ -12,8 +12,8 @@ with `specpipe generate`.
 - Continuous batching: between rounds, waiting requests join the live rows
   (up to `max_batch` rows), each with its own sampling and limits and each
   row accepting its own drafts; a row leaves as soon as it ends.
-- The pipeline's prompt cache (on by default) serves a request that begins
-  with what an earlier one processed, e.g. the next turn of a chat.
+- The pipeline's prompt cache (`specpipe serve` keeps one) serves a request
+  that begins with what an earlier one processed, e.g. a chat's next turn.
 - A request's sampling values default to the server's (`specpipe serve
   --temperature ...`); `seed` fixes its draws as `--seed` does.
 - A client that goes away mid-stream fails only its own row.
@@ -383,7 +383,7 @@ class Server:
     pipeline: Pipeline
     model: str  # the name /v1/models lists and responses carry
     host: str = "127.0.0.1"
-    port: int = 8080  # 0: any free port (`address` tells which)
+    port: int = 8080  # 0: any free port (`bind` tells which)
     defaults: Defaults = field(factory=Defaults)
     max_batch: int = 8
     log: Callable[[str], None] = field(
@@ -445,8 +445,7 @@ class Server:
         (`Pipeline.generate_arriving`); the run ends when no row is live and
         none waits."""
         waiting: list[_Job] = [first]
-        running: set[int] = set()  # the ids of the live jobs
-        jobs: dict[int, _Job] = {}
+        running: dict[int, _Job] = {}  # the live jobs by id
 
         def arrivals() -> list[Arrival]:
             if stop.is_set():
@@ -458,9 +457,7 @@ class Server:
                     break
             room = self.max_batch - len(running)
             joining, waiting[:] = waiting[:room], waiting[room:]
-            for job in joining:
-                running.add(id(job))
-                jobs[id(job)] = job
+            running.update((id(job), job) for job in joining)
             for job in joining:
                 job.batch = len(running)
             return [self._arrival(job, running) for job in joining]
@@ -470,21 +467,19 @@ class Server:
         except Exception as exc:  # a bug: answer each request, keep serving
             self.log("".join(traceback.format_exception(exc)).rstrip())
             message = f"{type(exc).__name__}: {exc}"
-            for key in running:
-                jobs[key].events.put(
-                    ("error", (HTTPStatus.INTERNAL_SERVER_ERROR, message))
-                )
+            for job in running.values():
+                job.events.put(("error", (HTTPStatus.INTERNAL_SERVER_ERROR, message)))
         for job in waiting:  # left behind by a stop
             self._jobs.put(job)
 
-    def _arrival(self, job: _Job, running: set[int]) -> Arrival:
+    def _arrival(self, job: _Job, running: dict[int, _Job]) -> Arrival:
         def on_text(text: str) -> None:
             if job.gone:
                 raise _ClientGone
             job.events.put(("text", text))
 
         def on_done(outcome: Result[GenerationResult, RequestError]) -> None:
-            running.discard(id(job))
+            running.pop(id(job), None)
             if not isinstance(outcome, Success):
                 status = HTTPStatus.BAD_REQUEST
                 job.events.put(("error", (status, outcome.failure().message)))

@@ -459,3 +459,39 @@ def test_a_request_s_values_go_over_the_server_s(pipeline: Pipeline) -> None:
     assert not parsed.stream
     token_ids = parse_request(pipeline, "completions", {"prompt": [5, 6, 7]}, defaults)
     assert token_ids.unwrap().ids == (5, 6, 7)
+
+
+def test_the_openai_client_reads_the_answers(pipeline: Pipeline) -> None:
+    """OpenAI's own Python client, pointed at the server, reads its chat
+    completions (whole and streamed), completions, model list and errors:
+    the texts the library gives."""
+    import openai
+
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    limits = GenerationLimits(max_tokens=9)
+    messages = [{"role": "user", "content": "def fib"}]
+    chat = pipeline.generate(messages, sampling, limits).unwrap()
+    text = pipeline.generate("def fib", sampling, limits).unwrap()
+
+    def client(base: str) -> list[Any]:
+        api = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        asked: dict[str, Any] = {"model": "tiny", "max_tokens": 9, **SAMPLED}
+        whole = api.chat.completions.create(messages=messages, **asked)
+        stream = api.chat.completions.create(messages=messages, stream=True, **asked)
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        completion = api.completions.create(prompt="def fib", **asked)
+        names = [m.id for m in api.models.list()]
+        try:
+            api.chat.completions.create(messages=[], model="tiny")
+        except openai.BadRequestError as exc:
+            refused = str(exc)
+        return [whole, pieces, completion, names, refused]
+
+    whole, pieces, completion, names, refused = served(pipeline, client)
+    assert whole.choices[0].message.content == chat.text
+    assert whole.choices[0].finish_reason == chat.finish_reason
+    assert whole.usage.completion_tokens == chat.generated_tokens
+    assert "".join(pieces) == chat.text
+    assert completion.choices[0].text == text.text
+    assert names == ["tiny"]
+    assert "'messages' must be a non-empty list" in refused
