@@ -6,7 +6,9 @@ completion at once (the prompts of `common.PROMPTS`, in turn), `--tokens`
 each; a repeat's figure is all their completion tokens over the wall time
 from the first send to the last answer. Reported: the median over
 `--repeats` of that aggregate tok/s, the mean latency of a request, and each
-specpipe configuration's ratio to mlx_lm.server in the same run. The answers'
+specpipe configuration's ratio to mlx_lm.server in the same run. Both servers'
+float32 products run on the same BLAS (`models/blas.py`: an OpenBLAS where one
+is installed). The answers'
 texts are compared with mlx_lm.server's (greedy: the same up to near-ties of
 the two libraries' float arithmetic) and the count that match is reported.
 
@@ -154,7 +156,13 @@ def main() -> None:
     bodies = requests(args.clients, args.tokens)
     results = []
     port = free_port()
-    peer = [sys.executable, "-m", "mlx_lm", "server", "--model", folder]
+    # mlx_lm.server with the same BLAS as specpipe (models/blas.py routes
+    # MLX's float32 products when it is imported before mlx)
+    launch = (
+        "import models, runpy, sys; sys.argv[0] = 'mlx_lm.server'; "
+        "runpy.run_module('mlx_lm.server', run_name='__main__')"
+    )
+    peer = [sys.executable, "-c", launch, "--model", folder]
     peer += ["--port", str(port), "--max-tokens", str(args.tokens)]
     peer += ["--decode-concurrency", str(args.clients)]
     results.append(run_server("mlx_lm.server", peer, port, bodies, args.repeats))
