@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
@@ -64,7 +64,9 @@ class ParsedRequest:
     """What one completion request asks for, checked."""
 
     endpoint: Endpoint
-    ids: tuple[int, ...]
+    # each prompt's token ids: a chat's one, or a completion's texts or id
+    # lists (each answered as a choice of its own, index in order)
+    prompts: tuple[tuple[int, ...], ...]
     sampling: SamplingParams
     limits: GenerationLimits
     stream: bool = False
@@ -134,9 +136,10 @@ def _message_text(number: int, message: Any) -> Result[dict[str, str], RequestEr
 
 def _prompt_ids(
     pipeline: Pipeline, endpoint: Endpoint, body: Mapping[str, Any]
-) -> Result[tuple[int, ...], RequestError]:
-    """The request's prompt as token ids: a chat's messages rendered by the
-    template (with `chat_template_kwargs`), a completion's text or ids."""
+) -> Result[tuple[tuple[int, ...], ...], RequestError]:
+    """The request's prompts as token ids: a chat's messages rendered by the
+    template (with `chat_template_kwargs`), a completion's text or ids, or a
+    list of texts or of id lists."""
     if endpoint == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -157,19 +160,28 @@ def _prompt_ids(
             if not isinstance(templated, Success):
                 return Failure(templated.failure())
             pipeline = templated.unwrap()
-        return pipeline.encode(texts)
+        return pipeline.encode(texts).map(lambda ids: (ids,))
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # a batch of one text
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        return pipeline.encode(prompt)
-    return _refuse(
-        "'prompt' must be a string or a list of token ids (one prompt a request), "
-        f"got {prompt!r}"
+    prompts = prompt if isinstance(prompt, list) and prompt else [prompt]
+    if _token_ids(prompts):
+        prompts = [prompts]  # one prompt of token ids
+    encoded = []
+    for one in prompts:
+        if not (isinstance(one, str) or (isinstance(one, list) and _token_ids(one))):
+            return _refuse(
+                "'prompt' must be a string, a list of token ids, or a list of "
+                f"either, got {prompt!r}"
+            )
+        ids = pipeline.encode(one)
+        if not isinstance(ids, Success):
+            return Failure(ids.failure())
+        encoded.append(ids.unwrap())
+    return Success(tuple(encoded))
+
+
+def _token_ids(values: list[Any]) -> bool:
+    return bool(values) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in values
     )
 
 
@@ -240,6 +252,10 @@ def parse_request(
     ids = _prompt_ids(pipeline, endpoint, body)
     if not isinstance(ids, Success):
         return Failure(ids.failure())
+    if stream and len(ids.unwrap()) > 1:
+        return _refuse(
+            "stream one prompt a request; send several prompts without 'stream'"
+        )
     return Success(
         ParsedRequest(
             endpoint,
@@ -252,11 +268,13 @@ def parse_request(
     )
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(results: Sequence[GenerationResult]) -> dict[str, int]:
+    prompt = sum(r.prompt_tokens for r in results)
+    generated = sum(r.generated_tokens for r in results)
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.generated_tokens,
-        "total_tokens": result.prompt_tokens + result.generated_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
     }
 
 
@@ -292,22 +310,26 @@ def _logprobs(
 
 def completion_body(
     request: ParsedRequest,
-    result: GenerationResult,
+    results: Sequence[GenerationResult],
     ident: str,
     model: str,
     created: int,
     decode: Callable[[int], str],
 ) -> dict[str, Any]:
-    """The whole response of a request that did not stream."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "finish_reason": result.finish_reason,
-        "logprobs": _logprobs(request.endpoint, result, decode),
-    }
-    if request.endpoint == "chat":
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
+    """The whole response of a request that did not stream: a choice per
+    prompt, in order."""
+    choices = []
+    for index, result in enumerate(results):
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": result.finish_reason,
+            "logprobs": _logprobs(request.endpoint, result, decode),
+        }
+        if request.endpoint == "chat":
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        choices.append(choice)
     return {
         "id": ident,
         "object": "chat.completion"
@@ -315,8 +337,8 @@ def completion_body(
         else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage(result),
+        "choices": choices,
+        "usage": usage(results),
     }
 
 
@@ -361,6 +383,7 @@ Event = tuple[str, Any]
 @define
 class _Job:
     request: ParsedRequest
+    index: int = 0  # which of the request's prompts
     events: queue.Queue[Event] = field(factory=queue.Queue)
     gone: bool = False  # the client went away: its row fails at its next text
     batch: int = 0  # the live rows once it joined
@@ -434,10 +457,12 @@ class Server:
                     ("error", (HTTPStatus.SERVICE_UNAVAILABLE, "the server stopped"))
                 )
 
-    def submit(self, request: ParsedRequest) -> _Job:
-        job = _Job(request)
-        self._jobs.put(job)
-        return job
+    def submit(self, request: ParsedRequest) -> list[_Job]:
+        """A job per prompt of `request`, queued for the computing thread."""
+        jobs = [_Job(request, index) for index in range(len(request.prompts))]
+        for job in jobs:
+            self._jobs.put(job)
+        return jobs
 
     def _run_arriving(self, first: _Job, stop: threading.Event) -> None:
         """Continuous batching from `first` on: between rounds, waiting jobs
@@ -491,7 +516,8 @@ class Server:
             job.events.put(("done", result))
 
         request = job.request
-        return Arrival(request.ids, on_done, request.sampling, request.limits, on_text)
+        ids = request.prompts[job.index]
+        return Arrival(ids, on_done, request.sampling, request.limits, on_text)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -559,32 +585,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.BAD_REQUEST, parsed.failure().message)
             return
         request = parsed.unwrap()
-        job = self.app.submit(request)
+        jobs = self.app.submit(request)
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         ident = f"{prefix}-{uuid.uuid4().hex}"
         created = int(time.time())
         if request.stream:
-            self._stream(job, ident, created)
+            self._stream(jobs[0], ident, created)
             return
-        while True:
-            kind, value = job.events.get()
-            if kind == "done":
-                break
+        results: list[GenerationResult] = []
+        for job in jobs:
+            while (event := job.events.get())[0] == "text":
+                pass
+            kind, value = event
             if kind == "error":
                 self._error(*value)
                 return
-        result: GenerationResult = value
-        if result.finish_reason == "failed":
-            self._error(
-                HTTPStatus.INTERNAL_SERVER_ERROR, result.error or "generation failed"
-            )
-            return
+            if value.finish_reason == "failed":
+                message = value.error or "generation failed"
+                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, message)
+                return
+            results.append(value)
         tok = self.app.pipeline.target.tokenizer
         self._json(
             HTTPStatus.OK,
             completion_body(
                 request,
-                result,
+                results,
                 ident,
                 self.app.model,
                 created,
@@ -648,7 +674,7 @@ class _Handler(BaseHTTPRequestHandler):
                     if job.request.include_usage:
                         last = chunk_body(endpoint, ident, model, created, None)
                         last["choices"] = []
-                        last["usage"] = usage(value)
+                        last["usage"] = usage([value])
                         send(last)
                 send("[DONE]")
                 return

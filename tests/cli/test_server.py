@@ -230,12 +230,13 @@ def test_waiting_requests_join_the_live_rows(pipeline: Pipeline) -> None:
         for p, v in asked
     ]
     alone = [
-        pipeline.generate(list(r.ids), r.sampling, r.limits).unwrap() for r in parsed
+        pipeline.generate(list(r.prompts[0]), r.sampling, r.limits).unwrap()
+        for r in parsed
     ]
     lines: list[str] = []
     server = Server(pipeline, "tiny", port=0, max_batch=3, log=lines.append)
     server.bind()
-    jobs = [server.submit(r) for r in [*parsed, parsed[0]]]
+    jobs = [server.submit(r)[0] for r in [*parsed, parsed[0]]]
     jobs[-1].gone = True  # its client left before its first piece
     stop = threading.Event()
     results = []
@@ -455,10 +456,10 @@ def test_a_request_s_values_go_over_the_server_s(pipeline: Pipeline) -> None:
     parsed = parse_request(pipeline, "completions", body, defaults).unwrap()
     assert parsed.sampling == SamplingParams(temperature=0.5, top_k=4, seed=4)
     assert parsed.limits == GenerationLimits(max_tokens=5, stop=("x",))
-    assert parsed.ids == pipeline.encode("hi").unwrap()
+    assert parsed.prompts == (pipeline.encode("hi").unwrap(),)
     assert not parsed.stream
     token_ids = parse_request(pipeline, "completions", {"prompt": [5, 6, 7]}, defaults)
-    assert token_ids.unwrap().ids == (5, 6, 7)
+    assert token_ids.unwrap().prompts == ((5, 6, 7),)
 
 
 def test_the_openai_client_reads_the_answers(pipeline: Pipeline) -> None:
@@ -495,3 +496,33 @@ def test_the_openai_client_reads_the_answers(pipeline: Pipeline) -> None:
     assert completion.choices[0].text == text.text
     assert names == ["tiny"]
     assert "'messages' must be a non-empty list" in refused
+
+
+def test_a_completion_of_several_prompts_answers_each(pipeline: Pipeline) -> None:
+    """`prompt` as a list of texts or of token-id lists (as evaluation
+    harnesses send them): a choice per prompt, in order, each the library's
+    output alone, the usage summed; they run as rows of one batch. Streaming
+    takes one prompt."""
+    sampling = SamplingParams(temperature=0.6, seed=11)
+    limits = GenerationLimits(max_tokens=6)
+    ids = pipeline.encode("The quick").unwrap()
+    prompts: list[Any] = ["def fib", "for i in", list(ids)]
+    alone = [pipeline.generate(p, sampling, limits).unwrap() for p in prompts]
+
+    def client(base: str) -> list[Any]:
+        asked = {"max_tokens": 6, "temperature": 0.6, "seed": 11}
+        return [
+            post(f"{base}/v1/completions", {"prompt": prompts, **asked}),
+            post(
+                f"{base}/v1/completions",
+                {"prompt": ["a", "b"], "stream": True, **asked},
+            ),
+        ]
+
+    (code, done), (stream_code, refused) = served(pipeline, client)
+    assert code == 200, done
+    assert [c["index"] for c in done["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in done["choices"]] == [r.text for r in alone]
+    assert done["usage"]["completion_tokens"] == sum(r.generated_tokens for r in alone)
+    assert done["usage"]["prompt_tokens"] == sum(r.prompt_tokens for r in alone)
+    assert stream_code == 400 and "stream one prompt" in refused["error"]["message"]
