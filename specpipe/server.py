@@ -531,6 +531,18 @@ class _Handler(BaseHTTPRequestHandler):
     def app(self) -> Server:
         return self.server.app
 
+    def end_headers(self) -> None:
+        # any origin may call it, as mlx_lm.server's default (a browser page)
+        self.send_header("Access-Control-Allow-Origin", "*")
+        super().end_headers()
+
+    def do_OPTIONS(self) -> None:
+        """A browser's preflight before a cross-origin POST."""
+        self.send_response(HTTPStatus.NO_CONTENT)
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+        self.end_headers()
+
     def _json(self, status: int, body: Mapping[str, Any]) -> None:
         data = json.dumps(body, ensure_ascii=False).encode("utf-8")
         self.send_response(status)

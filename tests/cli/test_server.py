@@ -359,6 +359,11 @@ def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
         answers = [post(f"{base}{path}", body) for path, body, _, _ in bad]
         models = get(f"{base}/v1/models")
         health = get(f"{base}/health")
+        preflight = urllib.request.Request(
+            f"{base}/v1/chat/completions", method="OPTIONS"
+        )
+        with urllib.request.urlopen(preflight, timeout=30) as response:
+            allowed = (response.status, dict(response.headers))
         missing = get(f"{base}/v2/nothing")
         # as OpenAI's clients send it: nulls and zeros for what they leave
         # out, fields the server has no use for, content as text parts
@@ -375,9 +380,12 @@ def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
             "user": "someone",
         }
         ok = post(f"{base}/v1/chat/completions", client_style)
-        return [answers, models, health, missing, ok]
+        return [answers, models, health, missing, ok, allowed]
 
-    answers, models, health, missing, ok = served(pipeline, client)
+    answers, models, health, missing, ok, allowed = served(pipeline, client)
+    assert allowed[0] == 204
+    assert allowed[1]["Access-Control-Allow-Origin"] == "*"
+    assert "POST" in allowed[1]["Access-Control-Allow-Methods"]
     for (_path, body, status, needle), (code, answer) in zip(bad, answers, strict=True):
         assert code == status, (body, answer)
         assert needle in answer["error"]["message"], (needle, answer)
