@@ -18,7 +18,7 @@ from models.build import build_model
 from models.mtp import DEFAULT_BLOCK_SIZE, MtpHead
 from schemas.hf_hybrid import hybrid_args
 from schemas.request import GenerationLimits, SamplingParams
-from specpipe.api import load
+from specpipe.api import Arrival, load
 from specpipe.cli import main
 from tests.cli.conftest import write_tiny_model
 
@@ -176,3 +176,43 @@ def test_drafts_ahead_through_the_api_and_the_command_line(
     out = json.loads(capsys.readouterr().out)
     assert tuple(out["tokens"]) == plain[0]
     assert launched["n"] > 0
+
+
+def test_mtp_rows_arriving_mid_run_equal_their_runs_alone(hybrid: Path) -> None:
+    """Continuous batching on a hybrid target drafting with its MTP head
+    (`Pipeline.generate_arriving`, what `specpipe serve` runs on): rows that
+    join between rounds, with their own sampling, and one that starts from
+    the prompt cache, each give what `generate` gives it alone."""
+    pipeline = load(str(hybrid), draft="mtp", adaptive=False, prompt_cache=True)
+    pipeline = pipeline.unwrap()
+    asked = [
+        (PROMPTS[0], SamplingParams()),
+        (PROMPTS[1], SamplingParams(temperature=0.9, seed=4)),
+        (PROMPTS[0], SamplingParams(temperature=0.7, top_k=8, seed=2)),
+    ]
+    encoded = [pipeline.encode(p).unwrap() for p, _ in asked]
+    alone = [
+        load(str(hybrid), draft="mtp", adaptive=False)
+        .unwrap()
+        .generate(list(ids), sampling, LIMITS)
+        .unwrap()
+        for ids, (_, sampling) in zip(encoded, asked, strict=True)
+    ]
+    told: dict[int, Any] = {}
+    calls = 0
+
+    def arrival(i: int) -> Arrival:
+        return Arrival(
+            encoded[i], lambda r: told.__setitem__(i, r.unwrap()), asked[i][1], LIMITS
+        )
+
+    def arrivals() -> list[Arrival]:
+        nonlocal calls
+        calls += 1
+        return {1: [arrival(0)], 3: [arrival(1)], 5: [arrival(2)]}.get(calls, [])
+
+    pipeline.generate_arriving(arrivals)
+    for i, single in enumerate(alone):
+        assert told[i].tokens == single.tokens, i
+        assert told[i].stats.drafted > 0
+    assert told[2].stats.cached_tokens > 0  # the first row's prompt, kept
