@@ -421,9 +421,14 @@ def test_the_serve_command_answers_until_stopped(
     try:
         assert process.stderr is not None
         lines: Iterator[str] = iter(process.stderr.readline, "")
-        first = next(lines)
-        found = re.search(r"serving (.+) \(draft ngram\) at (http://\S+/v1)", first)
-        assert found, first + process.stderr.read()
+        said = []  # what it prints before it listens (none expected)
+        found = None
+        for line in lines:
+            said.append(line)
+            found = re.search(r"serving (.+) \(draft ngram\) at (http://\S+/v1)", line)
+            if found:
+                break
+        assert found, "".join(said) + process.stderr.read()
         base = found.group(2)
         code, models = get(f"{base}/models")
         assert code == 200 and models["data"][0]["id"] == found.group(1)
