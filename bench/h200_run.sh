@@ -217,6 +217,10 @@
 # (forty-eighth session: fourteen requests for an H200 between 18:39 and 20:35 UTC, none started a machine
 #  (cooldowns, 15-181 s each; 961 s of device time spent); the last was told no machine is lent at present.
 #  The next call stays the one above)
+# (forty-ninth session: fifteen requests for an H200 between 21:10 and 23:39 UTC: two got H100s (given back at
+#  once), ten started no machine (90-180 s each), three fell in cooldowns; 1,399 s of device time spent, 401 s
+#  left. A new checkout lacks .whlA/.whlB: the recipe above rebuilt them in under a minute. The next call
+#  stays the one above)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
