@@ -170,15 +170,7 @@ class _PreparedBatch:
         return generate_stepwise(**self._arguments())
 
     def _arguments(self) -> dict[str, Any]:
-        target, draft = self.pipeline.target, self.pipeline.draft
-        return {
-            "model": target.model,
-            "requests": self.requests,
-            "eos_ids": target.tokenizer.eos_token_ids,
-            "drafter": draft.drafter if draft is not None else None,
-            "options": self.options,
-            "prompt_cache": self.pipeline.prompt_cache,
-        }
+        return {"requests": self.requests, **self.pipeline._loop(self.options)}
 
     def results(self, rows: Sequence[RowResult]) -> list[GenerationResult]:
         return [
@@ -456,24 +448,33 @@ class Pipeline:
             encoded.append(result.unwrap())
         if not encoded:
             return Failure(RequestError("no prompts given"))
-        context = self.target.args.max_position_embeddings
-        sinks = [
-            TextSink(
-                self.target.tokenizer.detokenizer(), limits.stop, _row_text(on_text, i)
-            )
-            for i in range(len(encoded))
-        ]
+        sinks = [self._sink(limits, _row_text(on_text, i)) for i in range(len(encoded))]
         requests = [
-            RowRequest(
-                ids,
-                sampling,
-                min(limits.max_tokens, context - len(ids)),
-                sink,
-                limits.logprobs,
-            )
+            self._row_request(ids, sampling, limits, sink)
             for ids, sink in zip(encoded, sinks, strict=True)
         ]
         return Success(_PreparedBatch(self, encoded, sinks, requests, self._options()))
+
+    def _sink(
+        self, limits: GenerationLimits, on_text: Callable[[str], None] | None
+    ) -> TextSink:
+        return TextSink(self.target.tokenizer.detokenizer(), limits.stop, on_text)
+
+    def _row_request(
+        self,
+        ids: tuple[int, ...],
+        sampling: SamplingParams,
+        limits: GenerationLimits,
+        sink: TextSink,
+        on_finish: Callable[[RowResult], None] | None = None,
+    ) -> RowRequest:
+        """A checked request's row: its budget capped where the prompt plus
+        the output would pass the model's context."""
+        context = self.target.args.max_position_embeddings
+        budget = min(limits.max_tokens, context - len(ids))
+        return RowRequest(
+            ids, sampling, budget, sink, limits.logprobs, on_finish=on_finish
+        )
 
     def _options(self) -> RoundOptions:
         return RoundOptions(
@@ -483,6 +484,17 @@ class Pipeline:
             phase_timing=self.phase_timing,
             draft_ahead=self.draft_ahead,
         )
+
+    def _loop(self, options: RoundOptions) -> dict[str, Any]:
+        """`generate_rows`'s arguments but the requests (and arrivals)."""
+        target, draft = self.target, self.draft
+        return {
+            "model": target.model,
+            "eos_ids": target.tokenizer.eos_token_ids,
+            "drafter": draft.drafter if draft is not None else None,
+            "options": options,
+            "prompt_cache": self.prompt_cache,
+        }
 
     def generate_arriving(self, arrivals: Callable[[], Sequence[Arrival]]) -> None:
         """Continuous batching: `arrivals` is asked for requests before the
@@ -506,18 +518,10 @@ class Pipeline:
             return out
 
         first = admitted()
-        if not first:
-            return
-        target, draft = self.target, self.draft
-        generate_rows(
-            target.model,
-            first,
-            target.tokenizer.eos_token_ids,
-            draft.drafter if draft is not None else None,
-            self._options(),
-            admitted,
-            self.prompt_cache,
-        )
+        if first:
+            generate_rows(
+                requests=first, arrivals=admitted, **self._loop(self._options())
+            )
 
     def _arriving(
         self, arrival: Arrival, context: int
@@ -537,15 +541,13 @@ class Pipeline:
                     f"{context - 1} (its context is {context})"
                 )
             )
-        stop, logprobs = limits.unwrap().stop, limits.unwrap().logprobs
-        sink = TextSink(self.target.tokenizer.detokenizer(), stop, arrival.on_text)
+        sink = self._sink(limits.unwrap(), arrival.on_text)
 
         def finished(row: RowResult) -> None:
             arrival.on_done(Success(self._result(ids, sink, _closed(sink, row))))
 
-        budget = min(limits.unwrap().max_tokens, context - len(ids))
         return Success(
-            RowRequest(ids, sampling.unwrap(), budget, sink, logprobs, None, finished)
+            self._row_request(ids, sampling.unwrap(), limits.unwrap(), sink, finished)
         )
 
     def _result(

@@ -161,8 +161,6 @@ def _generate(args: argparse.Namespace) -> None:
         _fail(
             'no prompt: give PROMPT, --prompts-file F.jsonl, or pipe text in (e.g. specpipe generate "Hello")'
         )
-    if args.prompt_cache_mb <= 0:
-        _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
     requests: list[Prompt] = list(prompts)
     if args.system is not None:  # each prompt after the system message, as a chat
         requests = [
@@ -170,7 +168,8 @@ def _generate(args: argparse.Namespace) -> None:
             for p in prompts
         ]
     cached = args.prompt_cache_file is not None
-    pipeline = _pipeline(args, args.prompt_cache_mb << 20 if cached else False)
+    budget = _cache_budget(args)  # checked whether or not a file asks for it
+    pipeline = _pipeline(args, budget if cached else False)
     pipeline = _with_cache_file(pipeline, args)
     templated = args.chat_template_config is not None
     chat_options = {  # each: given, and the fix for a model without a template
@@ -220,11 +219,9 @@ def _chat(args: argparse.Namespace) -> None:
     """A conversation on stdin: each line a user turn, each reply streamed (or
     one JSON object per turn with --json). Earlier turns' states stay in the
     prompt cache, so a turn prefills only what it adds."""
-    if args.prompt_cache_mb <= 0:
-        _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
     sampling = _sampling(args)
     limits = _limits(args)
-    pipeline = _with_cache_file(_pipeline(args, args.prompt_cache_mb << 20), args)
+    pipeline = _with_cache_file(_pipeline(args, _cache_budget(args)), args)
     if not pipeline.target.tokenizer.has_chat_template:
         _fail(
             f"{args.model} has no chat template (a base model): "
@@ -275,14 +272,12 @@ def _chat(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     """The pipeline behind an OpenAI-compatible HTTP endpoint until Ctrl-C;
     the run options are each request's defaults."""
-    if args.prompt_cache_mb <= 0:
-        _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
     if not 0 <= args.port <= 65535:
         _fail(f"--port must be 0-65535 (0: any free port), got {args.port}")
     if args.max_batch < 1:
         _fail(f"--max-batch must be at least 1, got {args.max_batch}")
     defaults = Defaults(_sampling(args), _limits(args))
-    pipeline = _with_cache_file(_pipeline(args, args.prompt_cache_mb << 20), args)
+    pipeline = _with_cache_file(_pipeline(args, _cache_budget(args)), args)
     name = str(pipeline.target.source)
     server = Server(pipeline, name, args.host, args.port, defaults, args.max_batch)
     try:
@@ -305,6 +300,13 @@ def _serve(args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, previous)
     print("specpipe: stopped", file=sys.stderr)
     _save_cache_file(pipeline, args)
+
+
+def _cache_budget(args: argparse.Namespace) -> int:
+    """--prompt-cache-mb in bytes, checked."""
+    if args.prompt_cache_mb <= 0:
+        _fail(f"--prompt-cache-mb must be positive, got {args.prompt_cache_mb}")
+    return int(args.prompt_cache_mb) << 20
 
 
 def _with_cache_file(pipeline: Pipeline, args: argparse.Namespace) -> Pipeline:

@@ -472,13 +472,8 @@ class _Run:
         batch.retire(keep)
 
     def collect(self) -> list[RowResult]:
-        done = [r for r in self.results if r is not None]
+        done = [r for r in self.results if r is not None]  # (`finish` made each)
         assert len(done) == len(self.requests)
-        for slot, r in enumerate(done):
-            if self.phases is not None:
-                r.phase_ms = self.phases
-            if self.options.adaptive is not None:
-                r.depths = dict(self.adapt[slot].depths)
         return done
 
 

@@ -234,10 +234,11 @@ def parse_request(
             f"'logprobs' must be true or false (the chosen tokens' alone; no top "
             f"alternatives), got {logprobs!r}"
         )
+    wants_logprobs = logprobs not in (None, False, 0)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _refuse(f"'stream' must be true or false, got {stream!r}")
-    if stream and logprobs not in (None, False, 0):
+    if stream and wants_logprobs:
         return _refuse("'logprobs' are given without 'stream'; leave one out")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -245,7 +246,7 @@ def parse_request(
     limits = GenerationLimits.create(
         max_tokens=defaults.limits.max_tokens if tokens is None else tokens,
         stop=defaults.limits.stop if stop.unwrap() is None else stop.unwrap(),
-        logprobs=logprobs not in (None, False, 0),
+        logprobs=wants_logprobs,
     )
     if not isinstance(limits, Success):
         return Failure(limits.failure())
