@@ -40,6 +40,7 @@ from schemas.request import DraftPolicy, SamplingParams
 from specpipe.draft_vocab import DraftVocabulary
 from specpipe.drafts.mtp import MtpDrafter
 from specpipe.loop import RoundOptions, RowRequest, generate_rows
+from specpipe.output import TopLogprobs
 from specpipe.precision import prefer_exact_float32
 from specpipe.prefill import prefill_rows
 from specpipe.state import RowState
@@ -157,7 +158,7 @@ class Sink:
     def __init__(self) -> None:
         self.tokens: list[int] = []
 
-    def push(self, token: int, logprob: float | None) -> bool:
+    def push(self, token: int, logprob: float | None, top: TopLogprobs = ()) -> bool:
         self.tokens.append(token)
         return True
 

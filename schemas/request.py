@@ -19,8 +19,17 @@ from schemas.errors import RequestError
 class SamplingParams:
     """How the target picks each token. temperature 0 means greedy (argmax).
 
-    Filters apply in this order: repetition penalty, temperature, top-k,
-    top-p, min-p. Every random draw uses the step key of (seed, step).
+    Filters apply in this order: repetition penalty, presence penalty,
+    frequency penalty, temperature, top-k, top-p, min-p. Every random draw
+    uses the step key of (seed, step).
+
+    The three penalties read the last `*_context` tokens before the one
+    drawn (prompt included), as mlx-lm's logits processors do: the
+    repetition penalty divides a positive logit of a token among them by
+    `repetition_penalty` (multiplies a negative one), the presence penalty
+    subtracts `presence_penalty` once from each such token's logit, the
+    frequency penalty subtracts `frequency_penalty` per occurrence (OpenAI's
+    additive penalties, over a window instead of the whole text).
     """
 
     temperature: float = 0.0
@@ -29,6 +38,10 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_context: int = 20
+    presence_penalty: float = 0.0
+    presence_context: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context: int = 20
     seed: int = 0
 
     @property
@@ -37,7 +50,24 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        return self.repetition_penalty != 1.0
+        """Whether a penalty reads the token history."""
+        return bool(self.history_windows)
+
+    @property
+    def history_windows(self) -> tuple[tuple[str, float, int], ...]:
+        """The penalties that are on, in the order they apply, each as
+        (kind, value, context)."""
+        on = (
+            ("repetition", self.repetition_penalty, self.repetition_context, 1.0),
+            ("presence", self.presence_penalty, self.presence_context, 0.0),
+            ("frequency", self.frequency_penalty, self.frequency_context, 0.0),
+        )
+        return tuple((kind, v, c) for kind, v, c, off in on if v != off)
+
+    @property
+    def history_context(self) -> int:
+        """How many past tokens the penalties that are on read (0: none)."""
+        return max((c for _, _, c in self.history_windows), default=0)
 
     def checked(self) -> Result[SamplingParams, RequestError]:
         """This record, or `create`'s error for its values (a record built
@@ -54,6 +84,10 @@ class SamplingParams:
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         repetition_context: int = 20,
+        presence_penalty: float = 0.0,
+        presence_context: int = 20,
+        frequency_penalty: float = 0.0,
+        frequency_context: int = 20,
         seed: int = 0,
     ) -> Result[SamplingParams, RequestError]:
         problems: list[str] = []
@@ -69,10 +103,21 @@ class SamplingParams:
             problems.append(
                 f"repetition penalty must be > 0 (1 = off), got {repetition_penalty}"
             )
-        if repetition_context < 1:
-            problems.append(
-                f"repetition context must be >= 1 token, got {repetition_context}"
-            )
+        for kind, penalty in (
+            ("presence", presence_penalty),
+            ("frequency", frequency_penalty),
+        ):
+            if not math.isfinite(penalty):
+                problems.append(
+                    f"{kind} penalty must be a finite number (0 = off), got {penalty}"
+                )
+        for kind, context in (
+            ("repetition", repetition_context),
+            ("presence", presence_context),
+            ("frequency", frequency_context),
+        ):
+            if context < 1:
+                problems.append(f"{kind} context must be >= 1 token, got {context}")
         if not (0 <= seed < 2**32):
             problems.append(f"seed must be in [0, 2**32), got {seed}")
         if problems:
@@ -85,16 +130,30 @@ class SamplingParams:
                 min_p=float(min_p),
                 repetition_penalty=float(repetition_penalty),
                 repetition_context=int(repetition_context),
+                presence_penalty=float(presence_penalty),
+                presence_context=int(presence_context),
+                frequency_penalty=float(frequency_penalty),
+                frequency_context=int(frequency_context),
                 seed=int(seed),
             )
         )
 
 
+# the most alternatives a position reports (OpenAI's limit for top_logprobs)
+MAX_TOP_LOGPROBS = 20
+
+
 @frozen(kw_only=True)
 class GenerationLimits:
+    """How long a row runs, where it stops, and what it reports besides its
+    tokens: `logprobs`, each token's log-probability by the target; and
+    `top_logprobs`, each position's k most likely tokens with theirs (which
+    reports the chosen tokens' too)."""
+
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
 
     def checked(self) -> Result[GenerationLimits, RequestError]:
         """This record, or `create`'s error for its values."""
@@ -107,6 +166,7 @@ class GenerationLimits:
         max_tokens: int = 256,
         stop: tuple[str, ...] = (),
         logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> Result[GenerationLimits, RequestError]:
         if max_tokens <= 0:
             return Failure(
@@ -114,7 +174,21 @@ class GenerationLimits:
             )
         if any(s == "" for s in stop):
             return Failure(RequestError("stop strings must not be empty"))
-        return Success(cls(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs))
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            return Failure(
+                RequestError(
+                    f"top-logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0 = off), "
+                    f"got {top_logprobs}"
+                )
+            )
+        return Success(
+            cls(
+                max_tokens=max_tokens,
+                stop=tuple(stop),
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+            )
+        )
 
 
 @frozen
@@ -129,8 +203,9 @@ class DraftPolicy:
     is off by default: `greedy` drafts argmax (drops the coupling at
     temperature > 0), `temperature` samples the draft at its own temperature,
     `drop_filters` drops top-k / top-p / min-p from the draft (cheaper, rarely
-    different at low temperature). The draft never applies a repetition
-    penalty (it would need the token history on the device for every step).
+    different at low temperature). The draft never applies the repetition,
+    presence or frequency penalties (they would need the token history on the
+    device for every step).
 
     `staged` (draft models): each draft forward also checks prompt-lookup
     guesses, so one forward may yield several drafts (the same ones; see
@@ -161,7 +236,9 @@ class DraftPolicy:
         return on_gpu if self.compiled is None else self.compiled
 
     def draft_params(self, params: SamplingParams) -> SamplingParams:
-        out = evolve(params, repetition_penalty=1.0)
+        out = evolve(
+            params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0
+        )
         if self.greedy:
             return evolve(out, temperature=0.0)
         if self.temperature is not None:

@@ -35,7 +35,7 @@ from specpipe.loop import (
     generate_rows,
     generate_stepwise,
 )
-from specpipe.output import TextSink
+from specpipe.output import TextSink, TopLogprobs
 from specpipe.precision import notice_tf32
 from specpipe.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
@@ -88,6 +88,8 @@ class GenerationResult:
     stats: GenerationStats
     logprobs: tuple[float, ...] | None = None
     error: str | None = None
+    # each position's most likely tokens, (id, logprob), where asked for
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
 
     def summary(self) -> str:
         """The run's figures in one line, as `mlx_lm.generate` prints them
@@ -146,6 +148,11 @@ class GenerationResult:
             out["stats"]["gated_share"] = self.stats.gated_share
         if self.logprobs is not None:
             out["logprobs"] = list(self.logprobs)
+        if self.top_logprobs is not None:
+            out["top_logprobs"] = [
+                [{"id": token, "logprob": lp} for token, lp in top]
+                for top in self.top_logprobs
+            ]
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -473,7 +480,13 @@ class Pipeline:
         context = self.target.args.max_position_embeddings
         budget = min(limits.max_tokens, context - len(ids))
         return RowRequest(
-            ids, sampling, budget, sink, limits.logprobs, on_finish=on_finish
+            ids,
+            sampling,
+            budget,
+            sink,
+            limits.logprobs,
+            on_finish=on_finish,
+            top_logprobs=limits.top_logprobs,
         )
 
     def _options(self) -> RoundOptions:
@@ -582,6 +595,7 @@ class Pipeline:
             stats=stats,
             logprobs=tuple(sink.logprobs) if sink.logprobs else None,
             error=row.error,
+            top_logprobs=tuple(sink.top_logprobs) if sink.top_logprobs else None,
         )
 
 

@@ -70,16 +70,26 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
             top_k=args.top_k,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
+            repetition_context=args.repetition_context_size,
+            presence_penalty=args.presence_penalty,
+            presence_context=args.presence_context_size,
+            frequency_penalty=args.frequency_penalty,
+            frequency_context=args.frequency_context_size,
             seed=args.seed,
         )
     )
     return sampling
 
 
-def _limits(args: argparse.Namespace, logprobs: bool = False) -> GenerationLimits:
+def _limits(
+    args: argparse.Namespace, logprobs: bool = False, top_logprobs: int = 0
+) -> GenerationLimits:
     limits: GenerationLimits = _unwrap(
         GenerationLimits.create(
-            max_tokens=args.max_tokens, stop=tuple(args.stop or ()), logprobs=logprobs
+            max_tokens=args.max_tokens,
+            stop=tuple(args.stop or ()),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
     )
     return limits
@@ -135,10 +145,14 @@ def _template_config(text: str) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    if args.logprobs and not (args.json or args.prompts_file):
-        _fail("--logprobs needs --json (the log-probabilities are in its object)")
+    for flag, asked in (
+        ("--logprobs", args.logprobs),
+        ("--top-logprobs", args.top_logprobs),
+    ):
+        if asked and not (args.json or args.prompts_file):
+            _fail(f"{flag} needs --json (the log-probabilities are in its object)")
     sampling = _sampling(args)
-    limits = _limits(args, args.logprobs)
+    limits = _limits(args, args.logprobs, args.top_logprobs)
     prompt: str | None = args.prompt
     if args.prompt_option is not None:
         if prompt is not None:
@@ -408,7 +422,32 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the logits of recent tokens (1 = off)",
+    )
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract from the logit of each recent token (0 = off)",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract from a recent token's logit per occurrence (0 = off)",
+    )
+    for kind in ("repetition", "presence", "frequency"):
+        parser.add_argument(
+            f"--{kind}-context-size",
+            type=int,
+            default=20,
+            metavar="N",
+            help=f"the {kind} penalty reads the last N tokens (default 20)",
+        )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--stop",
@@ -577,6 +616,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs",
         action="store_true",
         help="include each token's log-probability (with --json)",
+    )
+    gen.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=0,
+        metavar="K",
+        help="include each position's K most likely tokens and their "
+        "log-probabilities, K <= 20 (with --json; implies --logprobs)",
     )
     gen.add_argument(
         "--prompts-file", help="JSONL, one prompt object per line, run as one batch"

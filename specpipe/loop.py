@@ -34,11 +34,11 @@ from specpipe.draft import (
     Resumes,
 )
 from specpipe.metrics import PhaseTimes, RowMetrics
-from specpipe.output import Delivered, FinishReason, TokenSink, deliver
+from specpipe.output import Delivered, FinishReason, TokenSink, TopLogprobs, deliver
 from specpipe.prefill import prefill_rows
 from specpipe.prompt_cache import Checkpoint, Match, PromptCache
 from specpipe.sample_window import sample_window
-from specpipe.sampling import token_logprobs
+from specpipe.sampling import token_logprobs, top_logprobs
 from specpipe.state import RowState
 from specpipe.transaction import Prepared, apply_all, ready
 from specpipe.verify import build_window, verify
@@ -64,9 +64,76 @@ class RowRequest:
     sink: TokenSink
     logprobs: bool = False
     cancelled: Callable[[], bool] | None = None
+    # the most likely tokens at each position to report (with logprobs)
+    top_logprobs: int = 0
     # told the row's result as soon as the row ends (with `arrivals`, long
     # before the run returns); what it raises is its own, the row has ended
     on_finish: Callable[[RowResult], None] | None = None
+
+
+@frozen
+class _Scores:
+    """The log-probabilities the rows of a step asked for, on the device: the
+    chosen tokens' `[N]` and, where a row asked for alternatives, the k most
+    likely tokens' ids and log-probabilities `[N, k]` (k: the most any row
+    asked for)."""
+
+    chosen: mx.array
+    top: tuple[mx.array, mx.array] | None
+
+    @staticmethod
+    def asked(
+        logits: mx.array,  # [N, V]
+        tokens: mx.array,  # [N] int32
+        requests: Sequence[RowRequest],
+    ) -> _Scores | None:
+        """What `requests` (the batch's rows) asked for, or None."""
+        if not any(r.logprobs or r.top_logprobs for r in requests):
+            return None
+        k = max(r.top_logprobs for r in requests)
+        return _Scores(
+            token_logprobs(logits, tokens), top_logprobs(logits, k) if k else None
+        )
+
+    def arrays(self) -> list[mx.array]:
+        return [self.chosen, *(self.top or ())]
+
+    def take(self, index: mx.array) -> _Scores:
+        """The scores of the positions at `index` `[M]`."""
+        top = self.top
+        return _Scores(
+            self.chosen[index], None if top is None else (top[0][index], top[1][index])
+        )
+
+    def read(self) -> _ReadScores:
+        """The host read (a synchronisation point)."""
+        tops = None
+        if self.top is not None:
+            ids, values = self.top
+            rows = cast(list[list[int]], ids.tolist())
+            logprobs = cast(list[list[float]], values.tolist())
+            tops = [
+                tuple(zip(i, v, strict=True))
+                for i, v in zip(rows, logprobs, strict=True)
+            ]
+        return _ReadScores(_floats(self.chosen), tops)
+
+
+@frozen
+class _ReadScores:
+    chosen: list[float]
+    tops: list[TopLogprobs] | None
+
+    def of_row(
+        self, start: int, end: int, request: RowRequest
+    ) -> tuple[list[float] | None, list[TopLogprobs] | None]:
+        """Positions `start .. end - 1`'s, for a row that asked (else None)."""
+        if not (request.logprobs or request.top_logprobs):
+            return None, None
+        tops = None
+        if request.top_logprobs and self.tops is not None:
+            tops = [t[: request.top_logprobs] for t in self.tops[start:end]]
+        return self.chosen[start:end], tops
 
 
 @define
@@ -566,7 +633,6 @@ def _speculative_round(
         phases.verify += lap()
     samples = sample_window(verified.logits, window.ids, rows)  # [B, W]
     B, W = samples.shape
-    wants_logprobs = any(requests[s].logprobs for s in batch.slots)
     reads: list[mx.array] = []
     unread = proposal.device is not None and proposal.host is None
     if unread:
@@ -574,19 +640,25 @@ def _speculative_round(
         reads.append(proposal.device.reshape(-1).astype(mx.int32))
     reads.append(samples.reshape(-1))
     flat = mx.concatenate(reads) if len(reads) > 1 else reads[0]
-    logprobs = (
-        token_logprobs(verified.logits.reshape(B * W, -1), samples.reshape(-1))
-        if wants_logprobs
-        else None
+    scores = _Scores.asked(
+        verified.logits.reshape(B * W, -1),
+        samples.reshape(-1),
+        [requests[s] for s in batch.slots],
     )
     if isinstance(
         verified, ModelOutput
     ):  # the draws, for drafters that derive from them
         verified = evolve(verified, draws=samples)
     if options.draft_ahead:
-        _launch_ahead(batch, proposal, depths, verified, [flat, logprobs])
+        _launch_ahead(
+            batch,
+            proposal,
+            depths,
+            verified,
+            [flat, *(scores.arrays() if scores else ())],
+        )
     host = _ints(flat)
-    lps = _floats(logprobs) if logprobs is not None else None
+    scored = scores.read() if scores is not None else None
     drafted_flat = host[: len(host) - B * W]
     tokens = host[len(host) - B * W :]
     # A row asked for fewer drafts than the batch drafted uses their prefix.
@@ -610,13 +682,19 @@ def _speculative_round(
             batch.eos,
         )
         acceptances.append(acc)
-        row_lps = (
-            lps[b * W : (b + 1) * W]
-            if lps is not None and requests[slot].logprobs
-            else None
+        row_lps, row_tops = (
+            scored.of_row(b * W, (b + 1) * W, requests[slot])
+            if scored is not None
+            else (None, None)
         )
         delivered.append(
-            deliver(acc, requests[slot].sink, row_lps, requests[slot].cancelled)
+            deliver(
+                acc,
+                requests[slot].sink,
+                row_lps,
+                requests[slot].cancelled,
+                row_tops,
+            )
         )
         metrics[slot].record(len(drafts[b]), acc.accepted, delivered[-1].published)
     ends = [
@@ -637,7 +715,7 @@ def _launch_ahead(
     proposal: Proposal,
     depths: Sequence[int],
     verified: Any,
-    reads: Sequence[mx.array | None],
+    reads: Sequence[mx.array],
 ) -> None:
     """The next round's drafts launched now (`RoundOptions.draft_ahead`),
     where every row was offered every draft of a device proposal: the
@@ -651,7 +729,7 @@ def _launch_ahead(
         or any(d < proposal.depth for d in depths)
     ):
         return
-    _async_eval(*[a for a in reads if a is not None])
+    _async_eval(*reads)
     try:
         ahead = draft.launch_ahead(batch.rows, proposal, verified, proposal.depth)
     except Exception as exc:
@@ -751,11 +829,10 @@ def _plain_pipelined(
 
     # Per-step host work is what bounds decoding on a fast device: decide once.
     greedy = all(r.sampling.greedy and not r.sampling.needs_history for r in batch.rows)
-    logprobs = any(requests[s].logprobs for s in batch.slots)
 
     def step(
         ids: mx.array, rows: Sequence[RowState], ahead: int
-    ) -> tuple[mx.array, mx.array | None]:
+    ) -> tuple[mx.array, _Scores | None]:
         out = batch.model(ids, batch.cache, [r.length + ahead for r in rows])
         if out.delta is not None:
             # plain decoding keeps its one position in every row
@@ -766,13 +843,15 @@ def _plain_pipelined(
         else:
             ahead_rows = [evolve(r, step=r.step + ahead) for r in rows]
             tokens = sample_window(logits[:, None, :], ids, ahead_rows)[:, 0]
-        lp = token_logprobs(logits, tokens) if logprobs else None
-        return tokens, lp
+        return tokens, _Scores.asked(logits, tokens, [requests[s] for s in batch.slots])
+
+    def launch(queued: tuple[mx.array, _Scores | None]) -> None:
+        _async_eval(queued[0], *(queued[1].arrays() if queued[1] else ()))
 
     pending = mx.array([[r.pending] for r in batch.rows], dtype=mx.int32)
     first = step(pending, batch.rows, 0)
-    _async_eval(*[a for a in first if a is not None])
-    current: tuple[mx.array, mx.array | None] | None = first
+    launch(first)
+    current: tuple[mx.array, _Scores | None] | None = first
     last = time.perf_counter()
     taken = 0
     while current is not None:
@@ -780,17 +859,23 @@ def _plain_pipelined(
         upcoming = None
         if max_steps is None or taken < max_steps:
             upcoming = step(current[0][:, None], batch.rows, 1)
-            _async_eval(*[a for a in upcoming if a is not None])
+            launch(upcoming)
         tokens = _ints(current[0])
-        lps = _floats(current[1]) if current[1] is not None else None
+        read = current[1].read() if current[1] is not None else None
         now = time.perf_counter()
         elapsed, last = (now - last) * 1000.0, now
         keep: list[int] = []
         advanced: list[RowState] = []
         for b, (row, slot) in enumerate(zip(batch.rows, batch.slots, strict=True)):
             acc = walk((), (tokens[b],), row.remaining, batch.eos)
-            row_lp = [lps[b]] if lps is not None and requests[slot].logprobs else None
-            d = deliver(acc, requests[slot].sink, row_lp, requests[slot].cancelled)
+            row_lp, row_top = (
+                read.of_row(b, b + 1, requests[slot])
+                if read is not None
+                else (None, None)
+            )
+            d = deliver(
+                acc, requests[slot].sink, row_lp, requests[slot].cancelled, row_top
+            )
             metrics[slot].record(0, 0, d.published)
             if batch.draft is not None:
                 metrics[slot].gated += 1
@@ -813,7 +898,7 @@ def _plain_pipelined(
             index = mx.array(keep)
             upcoming = (
                 upcoming[0][index],
-                None if upcoming[1] is None else upcoming[1][index],
+                None if upcoming[1] is None else upcoming[1].take(index),
             )
         batch.retire(keep)
         current = upcoming

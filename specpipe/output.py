@@ -17,10 +17,15 @@ from specpipe.walk import Acceptance
 
 FinishReason = Literal["stop", "length", "cancelled", "failed"]
 
+# A position's most likely tokens by the model, most likely first: (id, logprob).
+TopLogprobs = tuple[tuple[int, float], ...]
+
 
 class TokenSink(Protocol):
-    def push(self, token: int, logprob: float | None) -> bool:
-        """Take one published token; return False to stop the row."""
+    def push(self, token: int, logprob: float | None, top: TopLogprobs = ()) -> bool:
+        """Take one published token (with its log-probability and the
+        position's top alternatives where the row asked for them); return
+        False to stop the row."""
         ...
 
 
@@ -36,6 +41,7 @@ def deliver(
     sink: TokenSink,
     logprobs: Sequence[float] | None,
     cancelled: Callable[[], bool] | None = None,
+    tops: Sequence[TopLogprobs] | None = None,
 ) -> Delivered:
     published = 0
     try:
@@ -43,7 +49,9 @@ def deliver(
             if cancelled is not None and cancelled():
                 return Delivered(published, "cancelled")
             more = sink.push(
-                token, logprobs[published] if logprobs is not None else None
+                token,
+                logprobs[published] if logprobs is not None else None,
+                tops[published] if tops is not None else (),
             )
             published += 1
             if not more:
@@ -73,14 +81,17 @@ class TextSink:
     on_text: Callable[[str], None] | None = None
     tokens: list[int] = field(factory=list)
     logprobs: list[float] = field(factory=list)
+    top_logprobs: list[TopLogprobs] = field(factory=list)
     text: str = ""
     _sent: int = 0
     stopped: bool = False
 
-    def push(self, token: int, logprob: float | None) -> bool:
+    def push(self, token: int, logprob: float | None, top: TopLogprobs = ()) -> bool:
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if top:
+            self.top_logprobs.append(top)
         before = len(self.text)
         self.text += self.detokenizer.add(token)
         if self.stop:

@@ -23,12 +23,13 @@ def window_history(
     ids: mx.array,  # [B, W]
     context: int,
 ) -> mx.array:
-    """`[B * W, C]`: for position i of row b, the last C tokens up to window[i]."""
+    """`[B * W, C]`: for position i of row b, the last C tokens up to window[i],
+    oldest first; -1 where the row has fewer (`apply_penalties`)."""
     width = ids.shape[1]
     before = []
     for row in rows:
         tail = list(row.tokens[:-1][-context:])
-        before.append([row.pending] * (context - len(tail)) + tail)
+        before.append([-1] * (context - len(tail)) + tail)
     seq = mx.concatenate([mx.array(before, dtype=mx.int32), ids], axis=1)  # [B, C+W]
     index = mx.arange(width)[:, None] + mx.arange(1, context + 1)[None, :]  # [W, C]
     gathered = mx.take(seq, index.reshape(-1), axis=1)  # [B, W*C]
@@ -37,7 +38,7 @@ def window_history(
 
 def sample_window(
     logits: mx.array,  # [B, W, V]
-    ids: mx.array | None,  # [B, W], needed only for a repetition penalty
+    ids: mx.array | None,  # [B, W], needed only for a penalty
     rows: Sequence[RowState],
     sampling: Sequence[SamplingParams] | None = None,
 ) -> mx.array:
@@ -62,9 +63,9 @@ def sample_window(
         )
         history = None
         if p.needs_history:
-            assert ids is not None, "a repetition penalty needs the window's ids"
+            assert ids is not None, "a penalty needs the window's ids"
             sub_ids = ids if len(members) == B else ids[mx.array(members)]
-            history = window_history(chosen, sub_ids, p.repetition_context)
+            history = window_history(chosen, sub_ids, p.history_context)
         parts.append(sample(flat, p, seeds, steps, history).reshape(len(members), W))
         order.extend(members)
     if len(parts) == 1:

@@ -14,8 +14,8 @@ drafted: speculation cannot change the output.
 The uniform comes from an integer hash evaluated on device (Wellons'
 "lowbias32" finaliser, https://nullprogram.com/blog/2018/07/31/), so one call
 draws for every row and window position at once, each with its own key.
-Filters apply in the order repetition penalty, temperature, top-k, top-p,
-min-p; tokens they remove get zero mass.
+Filters apply in the order repetition, presence and frequency penalties,
+temperature, top-k, top-p, min-p; tokens they remove get zero mass.
 """
 
 from __future__ import annotations
@@ -71,6 +71,34 @@ def apply_repetition_penalty(
     picked = mx.take_along_axis(logits, history, axis=-1)
     picked = mx.where(picked > 0, picked / penalty, picked * penalty)
     return mx.put_along_axis(logits, history, picked, axis=-1)
+
+
+def apply_penalties(
+    logits: mx.array,  # [N, V] f32
+    history: mx.array,  # [N, C] int32, oldest first; -1: no token (a short context)
+    params: SamplingParams,
+) -> mx.array:
+    """`logits` with the penalties of `params` that are on (repetition,
+    presence, frequency, in that order), each over its own context: the last
+    `*_context` entries of `history`. Its newest entry must be a token."""
+    n, width = history.shape
+    real = history >= 0
+    # a missing entry reads the newest token (whose penalty it then repeats,
+    # a no-op) and counts nothing
+    ids = mx.where(real, history, history[:, -1:])
+    out = logits
+    for kind, penalty, context in params.history_windows:
+        span = min(width, context)
+        window = ids[:, width - span :]
+        if kind == "repetition":
+            out = apply_repetition_penalty(out, window, penalty)
+            continue
+        weights = real[:, width - span :].astype(out.dtype)
+        rows = mx.broadcast_to(mx.arange(n)[:, None], window.shape)
+        counts = mx.zeros_like(out).at[rows, window].add(weights)
+        amount = counts if kind == "frequency" else (counts > 0).astype(out.dtype)
+        out = out - penalty * amount
+    return out
 
 
 def filtered_probs(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -148,14 +176,14 @@ def sample(
     params: SamplingParams,
     seeds: mx.array,  # [N] uint32
     steps: mx.array,  # [N] uint32
-    history: mx.array | None = None,  # [N, C] int32, needed for a repetition penalty
+    history: mx.array | None = None,  # [N, C] int32 (`apply_penalties`), for penalties
 ) -> mx.array:
     """One token per row, `[N]` int32, from `[N, V]` logits."""
     scores = logits.astype(mx.float32)
     if params.needs_history:
-        assert history is not None, "a repetition penalty needs the token history"
-        scores = apply_repetition_penalty(scores, history, params.repetition_penalty)
-    filters = draw_filters(params)  # the penalty is in `scores` now
+        assert history is not None, "a penalty needs the token history"
+        scores = apply_penalties(scores, history, params)
+    filters = draw_filters(params)  # the penalties are in `scores` now
     if not params.greedy and COMPILE_ON_GPU and on_gpu():
         return compiled_draw(filters)(scores, seeds, steps)
     return draw(scores, filters, seeds, steps)
@@ -169,7 +197,7 @@ def draw(
 ) -> mx.array:  # [N] int32
     """`sample` without a token history and without `compiled_draw`: the draw
     a function that is itself compiled traces (specpipe/drafts/mtp.py)."""
-    assert not params.needs_history, "a repetition penalty needs `sample`"
+    assert not params.needs_history, "a penalty needs `sample`"
     scores = logits.astype(mx.float32)
     if params.greedy:
         return mx.argmax(scores, axis=-1).astype(mx.int32)
@@ -213,3 +241,21 @@ def token_logprobs(
     scores = logits.astype(mx.float32)
     norm = mx.logsumexp(scores, axis=-1)
     return mx.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - norm
+
+
+def top_logprobs(
+    logits: mx.array,  # [N, V]
+    k: int,
+) -> tuple[mx.array, mx.array]:
+    """The k most likely tokens of each row by the model's own distribution:
+    ids `[N, k]` int32 and their log-probabilities `[N, k]` f32, most likely
+    first (equal values in any order, as `top_k_ids` takes them)."""
+    scores = logits.astype(mx.float32)
+    norm = mx.logsumexp(scores, axis=-1, keepdims=True)
+    ids = top_k_ids(scores, k) if k < scores.shape[-1] else None
+    if ids is None:
+        ids = mx.broadcast_to(mx.arange(scores.shape[-1], dtype=mx.int32), scores.shape)
+    values = mx.take_along_axis(scores, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
+    return ids, mx.take_along_axis(values, order, axis=-1) - norm

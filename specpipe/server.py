@@ -41,7 +41,7 @@ from attrs import define, evolve, field, frozen
 from returns.result import Failure, Result, Success
 
 from schemas.errors import RequestError
-from schemas.request import GenerationLimits, SamplingParams
+from schemas.request import MAX_TOP_LOGPROBS, GenerationLimits, SamplingParams
 from specpipe.api import Arrival, GenerationResult, Pipeline
 
 Endpoint = Literal["completions", "chat"]
@@ -49,13 +49,19 @@ Endpoint = Literal["completions", "chat"]
 # the largest request body read (a long chat's JSON is far smaller)
 MAX_BODY_BYTES = 32 << 20
 
-_SAMPLING_FIELDS = {
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "repetition_penalty": float,
-    "seed": int,
+# a request's sampling fields (mlx_lm.server's names): SamplingParams' name, type
+_SAMPLING_FIELDS: dict[str, tuple[str, type[int] | type[float]]] = {
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top_k": ("top_k", int),
+    "min_p": ("min_p", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "repetition_context_size": ("repetition_context", int),
+    "presence_penalty": ("presence_penalty", float),
+    "presence_context_size": ("presence_context", int),
+    "frequency_penalty": ("frequency_penalty", float),
+    "frequency_context_size": ("frequency_context", int),
+    "seed": ("seed", int),
 }
 
 
@@ -97,6 +103,38 @@ def _typed(
     if isinstance(value, bool) or not isinstance(value, takes):
         return _refuse(f"'{name}' must be a number ({kind.__name__}), got {value!r}")
     return Success(kind(value))
+
+
+def _asked_logprobs(
+    endpoint: Endpoint, body: Mapping[str, Any]
+) -> Result[tuple[bool, int], RequestError]:
+    """Whether the request asks for its tokens' log-probabilities, and for
+    how many alternatives a position: a completion's `logprobs` is that
+    count (`true`: the chosen tokens' alone), a chat's is true or false with
+    the count in `top_logprobs`."""
+    logprobs = body.get("logprobs")
+    top = _typed(body, "top_logprobs", int)
+    if not isinstance(top, Success):
+        return Failure(top.failure())
+    if endpoint == "completions":
+        if logprobs in (None, False, True):
+            return Success((bool(logprobs), 0))
+        if isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            return Success((logprobs > 0, logprobs))
+        return _refuse(
+            f"'logprobs' must be a count of alternatives in [0, "
+            f"{MAX_TOP_LOGPROBS}], got {logprobs!r}"
+        )
+    if logprobs not in (None, False, True):
+        return _refuse(f"'logprobs' must be true or false, got {logprobs!r}")
+    count = top.unwrap() or 0
+    if not 0 <= count <= MAX_TOP_LOGPROBS:
+        return _refuse(
+            f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {count}"
+        )
+    if count and not logprobs:
+        return _refuse("'top_logprobs' needs 'logprobs': true")
+    return Success((bool(logprobs), count))
 
 
 def _stop_strings(
@@ -197,25 +235,18 @@ def parse_request(
         return _refuse(f"the request body must be a JSON object, got {body!r}")
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return _refuse("one completion a request: 'n' and 'best_of' must be 1")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            return _refuse(
-                f"'{name}' is not supported; use 'repetition_penalty' (as mlx_lm.server)"
-            )
     if body.get("echo") or body.get("suffix") or body.get("tools"):
         return _refuse(
             "'echo', 'suffix' and 'tools' are not supported (put tools in "
             "'chat_template_kwargs' for a template that reads them)"
         )
-    if body.get("top_logprobs") not in (None, 0):
-        return _refuse("'top_logprobs' is not supported; ask for 'logprobs' alone")
     sampled: dict[str, Any] = {}
-    for name, kind in _SAMPLING_FIELDS.items():
+    for name, (param, kind) in _SAMPLING_FIELDS.items():
         value = _typed(body, name, kind)
         if not isinstance(value, Success):
             return Failure(value.failure())
         if value.unwrap() is not None:
-            sampled[name] = value.unwrap()
+            sampled[param] = value.unwrap()
     sampling = evolve(defaults.sampling, **sampled).checked()
     if not isinstance(sampling, Success):
         return Failure(sampling.failure())
@@ -228,13 +259,10 @@ def parse_request(
     stop = _stop_strings(body)
     if not isinstance(stop, Success):
         return Failure(stop.failure())
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, True, 0, 1):  # 1: a completion's top-1
-        return _refuse(
-            f"'logprobs' must be true or false (the chosen tokens' alone; no top "
-            f"alternatives), got {logprobs!r}"
-        )
-    wants_logprobs = logprobs not in (None, False, 0)
+    scores = _asked_logprobs(endpoint, body)
+    if not isinstance(scores, Success):
+        return Failure(scores.failure())
+    wants_logprobs, top = scores.unwrap()
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _refuse(f"'stream' must be true or false, got {stream!r}")
@@ -247,6 +275,7 @@ def parse_request(
         max_tokens=defaults.limits.max_tokens if tokens is None else tokens,
         stop=defaults.limits.stop if stop.unwrap() is None else stop.unwrap(),
         logprobs=wants_logprobs,
+        top_logprobs=top,
     )
     if not isinstance(limits, Success):
         return Failure(limits.failure())
@@ -285,16 +314,23 @@ def _logprobs(
     if result.logprobs is None:
         return None
     pieces = [decode(t) for t in result.tokens]
+    tops = [
+        [(decode(token), lp) for token, lp in top] for top in result.top_logprobs or ()
+    ]
     if endpoint == "chat":
+
+        def entry(piece: str, lp: float) -> dict[str, Any]:
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
+
         return {
             "content": [
                 {
-                    "token": piece,
-                    "logprob": lp,
-                    "bytes": list(piece.encode("utf-8")),
-                    "top_logprobs": [],
+                    **entry(piece, lp),
+                    "top_logprobs": [entry(*alt) for alt in top],
                 }
-                for piece, lp in zip(pieces, result.logprobs, strict=False)
+                for piece, lp, top in zip(
+                    pieces, result.logprobs, tops or [[]] * len(pieces), strict=False
+                )
             ]
         }
     offsets, at = [], 0
@@ -304,7 +340,7 @@ def _logprobs(
     return {
         "tokens": pieces,
         "token_logprobs": list(result.logprobs),
-        "top_logprobs": None,
+        "top_logprobs": [dict(top) for top in tops] if tops else None,
         "text_offset": offsets,
     }
 

@@ -529,12 +529,29 @@ def test_logprobs_need_json_and_an_empty_stdin_is_no_prompt(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`--logprobs` without `--json` (whose object carries them) is refused
-    rather than ignored; an empty stdin is refused rather than generating
-    from nothing."""
+    """`--logprobs` and `--top-logprobs` without `--json` (whose object
+    carries them) are refused rather than ignored, as is a count past 20; an
+    empty stdin is refused rather than generating from nothing."""
     model = ("--model", str(tiny_model), "--max-tokens", "3")
     fails_with(capsys, "--logprobs needs --json", "generate", "x", *model, "--logprobs")
     assert len(generate_json(capsys, "x", *model, "--logprobs")["logprobs"]) == 3
+    top = ("--top-logprobs", "2")
+    fails_with(capsys, "--top-logprobs needs --json", "generate", "x", *model, *top)
+    out = generate_json(capsys, "x", *model, *top)
+    assert len(out["logprobs"]) == len(out["top_logprobs"]) == 3
+    for chosen, alternatives in zip(out["tokens"], out["top_logprobs"], strict=True):
+        assert alternatives[0]["id"] == chosen  # greedy: the likeliest
+        assert alternatives[0]["logprob"] >= alternatives[1]["logprob"]
+    fails_with(
+        capsys,
+        "top-logprobs must be in [0, 20] (0 = off), got 21",
+        "generate",
+        "x",
+        *model,
+        "--json",
+        "--top-logprobs",
+        "21",
+    )
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     fails_with(capsys, "stdin was empty", "generate", *model)
 

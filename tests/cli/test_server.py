@@ -171,13 +171,16 @@ def test_completions_equal_the_library_s_output(pipeline: Pipeline) -> None:
 
 
 def test_logprobs_stop_strings_and_defaults(pipeline: Pipeline) -> None:
-    """`logprobs` gives each token's log-probability (the library's), `stop`
-    ends the text before it, and what a request leaves out is the server's
-    default (`specpipe serve --temperature ...`)."""
+    """`logprobs` gives each token's log-probability (the library's) and,
+    where asked, each position's likeliest tokens (a completion's
+    `logprobs: k`, a chat's `top_logprobs: k`); `stop` ends the text before
+    it, and what a request leaves out is the server's default (`specpipe
+    serve --temperature ...`)."""
     sampling = SamplingParams(temperature=0.7, seed=3)
-    limits = GenerationLimits(max_tokens=8, logprobs=True)
+    limits = GenerationLimits(max_tokens=8, logprobs=True, top_logprobs=2)
     expected = pipeline.generate("def fib", sampling, limits).unwrap()
-    assert expected.logprobs is not None
+    assert expected.logprobs is not None and expected.top_logprobs is not None
+    decode = pipeline.target.tokenizer.decode
     stop = expected.text[3:5]
     stopped = pipeline.generate(
         "def fib", sampling, GenerationLimits(max_tokens=8, stop=(stop,))
@@ -186,12 +189,13 @@ def test_logprobs_stop_strings_and_defaults(pipeline: Pipeline) -> None:
 
     def client(base: str) -> list[Any]:
         return [
-            post(f"{base}/v1/completions", {"prompt": "def fib", "logprobs": 1}),
+            post(f"{base}/v1/completions", {"prompt": "def fib", "logprobs": 2}),
             post(
                 f"{base}/v1/chat/completions",
                 {
                     "messages": [{"role": "user", "content": "def fib"}],
                     "logprobs": True,
+                    "top_logprobs": 3,
                 },
             ),
             post(f"{base}/v1/completions", {"prompt": "def fib", "stop": stop}),
@@ -204,9 +208,19 @@ def test_logprobs_stop_strings_and_defaults(pipeline: Pipeline) -> None:
     assert logprobs["token_logprobs"] == pytest.approx(list(expected.logprobs))
     assert "".join(logprobs["tokens"]) == expected.text
     assert logprobs["text_offset"][0] == 0
+    assert logprobs["top_logprobs"] == [
+        {decode([token]): pytest.approx(lp) for token, lp in top}
+        for top in expected.top_logprobs
+    ]
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"]
     assert all(isinstance(c["logprob"], float) and c["logprob"] <= 0 for c in content)
+    for c in content:
+        alternatives = c["top_logprobs"]
+        assert len(alternatives) == 3
+        values = [a["logprob"] for a in alternatives]
+        assert values == sorted(values, reverse=True) and c["logprob"] <= values[0]
+        assert all(bytes(a["bytes"]).decode() == a["token"] for a in alternatives)
     assert cut["choices"][0]["text"] == stopped.text
     assert stop not in cut["choices"][0]["text"]
     assert cut["choices"][0]["finish_reason"] == "stop"
@@ -303,9 +317,15 @@ def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
         ),
         (
             "/v1/completions",
-            {"prompt": "x", "logprobs": 5},
+            {"prompt": "x", "logprobs": 21},
             400,
-            "no top alternatives",
+            "'logprobs' must be a count of alternatives in [0, 20], got 21",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": chat, "top_logprobs": 2},
+            400,
+            "'top_logprobs' needs 'logprobs': true",
         ),
         (
             "/v1/completions",
@@ -315,9 +335,9 @@ def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
         ),
         (
             "/v1/completions",
-            {"prompt": "x", "presence_penalty": 0.5},
+            {"prompt": "x", "presence_penalty": 0.5, "frequency_context_size": 0},
             400,
-            "repetition_penalty",
+            "frequency context must be >= 1 token, got 0",
         ),
         ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "'stop' must be"),
         ("/v1/completions", {"prompt": {"a": 1}}, 400, "'prompt' must be"),

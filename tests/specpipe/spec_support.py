@@ -26,6 +26,7 @@ from schemas.hf import DecoderArgs, normalize_hf_config
 from schemas.request import SamplingParams
 from specpipe.draft import Drafter, DraftRows, Proposal
 from specpipe.loop import RoundOptions, RowRequest, RowResult, generate_rows
+from specpipe.output import TopLogprobs
 from specpipe.state import RowState
 from specpipe.transaction import Prepared, ready
 
@@ -111,15 +112,17 @@ def perturbed(source: CausalLM, seed: int, scale: float) -> CausalLM:
 
 
 class CollectSink:
-    """Records every published token (and log-probability)."""
+    """Records every published token (its log-probability and top alternatives)."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.logprobs: list[float | None] = []
+        self.tops: list[TopLogprobs] = []
 
-    def push(self, token: int, logprob: float | None) -> bool:
+    def push(self, token: int, logprob: float | None, top: TopLogprobs = ()) -> bool:
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        self.tops.append(top)
         return True
 
 
@@ -136,6 +139,7 @@ def run(
     logprobs: bool = False,
     cancelled: Sequence[Callable[[], bool] | None] | None = None,
     draft_ahead: bool = False,
+    top_logprobs: Sequence[int] | None = None,
 ) -> tuple[list[list[int]], list[RowResult]]:
     """Generate every prompt as one batch; the tokens each sink saw, and results."""
     params = (
@@ -145,9 +149,10 @@ def run(
     )
     sinks = list(sinks) if sinks is not None else [CollectSink() for _ in prompts]
     stops = list(cancelled) if cancelled is not None else [None] * len(prompts)
+    tops = list(top_logprobs) if top_logprobs is not None else [0] * len(prompts)
     requests = [
-        RowRequest(tuple(p), s, max_tokens, sink, logprobs, stop)
-        for p, s, sink, stop in zip(prompts, params, sinks, stops, strict=True)
+        RowRequest(tuple(p), s, max_tokens, sink, logprobs, stop, top_logprobs=k)
+        for p, s, sink, stop, k in zip(prompts, params, sinks, stops, tops, strict=True)
     ]
     results = generate_rows(
         model,

@@ -17,7 +17,7 @@ from schemas.request import SamplingParams
 from specpipe.draft import Drafter, DraftRows, Proposal
 from specpipe.drafts.ngram import NgramDrafter
 from specpipe.drafts.two_model import TwoModelDrafter
-from specpipe.output import deliver
+from specpipe.output import TopLogprobs, deliver
 from specpipe.state import RowState
 from specpipe.transaction import Prepared
 from specpipe.walk import Acceptance
@@ -178,10 +178,10 @@ class RaisingSink(CollectSink):
         super().__init__()
         self.at = at
 
-    def push(self, token: int, logprob: float | None) -> bool:
+    def push(self, token: int, logprob: float | None, top: TopLogprobs = ()) -> bool:
         if len(self.tokens) + 1 == self.at:
             raise OSError("consumer went away")
-        return super().push(token, logprob)
+        return super().push(token, logprob, top)
 
 
 class StoppingSink(CollectSink):
@@ -189,8 +189,8 @@ class StoppingSink(CollectSink):
         super().__init__()
         self.at = at
 
-    def push(self, token: int, logprob: float | None) -> bool:
-        super().push(token, logprob)
+    def push(self, token: int, logprob: float | None, top: TopLogprobs = ()) -> bool:
+        super().push(token, logprob, top)
         return len(self.tokens) < self.at
 
 

@@ -45,6 +45,13 @@ SAMPLINGS: dict[str, SamplingParams] = {
     "t1.0-minp": SamplingParams(temperature=1.0, min_p=0.05, seed=7),
     "t0.8-penalty": SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=5),
     "greedy-penalty": SamplingParams(repetition_penalty=1.5, repetition_context=8),
+    "t0.9-presence-frequency": SamplingParams(
+        temperature=0.9,
+        presence_penalty=0.8,
+        frequency_penalty=0.6,
+        frequency_context=12,
+        seed=13,
+    ),
 }
 
 DRAFTERS = (
@@ -183,7 +190,7 @@ def test_rows_with_different_sampling_in_one_batch(
     params = [
         SAMPLINGS["greedy"],
         SAMPLINGS["t0.7-topp-topk"],
-        SamplingParams(temperature=1.0, top_k=10, seed=99),
+        SamplingParams(temperature=1.0, top_k=10, frequency_penalty=1.1, seed=99),
         SAMPLINGS["t0.8-penalty"],
     ]
     expected = plain(PROMPTS, params, MAX_TOKENS)
@@ -211,6 +218,61 @@ def test_logprobs_match_plain(
         assert len(a) == len(b) == MAX_TOKENS
         assert all(x is not None and x <= 0.0 for x in a)
         assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.parametrize("draft_ahead", [False, True])
+def test_top_logprobs_match_plain_per_row(
+    target: CausalLM,
+    draft_model: CausalLM,
+    plain: PlainReference,
+    draft_ahead: bool,
+) -> None:
+    """Rows asking for different numbers of alternatives (none, 1, 3, 5) in
+    one batch: each row's report equals plain decoding's, its first
+    alternative is the most likely token, and the chosen token's
+    log-probability is among them where it is the argmax (greedy)."""
+    params = SAMPLINGS["greedy"]
+    expected = plain(PROMPTS, params, MAX_TOKENS)
+    ks = [0, 1, 3, 5]
+
+    def report(drafter: Drafter | None, depth: int) -> list[CollectSink]:
+        sinks = [CollectSink() for _ in PROMPTS]
+        tokens, _ = run(
+            target,
+            PROMPTS,
+            params,
+            drafter,
+            depth,
+            MAX_TOKENS,
+            sinks=sinks,
+            top_logprobs=ks,
+            draft_ahead=draft_ahead,
+        )
+        assert tokens == expected
+        return sinks
+
+    ref = report(None, 0)
+    d = make_drafter(
+        "self", target, draft_model, lambda: dict(zip(PROMPTS, expected, strict=True))
+    )
+    spec = report(d, 3)
+    for k, a, b in zip(ks, spec, ref, strict=True):
+        if k == 0:
+            assert a.tops == b.tops == [()] * MAX_TOKENS
+            assert a.logprobs == b.logprobs == [None] * MAX_TOKENS
+            continue
+        assert [len(t) for t in a.tops] == [k] * MAX_TOKENS
+        for top_a, top_b, token, lp in zip(
+            a.tops, b.tops, a.tokens, a.logprobs, strict=True
+        ):
+            assert [i for i, _ in top_a] == [i for i, _ in top_b]
+            assert [v for _, v in top_a] == pytest.approx(
+                [v for _, v in top_b], abs=1e-4
+            )
+            values = [v for _, v in top_a]
+            assert values == sorted(values, reverse=True)
+            assert top_a[0][0] == token  # greedy: the chosen token is the most likely
+            assert top_a[0][1] == pytest.approx(lp, abs=1e-5)
 
 
 def _logprobs(
@@ -268,7 +330,14 @@ def test_speculative_equals_plain_on_random_prompts(
 
 
 @pytest.mark.parametrize(
-    "sampling", ["greedy", "t1.0-topp-topk", "t0.8-penalty", "t1.0-minp"]
+    "sampling",
+    [
+        "greedy",
+        "t1.0-topp-topk",
+        "t0.8-penalty",
+        "t1.0-minp",
+        "t0.9-presence-frequency",
+    ],
 )
 def test_plain_decoding_equals_a_naive_full_recompute(
     target: CausalLM, plain: PlainReference, sampling: str
@@ -284,7 +353,7 @@ def test_plain_decoding_equals_a_naive_full_recompute(
             logits = target(mx.array([tokens]), target.make_cache(1), [0]).logits[
                 :, -1, :
             ]
-            history = mx.array([tokens[-params.repetition_context :]], dtype=mx.int32)
+            history = mx.array([tokens[-params.history_context :]], dtype=mx.int32)
             seeds, steps = key_arrays([params.seed], [step])
             tokens.append(sample(logits, params, seeds, steps, history).item())
         assert tokens[len(prompt) :] == want

@@ -144,7 +144,7 @@ def test_drafts_ahead_through_the_api_and_the_command_line(
 ) -> None:
     """`load(..., draft_ahead=True)` and `generate --draft-ahead` launch the
     MTP head's next rounds before the host read (compiled steps here, on the
-    CPU), and the output is plain decoding's."""
+    CPU), and the output is plain decoding's, its top log-probabilities too."""
     from models.cache import on_gpu
     from schemas.request import DraftPolicy
     from specpipe.drafts.mtp import MtpRows
@@ -172,10 +172,21 @@ def test_drafts_ahead_through_the_api_and_the_command_line(
     capsys.readouterr()
     main(["generate", PROMPTS[0], "--model", str(hybrid), "--draft", "auto", "--no-adaptive",
           "--compiled-draft", "on", "--draft-ahead", "on", "--max-tokens", "12", "--json",
-          "--temperature", "0.8", "--seed", "3"])  # fmt: skip
+          "--temperature", "0.8", "--seed", "3", "--top-logprobs", "3"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert tuple(out["tokens"]) == plain[0]
     assert launched["n"] > 0
+    alone = (
+        load(str(hybrid))
+        .unwrap()
+        .generate(PROMPTS[0], sampling, GenerationLimits(max_tokens=12, top_logprobs=3))
+    )
+    want = alone.unwrap()
+    assert want.top_logprobs is not None and want.logprobs is not None
+    assert out["logprobs"] == pytest.approx(list(want.logprobs), abs=1e-4)
+    assert [[a["id"] for a in top] for top in out["top_logprobs"]] == [
+        [token for token, _ in top] for top in want.top_logprobs
+    ]
 
 
 def test_mtp_rows_arriving_mid_run_equal_their_runs_alone(hybrid: Path) -> None:

@@ -1,5 +1,5 @@
 """Sampling: request validation, the keyed uniforms, the filters, the inverse
-CDF draw and its distribution, greedy, the repetition penalty, window sampling."""
+CDF draw and its distribution, greedy, the penalties, window sampling."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from schemas.request import SamplingParams
 from specpipe import sampling
 from specpipe.sample_window import sample_window
 from specpipe.sampling import (
+    apply_penalties,
     apply_repetition_penalty,
     blockwise_top_k,
     filtered_probs,
@@ -23,6 +26,7 @@ from specpipe.sampling import (
     sample,
     step_uniforms,
     token_logprobs,
+    top_logprobs,
 )
 from specpipe.state import RowState
 
@@ -45,6 +49,10 @@ REJECTED = [
     ({"repetition_penalty": math.nan}, "repetition penalty"),
     ({"repetition_penalty": math.inf}, "repetition penalty"),
     ({"repetition_context": 0}, "repetition context"),
+    ({"presence_penalty": math.nan}, "presence penalty"),
+    ({"frequency_penalty": -math.inf}, "frequency penalty"),
+    ({"presence_context": 0}, "presence context"),
+    ({"frequency_context": -3}, "frequency context"),
     ({"seed": -1}, "seed"),
     ({"seed": 2**32}, "seed"),
 ]
@@ -78,6 +86,7 @@ def test_create_reports_every_problem_at_once() -> None:
         {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
         {"temperature": 2.5, "top_p": 1e-6, "top_k": 1, "min_p": 0.999},
         {"repetition_penalty": 0.5, "repetition_context": 1, "seed": 2**32 - 1},
+        {"presence_penalty": -2.0, "frequency_penalty": 2.0, "frequency_context": 1},
     ],
 )
 def test_create_accepts_boundary_values(kwargs: dict[str, Any]) -> None:
@@ -381,6 +390,72 @@ def test_repetition_penalty_scales_only_tokens_in_the_history_once() -> None:
     params = SamplingParams(repetition_penalty=1.5)
     assert sample(strong, params, seeds, steps, hist).item() == 1
     assert sample(strong, SamplingParams(), seeds, steps).item() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 9), min_size=1, max_size=30),
+    repetition=st.sampled_from([1.0, 1.4, 0.7]),
+    presence=st.sampled_from([0.0, 0.8, -0.5]),
+    frequency=st.sampled_from([0.0, 0.4, 1.5]),
+    contexts=st.tuples(*[st.integers(1, 24)] * 3),
+    seed=st.integers(0, 2**16),
+)
+def test_penalties_equal_mlx_lm_s_logits_processors(
+    history: list[int],
+    repetition: float,
+    presence: float,
+    frequency: float,
+    contexts: tuple[int, int, int],
+    seed: int,
+) -> None:
+    """The repetition, presence and frequency penalties, each over its own
+    context, give the logits mlx-lm's processors give for the same token
+    list; a history shorter than the contexts is padded with -1, as the
+    window's history of a short prompt is."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    params = SamplingParams(
+        repetition_penalty=repetition,
+        repetition_context=contexts[0],
+        presence_penalty=presence,
+        presence_context=contexts[1],
+        frequency_penalty=frequency,
+        frequency_context=contexts[2],
+    )
+    values = np.random.default_rng(seed).normal(0, 2, size=(1, 12)).astype(np.float32)
+    logits = mx.array(values)
+    reference = mx.array(values)  # its own array: processors assign in place
+    for processor in make_logits_processors(
+        repetition_penalty=repetition if repetition != 1.0 else None,
+        repetition_context_size=contexts[0],
+        presence_penalty=presence or None,
+        presence_context_size=contexts[1],
+        frequency_penalty=frequency or None,
+        frequency_context_size=contexts[2],
+    ):
+        reference = processor(mx.array(history), reference)
+    if not params.needs_history:  # every penalty off: mlx-lm changes nothing either
+        assert np.array_equal(np.array(reference), np.array(logits))
+        return
+    width = params.history_context
+    padded = ([-1] * width + history)[-width:]
+    got = apply_penalties(logits, mx.array([padded], dtype=mx.int32), params)
+    np.testing.assert_allclose(np.array(got), np.array(reference), atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 4, 30])
+def test_top_logprobs_are_the_k_largest_log_softmax_values_in_order(k: int) -> None:
+    rng = np.random.default_rng(8)
+    logits = rng.normal(0, 2, size=(6, 30)).astype(np.float32)
+    ids, values = top_logprobs(mx.array(logits), k)
+    x = logits.astype(np.float64)
+    ref = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    want = np.argsort(-ref, axis=-1)[:, :k]
+    np.testing.assert_array_equal(np.array(ids), want)
+    np.testing.assert_allclose(
+        np.array(values), np.take_along_axis(ref, want, axis=-1), atol=1e-5
+    )
 
 
 def test_token_logprobs_are_log_softmax() -> None:
