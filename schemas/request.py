@@ -19,9 +19,12 @@ from schemas.errors import RequestError
 class SamplingParams:
     """How the target picks each token. temperature 0 means greedy (argmax).
 
-    Filters apply in this order: repetition penalty, presence penalty,
-    frequency penalty, temperature, top-k, top-p, min-p. Every random draw
-    uses the step key of (seed, step).
+    Filters apply in this order: logit bias, repetition penalty, presence
+    penalty, frequency penalty, temperature, top-k, top-p, min-p. Every
+    random draw uses the step key of (seed, step).
+
+    `logit_bias` adds a value to given token ids' logits, (id, value) pairs
+    in ascending id order (OpenAI's `logit_bias`; -100 all but bans a token).
 
     The three penalties read the last `*_context` tokens before the one
     drawn (prompt included), as mlx-lm's logits processors do: the
@@ -42,11 +45,18 @@ class SamplingParams:
     presence_context: int = 20
     frequency_penalty: float = 0.0
     frequency_context: int = 20
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether a token is the argmax of the raw logits (greedy, nothing
+        added to them)."""
+        return self.greedy and not self.needs_history and not self.logit_bias
 
     @property
     def needs_history(self) -> bool:
@@ -88,6 +98,7 @@ class SamplingParams:
         presence_context: int = 20,
         frequency_penalty: float = 0.0,
         frequency_context: int = 20,
+        logit_bias: tuple[tuple[int, float], ...] = (),
         seed: int = 0,
     ) -> Result[SamplingParams, RequestError]:
         problems: list[str] = []
@@ -118,6 +129,15 @@ class SamplingParams:
         ):
             if context < 1:
                 problems.append(f"{kind} context must be >= 1 token, got {context}")
+        bias = tuple(sorted((int(i), float(v)) for i, v in logit_bias))
+        if any(i < 0 for i, _ in bias):
+            problems.append(f"logit bias token ids must be >= 0, got {bias}")
+        if any(not math.isfinite(v) for _, v in bias):
+            problems.append(
+                "logit bias values must be finite numbers (-100 all but bans a token)"
+            )
+        if len({i for i, _ in bias}) < len(bias):
+            problems.append("logit bias names a token id twice")
         if not (0 <= seed < 2**32):
             problems.append(f"seed must be in [0, 2**32), got {seed}")
         if problems:
@@ -134,9 +154,39 @@ class SamplingParams:
                 presence_context=int(presence_context),
                 frequency_penalty=float(frequency_penalty),
                 frequency_context=int(frequency_context),
+                logit_bias=bias,
                 seed=int(seed),
             )
         )
+
+
+def logit_bias_entries(
+    value: object,
+) -> Result[tuple[tuple[int, float], ...], RequestError]:
+    """OpenAI's `logit_bias` object, `{"token id": bias, ...}` (ids as text,
+    as JSON keys are), as `SamplingParams.logit_bias` pairs."""
+    if not isinstance(value, dict):
+        return Failure(
+            RequestError(
+                f"logit bias must be an object of token ids and values, e.g. "
+                f'{{"50256": -100}}, got {value!r}'
+            )
+        )
+    pairs: list[tuple[int, float]] = []
+    for key, bias in value.items():
+        text = str(key).strip()
+        if not text.lstrip("-").isdigit():
+            return Failure(
+                RequestError(f"logit bias keys must be token ids, got {key!r}")
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            return Failure(
+                RequestError(
+                    f"logit bias for token {text} must be a number, got {bias!r}"
+                )
+            )
+        pairs.append((int(text), float(bias)))
+    return Success(tuple(pairs))
 
 
 # the most alternatives a position reports (OpenAI's limit for top_logprobs)
@@ -205,7 +255,8 @@ class DraftPolicy:
     `drop_filters` drops top-k / top-p / min-p from the draft (cheaper, rarely
     different at low temperature). The draft never applies the repetition,
     presence or frequency penalties (they would need the token history on the
-    device for every step).
+    device for every step) nor the logit bias (a reduced draft vocabulary
+    has other ids).
 
     `staged` (draft models): each draft forward also checks prompt-lookup
     guesses, so one forward may yield several drafts (the same ones; see
@@ -237,7 +288,11 @@ class DraftPolicy:
 
     def draft_params(self, params: SamplingParams) -> SamplingParams:
         out = evolve(
-            params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0
+            params,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            logit_bias=(),
         )
         if self.greedy:
             return evolve(out, temperature=0.0)

@@ -440,13 +440,12 @@ class Pipeline:
         chat: bool,
         on_text: Callable[[int, str], None] | None,
     ) -> Result[_PreparedBatch, RequestError]:
-        checked_sampling = (sampling or SamplingParams()).checked()
-        if not isinstance(checked_sampling, Success):
-            return Failure(checked_sampling.failure())
-        checked_limits = (limits or GenerationLimits()).checked()
-        if not isinstance(checked_limits, Success):
-            return Failure(checked_limits.failure())
-        sampling, limits = checked_sampling.unwrap(), checked_limits.unwrap()
+        checked = self._checked(
+            sampling or SamplingParams(), limits or GenerationLimits()
+        )
+        if not isinstance(checked, Success):
+            return Failure(checked.failure())
+        sampling, limits = checked.unwrap()
         encoded: list[tuple[int, ...]] = []
         for prompt in prompts:
             result = self.encode(prompt, chat)
@@ -461,6 +460,28 @@ class Pipeline:
             for ids, sink in zip(encoded, sinks, strict=True)
         ]
         return Success(_PreparedBatch(self, encoded, sinks, requests, self._options()))
+
+    def _checked(
+        self, sampling: SamplingParams, limits: GenerationLimits
+    ) -> Result[tuple[SamplingParams, GenerationLimits], RequestError]:
+        """A request's values as their `create` checks them, and its logit
+        bias's ids within the target's vocabulary."""
+        checked_sampling = sampling.checked()
+        if not isinstance(checked_sampling, Success):
+            return Failure(checked_sampling.failure())
+        checked_limits = limits.checked()
+        if not isinstance(checked_limits, Success):
+            return Failure(checked_limits.failure())
+        vocab = self.target.args.vocab_size
+        outside = [i for i, _ in checked_sampling.unwrap().logit_bias if i >= vocab]
+        if outside:
+            return Failure(
+                RequestError(
+                    f"logit bias names token id {outside[0]}, outside the model's "
+                    f"vocabulary of {vocab} ids"
+                )
+            )
+        return Success((checked_sampling.unwrap(), checked_limits.unwrap()))
 
     def _sink(
         self, limits: GenerationLimits, on_text: Callable[[str], None] | None
@@ -540,12 +561,10 @@ class Pipeline:
         self, arrival: Arrival, context: int
     ) -> Result[RowRequest, RequestError]:
         """An arrival's row request, its values checked."""
-        sampling = arrival.sampling.checked()
-        if not isinstance(sampling, Success):
-            return Failure(sampling.failure())
-        limits = arrival.limits.checked()
-        if not isinstance(limits, Success):
-            return Failure(limits.failure())
+        checked = self._checked(arrival.sampling, arrival.limits)
+        if not isinstance(checked, Success):
+            return Failure(checked.failure())
+        sampling, limits = checked.unwrap()
         ids = arrival.prompt
         if not ids or len(ids) >= context:
             return Failure(
@@ -554,14 +573,12 @@ class Pipeline:
                     f"{context - 1} (its context is {context})"
                 )
             )
-        sink = self._sink(limits.unwrap(), arrival.on_text)
+        sink = self._sink(limits, arrival.on_text)
 
         def finished(row: RowResult) -> None:
             arrival.on_done(Success(self._result(ids, sink, _closed(sink, row))))
 
-        return Success(
-            self._row_request(ids, sampling.unwrap(), limits.unwrap(), sink, finished)
-        )
+        return Success(self._row_request(ids, sampling, limits, sink, finished))
 
     def _result(
         self, ids: tuple[int, ...], sink: TextSink, row: RowResult

@@ -17,7 +17,12 @@ from returns.result import Success
 from models.build import AFFINE_GROUPS, float_other_groups
 from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
-from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
+from schemas.request import (
+    DraftPolicy,
+    GenerationLimits,
+    SamplingParams,
+    logit_bias_entries,
+)
 from specpipe.api import Conversation, Pipeline, Prompt, load
 from specpipe.load import DEFAULT_MODEL, checkpoint, save_folder
 from specpipe.load import load as load_model
@@ -75,6 +80,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
             presence_context=args.presence_context_size,
             frequency_penalty=args.frequency_penalty,
             frequency_context=args.frequency_context_size,
+            logit_bias=args.logit_bias,
             seed=args.seed,
         )
     )
@@ -128,6 +134,19 @@ def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pip
     if args.chat_template_config is not None:
         pipeline = _unwrap(pipeline.with_template_args(args.chat_template_config))
     return pipeline
+
+
+def _logit_bias(text: str) -> tuple[tuple[int, float], ...]:
+    """--logit-bias's JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from exc
+    entries = logit_bias_entries(value)
+    if not isinstance(entries, Success):
+        raise argparse.ArgumentTypeError(entries.failure().message)
+    pairs: tuple[tuple[int, float], ...] = entries.unwrap()
+    return pairs
 
 
 def _template_config(text: str) -> dict[str, Any]:
@@ -439,6 +458,14 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="subtract from a recent token's logit per occurrence (0 = off)",
+    )
+    parser.add_argument(
+        "--logit-bias",
+        type=_logit_bias,
+        default=(),
+        metavar="JSON",
+        help="add values to token ids' logits, e.g. '{\"50256\": -100}' "
+        "(OpenAI's logit_bias; -100 all but bans a token)",
     )
     for kind in ("repetition", "presence", "frequency"):
         parser.add_argument(

@@ -828,7 +828,7 @@ def _plain_pipelined(
     budget, before it leaves."""
 
     # Per-step host work is what bounds decoding on a fast device: decide once.
-    greedy = all(r.sampling.greedy and not r.sampling.needs_history for r in batch.rows)
+    greedy = all(r.sampling.argmax_only for r in batch.rows)
 
     def step(
         ids: mx.array, rows: Sequence[RowState], ahead: int

@@ -45,8 +45,8 @@ def sample_window(
     """The target's tokens `[B, W]` int32; `sampling` overrides each row's params."""
     B, W, V = logits.shape
     params = list(sampling) if sampling is not None else [row.sampling for row in rows]
-    if all(p.greedy and not p.needs_history for p in params):
-        # no randomness and no history: one argmax for every row and position
+    if all(p.argmax_only for p in params):
+        # no randomness, nothing added: one argmax for every row and position
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     groups: dict[SamplingParams, list[int]] = {}
     for b, p in enumerate(params):

@@ -14,8 +14,8 @@ drafted: speculation cannot change the output.
 The uniform comes from an integer hash evaluated on device (Wellons'
 "lowbias32" finaliser, https://nullprogram.com/blog/2018/07/31/), so one call
 draws for every row and window position at once, each with its own key.
-Filters apply in the order repetition, presence and frequency penalties,
-temperature, top-k, top-p, min-p; tokens they remove get zero mass.
+Filters apply in the order logit bias, repetition, presence and frequency
+penalties, temperature, top-k, top-p, min-p; tokens they remove get zero mass.
 """
 
 from __future__ import annotations
@@ -180,10 +180,15 @@ def sample(
 ) -> mx.array:
     """One token per row, `[N]` int32, from `[N, V]` logits."""
     scores = logits.astype(mx.float32)
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias, strict=True)
+        scores = scores.at[:, mx.array(ids, dtype=mx.int32)].add(
+            mx.array(values, dtype=mx.float32)
+        )
     if params.needs_history:
         assert history is not None, "a penalty needs the token history"
         scores = apply_penalties(scores, history, params)
-    filters = draw_filters(params)  # the penalties are in `scores` now
+    filters = draw_filters(params)  # the bias and penalties are in `scores` now
     if not params.greedy and COMPILE_ON_GPU and on_gpu():
         return compiled_draw(filters)(scores, seeds, steps)
     return draw(scores, filters, seeds, steps)
@@ -197,7 +202,7 @@ def draw(
 ) -> mx.array:  # [N] int32
     """`sample` without a token history and without `compiled_draw`: the draw
     a function that is itself compiled traces (specpipe/drafts/mtp.py)."""
-    assert not params.needs_history, "a penalty needs `sample`"
+    assert not (params.needs_history or params.logit_bias), "penalties need `sample`"
     scores = logits.astype(mx.float32)
     if params.greedy:
         return mx.argmax(scores, axis=-1).astype(mx.int32)

@@ -41,7 +41,12 @@ from attrs import define, evolve, field, frozen
 from returns.result import Failure, Result, Success
 
 from schemas.errors import RequestError
-from schemas.request import MAX_TOP_LOGPROBS, GenerationLimits, SamplingParams
+from schemas.request import (
+    MAX_TOP_LOGPROBS,
+    GenerationLimits,
+    SamplingParams,
+    logit_bias_entries,
+)
 from specpipe.api import Arrival, GenerationResult, Pipeline
 
 Endpoint = Literal["completions", "chat"]
@@ -247,6 +252,11 @@ def parse_request(
             return Failure(value.failure())
         if value.unwrap() is not None:
             sampled[param] = value.unwrap()
+    if body.get("logit_bias") is not None:
+        bias = logit_bias_entries(body["logit_bias"])
+        if not isinstance(bias, Success):
+            return Failure(bias.failure())
+        sampled["logit_bias"] = bias.unwrap()
     sampling = evolve(defaults.sampling, **sampled).checked()
     if not isinstance(sampling, Success):
         return Failure(sampling.failure())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -417,6 +418,17 @@ def test_bad_messages_and_budgets_are_clear_errors(tiny_model: Path) -> None:
         (SamplingParams(top_p=0.0, top_k=-2), None, "top-p must be in (0, 1]"),
         (None, GenerationLimits(max_tokens=0), "max-tokens must be a positive"),
         (None, GenerationLimits(stop=("",)), "stop strings must not be empty"),
+        (None, GenerationLimits(top_logprobs=21), "top-logprobs must be in"),
+        (
+            SamplingParams(logit_bias=((1, 1.0), (10**6, -100.0))),
+            None,
+            "logit bias names token id 1000000, outside the model's vocabulary",
+        ),
+        (
+            SamplingParams(logit_bias=((3, math.nan),)),
+            None,
+            "logit bias values must be finite",
+        ),
     ],
 )
 def test_records_built_directly_are_checked_where_they_are_used(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from schemas.request import GenerationLimits
+from schemas.request import GenerationLimits, SamplingParams
 from specpipe.api import load
 from tests.cli.conftest import generate_json, run, write_tiny_model
 
@@ -683,6 +683,45 @@ def test_chat_template_values_reach_the_template(
         '{"tools": 3}',
         *model,
     )
+
+
+def test_penalties_and_a_logit_bias_from_the_command_line(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--logit-bias JSON` (OpenAI's object) and the penalty options give
+    the library's output for the same values, with or without drafts; a
+    banned token never appears; a bad object is refused by argparse."""
+    model = ("--model", str(tiny_model), "--max-tokens", "8")
+    free = generate_json(capsys, "def fib", *model)
+    banned = free["tokens"][0]
+    options = (
+        "--logit-bias",
+        json.dumps({str(banned): -100, "3": 1.5}),
+        "--presence-penalty",
+        "0.6",
+        "--frequency-penalty",
+        "0.4",
+        "--frequency-context-size",
+        "5",
+    )
+    plain = generate_json(capsys, "def fib", *model, *options)
+    drafted = generate_json(capsys, "def fib", *model, *options, "--draft", "ngram")
+    sampling = SamplingParams(
+        logit_bias=((banned, -100.0), (3, 1.5)),
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+        frequency_context=5,
+    )
+    expected = (
+        load(str(tiny_model))
+        .unwrap()
+        .generate("def fib", sampling, GenerationLimits(max_tokens=8))
+    )
+    assert plain["tokens"] == drafted["tokens"] == list(expected.unwrap().tokens)
+    assert banned not in plain["tokens"]
+    for bad, needle in (("{3: 1}", "not JSON"), ('{"x": 1}', "keys must be token ids")):
+        code, _out, err = run(capsys, "generate", "x", "--logit-bias", bad, *model)
+        assert code == 2 and needle in err and "Traceback" not in err, err
 
 
 def test_a_streamed_run_ends_with_its_figures_on_stderr(

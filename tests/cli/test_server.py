@@ -340,6 +340,18 @@ def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
             "frequency context must be >= 1 token, got 0",
         ),
         ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "'stop' must be"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "logit_bias": {"99999999": 1}},
+            400,
+            "logit bias names token id 99999999, outside the model's vocabulary",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "logit_bias": {"the": 1}},
+            400,
+            "logit bias keys must be token ids",
+        ),
         ("/v1/completions", {"prompt": {"a": 1}}, 400, "'prompt' must be"),
         ("/v1/completions", {"prompt": "hello world " * 300}, 400, "context is 256"),
         (
@@ -493,6 +505,53 @@ def test_a_request_s_values_go_over_the_server_s(pipeline: Pipeline) -> None:
     assert not parsed.stream
     token_ids = parse_request(pipeline, "completions", {"prompt": [5, 6, 7]}, defaults)
     assert token_ids.unwrap().prompts == ((5, 6, 7),)
+    # mlx_lm.server's penalty fields and OpenAI's logit_bias (ids as keys)
+    penalised = {
+        "prompt": "hi",
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "frequency_context_size": 7,
+        "repetition_context_size": 9,
+        "logit_bias": {"12": -100, "3": 2},
+    }
+    sampling = parse_request(pipeline, "completions", penalised, defaults)
+    assert sampling.unwrap().sampling == SamplingParams(
+        temperature=0.5,
+        top_k=4,
+        seed=1,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        frequency_context=7,
+        repetition_context=9,
+        logit_bias=((3, 2.0), (12, -100.0)),
+    )
+
+
+def test_a_logit_bias_request_equals_the_library_s_output(pipeline: Pipeline) -> None:
+    """A request with `logit_bias` and penalties is answered with what
+    `generate` gives for the same values; the banned token never appears."""
+    free = pipeline.generate("def fib", limits=GenerationLimits(max_tokens=8))
+    banned = free.unwrap().tokens[0]
+    sampling = SamplingParams(
+        temperature=0.8, seed=2, frequency_penalty=0.5, logit_bias=((banned, -100.0),)
+    )
+    expected = pipeline.generate("def fib", sampling, GenerationLimits(max_tokens=8))
+    assert banned not in expected.unwrap().tokens
+
+    def client(base: str) -> list[Any]:
+        body = {
+            "prompt": "def fib",
+            "max_tokens": 8,
+            "temperature": 0.8,
+            "seed": 2,
+            "frequency_penalty": 0.5,
+            "logit_bias": {str(banned): -100},
+        }
+        return [post(f"{base}/v1/completions", body)]
+
+    [(code, answer)] = served(pipeline, client)
+    assert code == 200
+    assert answer["choices"][0]["text"] == expected.unwrap().text
 
 
 def test_the_openai_client_reads_the_answers(pipeline: Pipeline) -> None:

@@ -53,6 +53,7 @@ REJECTED = [
     ({"frequency_penalty": -math.inf}, "frequency penalty"),
     ({"presence_context": 0}, "presence context"),
     ({"frequency_context": -3}, "frequency context"),
+    ({"logit_bias": ((-4, 1.0),)}, "logit bias token ids"),
     ({"seed": -1}, "seed"),
     ({"seed": 2**32}, "seed"),
 ]
@@ -456,6 +457,44 @@ def test_top_logprobs_are_the_k_largest_log_softmax_values_in_order(k: int) -> N
     np.testing.assert_allclose(
         np.array(values), np.take_along_axis(ref, want, axis=-1), atol=1e-5
     )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_logit_bias_is_added_before_the_draw(temperature: float) -> None:
+    """`logit_bias` draws from the logits with the values added, greedy or
+    sampled; -100 bans a token, a large value forces one."""
+    rng = np.random.default_rng(9)
+    values = rng.normal(0, 1, size=(64, 12)).astype(np.float32)
+    seeds, steps = key_arrays([3] * 64, list(range(64)))
+    bias = ((2, 1.5), (5, -100.0), (7, -0.5))
+    added = values.copy()
+    for i, v in bias:
+        added[:, i] += v
+    biased = SamplingParams(temperature=temperature, logit_bias=bias, seed=3)
+    plain = SamplingParams(temperature=temperature, seed=3)
+    got = np.array(sample(mx.array(values), biased, seeds, steps))
+    want = np.array(sample(mx.array(added), plain, seeds, steps))
+    np.testing.assert_array_equal(got, want)
+    assert 5 not in got
+    forced = SamplingParams(temperature=temperature, logit_bias=((11, 100.0),))
+    assert set(np.array(sample(mx.array(values), forced, seeds, steps))) == {11}
+
+
+def test_logit_bias_entries_read_openai_s_object() -> None:
+    from schemas.request import logit_bias_entries
+
+    assert logit_bias_entries({"7": -100, "2": 1.5}).unwrap() == ((7, -100.0), (2, 1.5))
+    for bad, named in [
+        ([1, 2], "must be an object"),
+        ({"a": 1}, "keys must be token ids"),
+        ({"3": "x"}, "for token 3 must be a number"),
+        ({"3": True}, "for token 3 must be a number"),
+    ]:
+        assert named in logit_bias_entries(bad).failure().message
+    params = SamplingParams.create(logit_bias=((7, -1.0), (2, 1.0))).unwrap()
+    assert params.logit_bias == ((2, 1.0), (7, -1.0))  # in id order: one record
+    twice = SamplingParams.create(logit_bias=((2, 1.0), (2, 3.0)))
+    assert "names a token id twice" in twice.failure().message
 
 
 def test_token_logprobs_are_log_softmax() -> None:
