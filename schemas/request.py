@@ -198,12 +198,15 @@ class GenerationLimits:
     """How long a row runs, where it stops, and what it reports besides its
     tokens: `logprobs`, each token's log-probability by the target; and
     `top_logprobs`, each position's k most likely tokens with theirs (which
-    reports the chosen tokens' too)."""
+    reports the chosen tokens' too). `num_draft_tokens` caps the drafts a
+    round of this request's row (0: none; None: the pipeline's width, which
+    also caps it); the output does not depend on it."""
 
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    num_draft_tokens: int | None = None
 
     def checked(self) -> Result[GenerationLimits, RequestError]:
         """This record, or `create`'s error for its values."""
@@ -217,6 +220,7 @@ class GenerationLimits:
         stop: tuple[str, ...] = (),
         logprobs: bool = False,
         top_logprobs: int = 0,
+        num_draft_tokens: int | None = None,
     ) -> Result[GenerationLimits, RequestError]:
         if max_tokens <= 0:
             return Failure(
@@ -231,12 +235,19 @@ class GenerationLimits:
                     f"got {top_logprobs}"
                 )
             )
+        if num_draft_tokens is not None and num_draft_tokens < 0:
+            return Failure(
+                RequestError(
+                    f"num-draft-tokens must be >= 0 (0 = no drafts), got {num_draft_tokens}"
+                )
+            )
         return Success(
             cls(
                 max_tokens=max_tokens,
                 stop=tuple(stop),
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
+                num_draft_tokens=num_draft_tokens,
             )
         )
 

@@ -508,6 +508,7 @@ class Pipeline:
             limits.logprobs,
             on_finish=on_finish,
             top_logprobs=limits.top_logprobs,
+            max_drafts=limits.num_draft_tokens,
         )
 
     def _options(self) -> RoundOptions:

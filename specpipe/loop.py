@@ -66,6 +66,8 @@ class RowRequest:
     cancelled: Callable[[], bool] | None = None
     # the most likely tokens at each position to report (with logprobs)
     top_logprobs: int = 0
+    # at most this many drafts a round for this row (None: the run's depth)
+    max_drafts: int | None = None
     # told the row's result as soon as the row ends (with `arrivals`, long
     # before the run returns); what it raises is its own, the row has ended
     on_finish: Callable[[RowResult], None] | None = None
@@ -468,7 +470,7 @@ class _Run:
         else:
             rounds = costs.rounds(options.depth) if costs is not None else None
             timed = costs.measured() if costs is not None else None
-            depths = _choose_depths(batch, options, adapt, rounds, timed)
+            depths = _choose_depths(batch, options, adapt, rounds, timed, self.requests)
         if max(depths) == 0 and pipelined:
             # Plain decoding: no drafter, or every row gated off until its next
             # probe; bounded so that arrivals and probes get their turn.
@@ -554,8 +556,10 @@ def _choose_depths(
     adapt: list[RowAdaptation] | None,
     rounds: tuple[float, ...] | None = None,
     timed: frozenset[int] | None = None,
+    requests: Sequence[RowRequest] = (),
 ) -> list[int]:
-    """Each live row's depth this round (0: plain), capped by its budget."""
+    """Each live row's depth this round (0: plain), capped by its budget and
+    by its request's `max_drafts`."""
     if batch.draft is None:
         return [0] * len(batch.rows)
     depths = []
@@ -565,7 +569,11 @@ def _choose_depths(
             depth = adapt[slot].choose(options.adaptive, options.depth, rounds, timed)
             adapt[slot].record(depth)
         # Drafts past a row's budget could never be published.
-        depths.append(max(0, min(depth, row.remaining - 1)))
+        depth = min(depth, row.remaining - 1)
+        cap = requests[slot].max_drafts if requests else None
+        if cap is not None:
+            depth = min(depth, cap)
+        depths.append(max(0, depth))
     return depths
 
 

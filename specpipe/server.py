@@ -281,7 +281,13 @@ def parse_request(
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         return _refuse(f"'stream_options' must be an object, got {options!r}")
+    drafts = _typed(body, "num_draft_tokens", int)
+    if not isinstance(drafts, Success):
+        return Failure(drafts.failure())
     limits = GenerationLimits.create(
+        num_draft_tokens=defaults.limits.num_draft_tokens
+        if drafts.unwrap() is None
+        else drafts.unwrap(),
         max_tokens=defaults.limits.max_tokens if tokens is None else tokens,
         stop=defaults.limits.stop if stop.unwrap() is None else stop.unwrap(),
         logprobs=wants_logprobs,

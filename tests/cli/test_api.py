@@ -185,6 +185,27 @@ def test_logprobs_are_the_same_with_and_without_drafts(tiny_model: Path) -> None
     assert all(lp <= 0 for lp in plain.logprobs)
 
 
+def test_a_request_s_draft_cap(tiny_model: Path) -> None:
+    """`GenerationLimits(num_draft_tokens=k)` caps that request's drafts a
+    round (0: none) under the pipeline's width; the text is the same."""
+    pipeline = load(
+        str(tiny_model), draft=str(tiny_model), num_draft_tokens=3, adaptive=False
+    )
+    pipeline = pipeline.unwrap()
+    sampling = SamplingParams(temperature=0.9, seed=4)
+    runs = [
+        pipeline.generate(
+            "def fib", sampling, GenerationLimits(max_tokens=10, num_draft_tokens=k)
+        ).unwrap()
+        for k in (None, 0, 1)
+    ]
+    assert len({r.tokens for r in runs}) == 1
+    free, none, one = (r.stats for r in runs)
+    assert free.drafted > 0 and len(free.per_position) == 3
+    assert none.drafted == 0
+    assert 0 < one.drafted <= one.rounds and len(one.per_position) == 1
+
+
 def test_phase_timing_reports_every_phase(tiny_model: Path) -> None:
     timed = load(
         str(tiny_model), draft=str(tiny_model), phase_timing=True, adaptive=False

@@ -525,6 +525,14 @@ def test_a_request_s_values_go_over_the_server_s(pipeline: Pipeline) -> None:
         repetition_context=9,
         logit_bias=((3, 2.0), (12, -100.0)),
     )
+    # mlx_lm.server's per-request draft count, a cap on this row's drafts
+    capped = {"prompt": "hi", "num_draft_tokens": 1}
+    limits = parse_request(pipeline, "completions", capped, defaults).unwrap().limits
+    assert limits.num_draft_tokens == 1
+    negative = parse_request(
+        pipeline, "completions", {"prompt": "hi", "num_draft_tokens": -2}, defaults
+    )
+    assert "num-draft-tokens must be >= 0" in negative.failure().message
 
 
 def test_a_logit_bias_request_equals_the_library_s_output(pipeline: Pipeline) -> None:

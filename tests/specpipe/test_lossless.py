@@ -277,6 +277,34 @@ def test_top_logprobs_match_plain_per_row(
             assert top_a[0][1] == pytest.approx(lp, abs=1e-5)
 
 
+@pytest.mark.parametrize("drafter", ["two-model-near", "self"])
+def test_a_row_s_draft_cap_limits_only_its_own_drafts(
+    target: CausalLM, draft_model: CausalLM, plain: PlainReference, drafter: str
+) -> None:
+    """`RowRequest.max_drafts` (a request's `num_draft_tokens`): in one
+    batch drafting 4 a round, a row capped at 0 drafts nothing, one capped
+    at 1 drafts at most one a round, an uncapped one drafts 4, and every
+    row's output is plain decoding's."""
+    params = SAMPLINGS["t0.7-topp-topk"]
+    expected = plain(PROMPTS, params, MAX_TOKENS)
+    d = make_drafter(
+        drafter, target, draft_model, lambda: dict(zip(PROMPTS, expected, strict=True))
+    )
+    caps = [0, 1, None, 2]
+    sinks = [CollectSink() for _ in PROMPTS]
+    requests = [
+        RowRequest(tuple(p), params, MAX_TOKENS, sink, max_drafts=cap)
+        for p, sink, cap in zip(PROMPTS, sinks, caps, strict=True)
+    ]
+    results = generate_rows(target, requests, (), d, RoundOptions(depth=4))
+    assert [list(s.tokens) for s in sinks] == expected
+    zero, one, free, two = (r.metrics for r in results)
+    assert zero.drafted == 0
+    assert 0 < one.drafted <= one.rounds and len(one.drafted_at) == 1
+    assert len(two.drafted_at) == 2
+    assert len(free.drafted_at) == 4
+
+
 def _logprobs(
     target: CausalLM, params: SamplingParams, drafter: Drafter | None, depth: int
 ) -> list[list[float | None]]:
