@@ -21,7 +21,7 @@ from bindings.registry import (
     LoadedDraft,
     NativeDraftKind,
 )
-from schemas.errors import BindingError
+from schemas.errors import BindingError, succeeded
 
 if TYPE_CHECKING:
     from models.mtp import DeclaredQuantization
@@ -64,7 +64,7 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
     target = request.target
     keep = request.gguf_quantized is not False and gguf_ref(request.source)
     loaded = load(request.source, request.dtype, gguf_quantized=keep)
-    if not isinstance(loaded, Success):
+    if not succeeded(loaded):
         return Failure(BindingError(f"draft model: {loaded.failure().message}"))
     draft = loaded.unwrap()
     if target.tokenizer.encode(PROBE) != draft.tokenizer.encode(PROBE):
@@ -85,7 +85,7 @@ def _load_two_model(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
         min(target.args.vocab_size, draft.args.vocab_size),
         draft.folder,
     )
-    if not isinstance(vocab, Success):
+    if not succeeded(vocab):
         return Failure(BindingError(f"draft vocabulary: {vocab.failure().message}"))
     graph = GraphCapabilities.for_decoder(target.args)
     needs = DraftNeeds(
@@ -142,10 +142,10 @@ def _mtp_drafter(
     if problems:
         return Failure(_misfit(where, "MTP head", problems))
     head = build_mtp(args, weights, declared)
-    if not isinstance(head, Success):
+    if not succeeded(head):
         return Failure(BindingError(f"{where}: {head.failure().message}"))
     vocab = configured(request.draft_vocab, args.vocab_size, companion)
-    if not isinstance(vocab, Success):
+    if not succeeded(vocab):
         return Failure(BindingError(f"draft vocabulary: {vocab.failure().message}"))
     block = config.get("block_size", DEFAULT_BLOCK_SIZE)
     width = max(1, int(block) - 1) if isinstance(block, int) else DEFAULT_BLOCK_SIZE - 1
@@ -243,11 +243,11 @@ def _read_weights(folder: Path, what: str) -> Result[dict[str, Any], BindingErro
 def _load_mtp(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]:
 
     opened = _artifact_config(request)
-    if not isinstance(opened, Success):
+    if not succeeded(opened):
         return Failure(opened.failure())
     folder, config = opened.unwrap()
     read = _read_weights(folder, "MTP")
-    if not isinstance(read, Success):
+    if not succeeded(read):
         return Failure(read.failure())
     weights = read.unwrap()
     return _declared_quantization(config, str(folder)).bind(
@@ -293,12 +293,12 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if asked is not None and (problem := bits_problem(asked)) is not None:
         return Failure(BindingError(f"{problem} (--draft-bits)"))
     opened = _artifact_config(request)
-    if not isinstance(opened, Success):
+    if not succeeded(opened):
         return Failure(opened.failure())
     folder, config = opened.unwrap()
     where = str(folder)
     settings = DFlashSettings.of(config)
-    if not isinstance(settings, Success):
+    if not succeeded(settings):
         return Failure(BindingError(f"{where}: {settings.failure().message}"))
     dflash = settings.unwrap()
     named_second = any("DFlash2" in str(a) for a in config.get("architectures") or [])
@@ -310,7 +310,7 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
             )
         )
     args = structure(hf, normalize_hf_config(config), DecoderArgs, where)
-    if not isinstance(args, Success):
+    if not succeeded(args):
         return Failure(BindingError(f"{where}: {args.failure().message}"))
     draft_args = args.unwrap()
     target = request.target
@@ -337,7 +337,7 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
         shares=frozenset({"embedding", "lm_head"}),
     )
     binding = bind(GraphCapabilities.for_decoder(target.args), needs, request.width)
-    if not isinstance(binding, Success):
+    if not succeeded(binding):
         return Failure(binding.failure())
     problems = []
     if dflash.selector is not None and draft_args.vocab_size != target.args.vocab_size:
@@ -353,7 +353,7 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if problems:
         return Failure(_misfit(where, "DFlash draft", problems))
     read = _read_weights(folder, "DFlash")
-    if not isinstance(read, Success):
+    if not succeeded(read):
         return Failure(read.failure())
     weights = read.unwrap()
     # a float checkpoint's projections load at the bits asked, else at its
@@ -361,13 +361,13 @@ def _load_dflash(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     quantized = any(name.endswith(".scales") for name in weights)
     bits = default_bits(dflash, on_gpu()) if asked is None and not quantized else asked
     built = build_dflash(draft_args, dflash, weights, model_dtype(model), bits)
-    if not isinstance(built, Success):
+    if not succeeded(built):
         return Failure(BindingError(f"{where}: {built.failure().message}"))
     draft = built.unwrap()
     # FR-Spec: the draft projects through the target's head, so a list of
     # the target's rows applies as it does to an MTP head
     vocab = configured(request.draft_vocab, target.args.vocab_size, folder)
-    if not isinstance(vocab, Success):
+    if not succeeded(vocab):
         return Failure(BindingError(f"draft vocabulary: {vocab.failure().message}"))
     listed = vocab.unwrap()
     if (
@@ -435,12 +435,12 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     from specpipe.drafts.dspark import DSparkDrafter
 
     opened = _artifact_config(request, own_head="a DSpark")
-    if not isinstance(opened, Success):
+    if not succeeded(opened):
         return Failure(opened.failure())
     folder, config = opened.unwrap()
     where = str(folder)
     settings = DSparkSettings.of(config)
-    if not isinstance(settings, Success):
+    if not succeeded(settings):
         return Failure(BindingError(f"{where}: {settings.failure().message}"))
     dspark = settings.unwrap()
     target = request.target
@@ -461,12 +461,12 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
         )
     if gemma:
         parsed = gemma4_draft_args(config, where)
-        if not isinstance(parsed, Success):
+        if not succeeded(parsed):
             return Failure(BindingError(parsed.failure().message))
         draft_args: DecoderArgs = parsed.unwrap()
     else:
         args = structure(hf, normalize_hf_config(config), DecoderArgs, where)
-        if not isinstance(args, Success):
+        if not succeeded(args):
             return Failure(BindingError(f"{where}: {args.failure().message}"))
         draft_args = args.unwrap()
     if not hasattr(model, "tap"):
@@ -488,7 +488,7 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
         tap_layers=dspark.target_layers,
     )
     binding = bind(GraphCapabilities.for_decoder(target.args), needs, request.width)
-    if not isinstance(binding, Success):
+    if not succeeded(binding):
         return Failure(binding.failure())
     problems = []
     if draft_args.vocab_size != target.args.vocab_size:
@@ -504,10 +504,10 @@ def _load_dspark(request: DraftLoadRequest) -> Result[LoadedDraft, BindingError]
     if problems:
         return Failure(_misfit(where, "DSpark draft", problems))
     read = _read_weights(folder, "DSpark")
-    if not isinstance(read, Success):
+    if not succeeded(read):
         return Failure(read.failure())
     built = build_dspark(draft_args, dspark, read.unwrap(), model_dtype(model))
-    if not isinstance(built, Success):
+    if not succeeded(built):
         return Failure(BindingError(f"{where}: {built.failure().message}"))
     # the target's forwards return them now (beside any other draft's)
     model.tap_also(dspark.target_layers)
@@ -534,12 +534,12 @@ def _load_assistant(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
     from specpipe.drafts.assistant import AssistantDrafter
 
     opened = _artifact_config(request, own_head="an assistant")
-    if not isinstance(opened, Success):
+    if not succeeded(opened):
         return Failure(opened.failure())
     folder, config = opened.unwrap()
     where = str(folder)
     parsed = assistant_args(config, where)
-    if not isinstance(parsed, Success):
+    if not succeeded(parsed):
         return Failure(BindingError(parsed.failure().message))
     args = parsed.unwrap()
     target = request.target
@@ -559,7 +559,7 @@ def _load_assistant(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
         ),
     )
     binding = bind(GraphCapabilities.for_decoder(target.args), needs, request.width)
-    if not isinstance(binding, Success):
+    if not succeeded(binding):
         return Failure(BindingError(f"{where}: {binding.failure().message}"))
     if args.vocab_size != target.args.vocab_size:
         return Failure(
@@ -569,7 +569,7 @@ def _load_assistant(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
             )
         )
     read = _read_weights(folder, "assistant")
-    if not isinstance(read, Success):
+    if not succeeded(read):
         return Failure(read.failure())
     draft = Assistant(args)
     loaded = load_exact(
@@ -579,7 +579,7 @@ def _load_assistant(request: DraftLoadRequest) -> Result[LoadedDraft, BindingErr
         "use the assistant checkpoint its config.json came with",
         model_dtype(model),
     )
-    if not isinstance(loaded, Success):
+    if not succeeded(loaded):
         return Failure(BindingError(f"{where}: {loaded.failure().message}"))
     drafter = AssistantDrafter(
         model, loaded.unwrap(), target.args.hidden_size, request.policy

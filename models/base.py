@@ -153,6 +153,10 @@ class CausalLM(Protocol):
 
     def make_cache(self, batch: int) -> Any: ...
 
+    def parameters(self) -> dict[str, Any]:
+        """Its weights as a tree (every model is an `nn.Module`)."""
+        ...
+
     def embed(self, ids: mx.array) -> mx.array: ...
 
     def lm_head(self, hidden: mx.array) -> mx.array:

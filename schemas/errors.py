@@ -6,7 +6,22 @@ Each error names the problem and the fix in `message`; the CLI prints it as is
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from attrs import frozen
+from returns.result import Result, Success
+from typing_extensions import TypeIs
+
+_T = TypeVar("_T")
+_E = TypeVar("_E")
+
+
+def succeeded(result: Result[_T, _E]) -> TypeIs[Success[_T]]:
+    """Whether `result` holds a value. Unlike `isinstance(result, Success)`,
+    which narrows to `Success[Any]` (whose `unwrap()` mypy cannot check),
+    this keeps the value's type where it holds one, and the error's
+    (`result.failure()`) where it does not."""
+    return isinstance(result, Success)
 
 
 @frozen

@@ -22,7 +22,7 @@ from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
 from models.build import quantized_forms
 from models.cache import on_gpu
 from models.dflash import bits_problem
-from schemas.errors import LoadError, RequestError, SpecpipeError
+from schemas.errors import LoadError, RequestError, SpecpipeError, succeeded
 from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
 from specpipe.adaptive import AdaptivePolicy, CostModel
 from specpipe.calibrate import calibrated
@@ -297,7 +297,7 @@ class Pipeline:
         pipeline = self if self.prompt_cache is not None else self.with_prompt_cache()
         assert pipeline.prompt_cache is not None
         loaded = load_prompt_cache(Path(path), pipeline.prompt_cache)
-        if not isinstance(loaded, Success):
+        if not succeeded(loaded):
             return Failure(loaded.failure())
         return Success(pipeline)
 
@@ -316,7 +316,7 @@ class Pipeline:
                 )
             )
         saved = save_prompt_cache(self.prompt_cache, Path(path), merge=merge)
-        if not isinstance(saved, Success):
+        if not succeeded(saved):
             return Failure(saved.failure())
         return Success(saved.unwrap())
 
@@ -327,7 +327,7 @@ class Pipeline:
         items = list(prompt) if not isinstance(prompt, str) else []
         if items and all(isinstance(m, Mapping) for m in items):
             rendered = _render(tok, cast(list[Message], items), self.template_args)
-            if not isinstance(rendered, Success):
+            if not succeeded(rendered):
                 return Failure(rendered.failure())
             ids = tuple(tok.encode(rendered.unwrap(), add_special_tokens=False))
         elif not isinstance(prompt, str):
@@ -346,7 +346,7 @@ class Pipeline:
                 rendered = _render(
                     tok, [{"role": "user", "content": prompt}], self.template_args
                 )
-                if not isinstance(rendered, Success):
+                if not succeeded(rendered):
                     return Failure(rendered.failure())
                 text = rendered.unwrap()
             ids = tuple(tok.encode(text, add_special_tokens=not chat))
@@ -379,7 +379,7 @@ class Pipeline:
     ) -> Result[list[GenerationResult], RequestError]:
         """Every prompt as one batch of rows; `on_text(row, text)` streams."""
         prepared = self._prepare(prompts, sampling, limits, chat, on_text)
-        if not isinstance(prepared, Success):
+        if not succeeded(prepared):
             return Failure(prepared.failure())
         batch = prepared.unwrap()
         rows = batch.run()
@@ -418,7 +418,7 @@ class Pipeline:
         prepared = self._prepare(
             [prompt], sampling, limits, chat, lambda _row, text: pieces.append(text)
         )
-        if not isinstance(prepared, Success):
+        if not succeeded(prepared):
             raise ValueError(prepared.failure().message)
         batch = prepared.unwrap()
         rounds = batch.stepwise()
@@ -443,13 +443,13 @@ class Pipeline:
         checked = self._checked(
             sampling or SamplingParams(), limits or GenerationLimits()
         )
-        if not isinstance(checked, Success):
+        if not succeeded(checked):
             return Failure(checked.failure())
         sampling, limits = checked.unwrap()
         encoded: list[tuple[int, ...]] = []
         for prompt in prompts:
             result = self.encode(prompt, chat)
-            if not isinstance(result, Success):
+            if not succeeded(result):
                 return Failure(result.failure())
             encoded.append(result.unwrap())
         if not encoded:
@@ -467,10 +467,10 @@ class Pipeline:
         """A request's values as their `create` checks them, and its logit
         bias's ids within the target's vocabulary."""
         checked_sampling = sampling.checked()
-        if not isinstance(checked_sampling, Success):
+        if not succeeded(checked_sampling):
             return Failure(checked_sampling.failure())
         checked_limits = limits.checked()
-        if not isinstance(checked_limits, Success):
+        if not succeeded(checked_limits):
             return Failure(checked_limits.failure())
         vocab = self.target.args.vocab_size
         outside = [i for i, _ in checked_sampling.unwrap().logit_bias if i >= vocab]
@@ -546,7 +546,7 @@ class Pipeline:
             out = []
             for arrival in arrivals():
                 request = self._arriving(arrival, context)
-                if not isinstance(request, Success):
+                if not succeeded(request):
                     arrival.on_done(Failure(request.failure()))
                     continue
                 out.append(request.unwrap())
@@ -563,7 +563,7 @@ class Pipeline:
     ) -> Result[RowRequest, RequestError]:
         """An arrival's row request, its values checked."""
         checked = self._checked(arrival.sampling, arrival.limits)
-        if not isinstance(checked, Success):
+        if not succeeded(checked):
             return Failure(checked.failure())
         sampling, limits = checked.unwrap()
         ids = arrival.prompt
@@ -653,11 +653,11 @@ class Conversation:
         messages = (*self.opening, *self.messages, *said)
         tok = pipeline.target.tokenizer
         rendered = _render(tok, list(messages), pipeline.template_args)
-        if not isinstance(rendered, Success):
+        if not succeeded(rendered):
             return Failure(rendered.failure())
         ids = self.continued(tok, rendered.unwrap())
         turn = pipeline.generate(list(ids), sampling, limits, on_text=on_text)
-        if not isinstance(turn, Success):
+        if not succeeded(turn):
             return Failure(turn.failure())
         result = turn.unwrap()
         reply: Message = {"role": "assistant", "content": result.text}
@@ -816,7 +816,7 @@ def load(
             )
         )
     loaded = load_model(ref, dtype, gguf_quantized)
-    if not isinstance(loaded, Success):
+    if not succeeded(loaded):
         return Failure(loaded.failure())
     target = loaded.unwrap()
     notice_tf32(target.model)
@@ -857,7 +857,7 @@ def load(
         gguf_quantized=gguf_quantized,
     )
     result = _resolve_draft(registry, draft, target, request)
-    if not isinstance(result, Success):
+    if not succeeded(result):
         return Failure(result.failure())
     loaded_draft = result.unwrap()
     policy_adaptive = None
@@ -961,7 +961,7 @@ def _resolve_draft(
     path = Path(draft).expanduser()
     if path.is_dir():
         kind_result = registry.detect(path)
-        if not isinstance(kind_result, Success):
+        if not succeeded(kind_result):
             return Failure(kind_result.failure())
         return registry.load(kind_result.unwrap(), evolve(request, source=str(path)))
     if entry is not None:

@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from returns.result import Success
-
 from models.build import AFFINE_GROUPS, float_other_groups
 from models.dflash import DRAFT_BITS
 from models.parallel import cpu_threads, set_cpu_threads
+from schemas.errors import succeeded
 from schemas.request import (
     DraftPolicy,
     GenerationLimits,
@@ -39,7 +38,7 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def _unwrap(result: Any) -> Any:
-    if not isinstance(result, Success):
+    if not succeeded(result):
         _fail(str(result.failure()))
     return result.unwrap()
 
@@ -143,7 +142,7 @@ def _logit_bias(text: str) -> tuple[tuple[int, float], ...]:
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from exc
     entries = logit_bias_entries(value)
-    if not isinstance(entries, Success):
+    if not succeeded(entries):
         raise argparse.ArgumentTypeError(entries.failure().message)
     pairs: tuple[tuple[int, float], ...] = entries.unwrap()
     return pairs
@@ -286,7 +285,7 @@ def _chat(args: argparse.Namespace) -> None:
         turn = conversation.say(
             pipeline, text, sampling, limits, on_text=None if args.json else on_text
         )
-        if not isinstance(turn, Success):
+        if not succeeded(turn):
             if not interactive:  # a script's turn failed: say so by the status
                 _fail(str(turn.failure()), code=1)
             print(f"specpipe: error: {turn.failure()}", file=sys.stderr)

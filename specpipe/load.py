@@ -39,7 +39,7 @@ from models.mtp import DEFAULT_BLOCK_SIZE
 from models.paths import cache_root
 from models.tokenizer import Tokenizer
 from schemas.converter import hf, structure
-from schemas.errors import ConfigError, LoadError
+from schemas.errors import ConfigError, LoadError, succeeded
 from schemas.hf import SUPPORTED_MODEL_TYPES, DecoderArgs, normalize_hf_config
 from schemas.hf_gemma4 import (
     GEMMA4_MODEL_TYPES,
@@ -494,7 +494,7 @@ def save_folder(
     companion = None
     if loaded.mtp:
         head = companion_head(loaded, _float_dtype(weights), quantize, group_size)
-        if not isinstance(head, Success):
+        if not succeeded(head):
             return Failure(head.failure())
         companion = head.unwrap()
     try:
@@ -592,7 +592,7 @@ def companion_head(
     from models.mtp import build_mtp
 
     built = build_mtp(loaded.args, _cast(loaded.mtp, dtype))
-    if not isinstance(built, Success):
+    if not succeeded(built):
         return Failure(
             LoadError(
                 f"{loaded.source}: cannot convert its MTP head: "
@@ -705,7 +705,7 @@ def fixture_folder(name: str, kept: bool = False) -> Result[Path, LoadError]:
         made = load_gguf(gguf_path, keep_quantized=kept).bind(
             lambda loaded: save_folder(loaded, folder)
         )
-        if kept and isinstance(made, Success):
+        if kept and succeeded(made):
             for stale in (models / kept_name, *models.glob(f"{kept_name}.v*")):
                 if stale != folder and stale.is_dir():
                     print(

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Protocol
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 ENV = "MLX_ENABLE_TF32"
@@ -45,7 +45,13 @@ def tf32_on() -> bool:
         return True
 
 
-def float32_products(model: nn.Module) -> bool:
+class _Weighted(Protocol):
+    """A model's weights (an `nn.Module`, or a `CausalLM`)."""
+
+    def parameters(self) -> dict[str, Any]: ...
+
+
+def float32_products(model: _Weighted) -> bool:
     """Whether the model holds a float32 weight matrix."""
     leaves = tree_flatten(model.parameters())
     return any(
@@ -57,7 +63,7 @@ def float32_products(model: nn.Module) -> bool:
     )
 
 
-def tf32_notice(model: nn.Module) -> str | None:
+def tf32_notice(model: _Weighted) -> str | None:
     """The line to show when this model's float32 products will run as TF32
     on the GPU (None when they will not)."""
     if mx.default_device().type != mx.DeviceType.gpu or not tf32_on():
@@ -72,7 +78,7 @@ def tf32_notice(model: nn.Module) -> str | None:
     )
 
 
-def notice_tf32(model: nn.Module) -> None:
+def notice_tf32(model: _Weighted) -> None:
     """Print `tf32_notice` once per process."""
     global _noticed
     line = tf32_notice(model)

@@ -45,7 +45,7 @@ from returns.result import Failure, Result, Success
 from models.cache import KVCache
 from models.gemma4 import Gemma4Cache
 from models.hybrid_cache import HybridCache
-from schemas.errors import LoadError
+from schemas.errors import LoadError, succeeded
 from specpipe.draft import DraftState
 from specpipe.prompt_cache import Checkpoint, PromptCache
 
@@ -83,7 +83,7 @@ def save_prompt_cache(
             kept = cache
             if merge and path.exists():
                 merged = _with_file(cache, path)
-                if not isinstance(merged, Success):
+                if not succeeded(merged):
                     return Failure(merged.failure())
                 kept = merged.unwrap()
             return _write(kept, path)

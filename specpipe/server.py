@@ -35,12 +35,12 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from attrs import define, evolve, field, frozen
 from returns.result import Failure, Result, Success
 
-from schemas.errors import RequestError
+from schemas.errors import RequestError, succeeded
 from schemas.request import (
     MAX_TOP_LOGPROBS,
     GenerationLimits,
@@ -96,9 +96,12 @@ def _refuse(message: str) -> Failure[RequestError]:
     return Failure(RequestError(message))
 
 
+_Number = TypeVar("_Number", int, float)
+
+
 def _typed(
-    body: Mapping[str, Any], name: str, kind: type[int] | type[float]
-) -> Result[int | float | None, RequestError]:
+    body: Mapping[str, Any], name: str, kind: type[_Number]
+) -> Result[_Number | None, RequestError]:
     """`body[name]` as a number of `kind` (an int is a float too, a bool is
     neither), or None where it is absent or null."""
     value = body.get(name)
@@ -119,7 +122,7 @@ def _asked_logprobs(
     the count in `top_logprobs`."""
     logprobs = body.get("logprobs")
     top = _typed(body, "top_logprobs", int)
-    if not isinstance(top, Success):
+    if not succeeded(top):
         return Failure(top.failure())
     if endpoint == "completions":
         if logprobs in (None, False, True):
@@ -190,7 +193,7 @@ def _prompt_ids(
         texts = []
         for number, message in enumerate(messages):
             text = _message_text(number, message)
-            if not isinstance(text, Success):
+            if not succeeded(text):
                 return Failure(text.failure())
             texts.append(text.unwrap())
         values = body.get("chat_template_kwargs")
@@ -200,7 +203,7 @@ def _prompt_ids(
                     f"'chat_template_kwargs' must be an object, got {values!r}"
                 )
             templated = pipeline.with_template_args(values)
-            if not isinstance(templated, Success):
+            if not succeeded(templated):
                 return Failure(templated.failure())
             pipeline = templated.unwrap()
         return pipeline.encode(texts).map(lambda ids: (ids,))
@@ -216,7 +219,7 @@ def _prompt_ids(
                 f"either, got {prompt!r}"
             )
         ids = pipeline.encode(one)
-        if not isinstance(ids, Success):
+        if not succeeded(ids):
             return Failure(ids.failure())
         encoded.append(ids.unwrap())
     return Success(tuple(encoded))
@@ -248,29 +251,29 @@ def parse_request(
     sampled: dict[str, Any] = {}
     for name, (param, kind) in _SAMPLING_FIELDS.items():
         value = _typed(body, name, kind)
-        if not isinstance(value, Success):
+        if not succeeded(value):
             return Failure(value.failure())
         if value.unwrap() is not None:
             sampled[param] = value.unwrap()
     if body.get("logit_bias") is not None:
         bias = logit_bias_entries(body["logit_bias"])
-        if not isinstance(bias, Success):
+        if not succeeded(bias):
             return Failure(bias.failure())
         sampled["logit_bias"] = bias.unwrap()
     sampling = evolve(defaults.sampling, **sampled).checked()
-    if not isinstance(sampling, Success):
+    if not succeeded(sampling):
         return Failure(sampling.failure())
     tokens: int | None = None
     for name in ("max_completion_tokens", "max_tokens"):
         value = _typed(body, name, int)
-        if not isinstance(value, Success):
+        if not succeeded(value):
             return Failure(value.failure())
         tokens = value.unwrap() if tokens is None else tokens
     stop = _stop_strings(body)
-    if not isinstance(stop, Success):
+    if not succeeded(stop):
         return Failure(stop.failure())
     scores = _asked_logprobs(endpoint, body)
-    if not isinstance(scores, Success):
+    if not succeeded(scores):
         return Failure(scores.failure())
     wants_logprobs, top = scores.unwrap()
     stream = body.get("stream", False)
@@ -282,21 +285,20 @@ def parse_request(
     if not isinstance(options, dict):
         return _refuse(f"'stream_options' must be an object, got {options!r}")
     drafts = _typed(body, "num_draft_tokens", int)
-    if not isinstance(drafts, Success):
+    if not succeeded(drafts):
         return Failure(drafts.failure())
+    cap, stops = drafts.unwrap(), stop.unwrap()
     limits = GenerationLimits.create(
-        num_draft_tokens=defaults.limits.num_draft_tokens
-        if drafts.unwrap() is None
-        else drafts.unwrap(),
+        num_draft_tokens=defaults.limits.num_draft_tokens if cap is None else cap,
         max_tokens=defaults.limits.max_tokens if tokens is None else tokens,
-        stop=defaults.limits.stop if stop.unwrap() is None else stop.unwrap(),
+        stop=defaults.limits.stop if stops is None else stops,
         logprobs=wants_logprobs,
         top_logprobs=top,
     )
-    if not isinstance(limits, Success):
+    if not succeeded(limits):
         return Failure(limits.failure())
     ids = _prompt_ids(pipeline, endpoint, body)
-    if not isinstance(ids, Success):
+    if not succeeded(ids):
         return Failure(ids.failure())
     if stream and len(ids.unwrap()) > 1:
         return _refuse(
@@ -558,7 +560,7 @@ class Server:
 
         def on_done(outcome: Result[GenerationResult, RequestError]) -> None:
             running.pop(id(job), None)
-            if not isinstance(outcome, Success):
+            if not succeeded(outcome):
                 status = HTTPStatus.BAD_REQUEST
                 job.events.put(("error", (status, outcome.failure().message)))
                 return
@@ -646,7 +648,7 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return
         parsed = parse_request(self.app.pipeline, endpoint, body, self.app.defaults)
-        if not isinstance(parsed, Success):
+        if not succeeded(parsed):
             self._error(HTTPStatus.BAD_REQUEST, parsed.failure().message)
             return
         request = parsed.unwrap()
