@@ -23,7 +23,12 @@ from models.build import quantized_forms
 from models.cache import on_gpu
 from models.dflash import bits_problem
 from schemas.errors import LoadError, RequestError, SpecpipeError, succeeded
-from schemas.request import DraftPolicy, GenerationLimits, SamplingParams
+from schemas.request import (
+    MAX_TOP_LOGPROBS,
+    DraftPolicy,
+    GenerationLimits,
+    SamplingParams,
+)
 from specpipe.adaptive import AdaptivePolicy, CostModel
 from specpipe.calibrate import calibrated
 from specpipe.load import LoadedModel
@@ -39,6 +44,7 @@ from specpipe.output import TextSink, TopLogprobs
 from specpipe.precision import notice_tf32
 from specpipe.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 from specpipe.prompt_cache_file import load_prompt_cache, save_prompt_cache
+from specpipe.score import TokenScores, score_tokens
 
 # the names the chat template renderer passes itself (`Pipeline.with_template_args`)
 _RENDER_NAMES = frozenset({"messages", "add_generation_prompt"})
@@ -368,6 +374,26 @@ class Pipeline:
                 )
             )
         return Success(ids)
+
+    def score(
+        self, prompt: Prompt, top_logprobs: int = 0, chat: bool = False
+    ) -> Result[TokenScores, RequestError]:
+        """Each token of the encoded prompt scored by the target given the
+        tokens before it (`TokenScores`; the first has none), with the
+        `top_logprobs` likeliest tokens at each position (at most 20): the
+        log-likelihoods an evaluation harness reads through a completion's
+        `echo`."""
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            return Failure(
+                RequestError(
+                    f"top-logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0 = off), "
+                    f"got {top_logprobs}"
+                )
+            )
+        ids = self.encode(prompt, chat)
+        if not succeeded(ids):
+            return Failure(ids.failure())
+        return Success(score_tokens(self.target.model, ids.unwrap(), top_logprobs))
 
     def generate_batch(
         self,

@@ -38,7 +38,7 @@ from specpipe.output import Delivered, FinishReason, TokenSink, TopLogprobs, del
 from specpipe.prefill import prefill_rows
 from specpipe.prompt_cache import Checkpoint, Match, PromptCache
 from specpipe.sample_window import sample_window
-from specpipe.sampling import token_logprobs, top_logprobs
+from specpipe.sampling import read_top_logprobs, token_logprobs, top_logprobs
 from specpipe.state import RowState
 from specpipe.transaction import Prepared, apply_all, ready
 from specpipe.verify import build_window, verify
@@ -109,15 +109,7 @@ class _Scores:
 
     def read(self) -> _ReadScores:
         """The host read (a synchronisation point)."""
-        tops = None
-        if self.top is not None:
-            ids, values = self.top
-            rows = cast(list[list[int]], ids.tolist())
-            logprobs = cast(list[list[float]], values.tolist())
-            tops = [
-                tuple(zip(i, v, strict=True))
-                for i, v in zip(rows, logprobs, strict=True)
-            ]
+        tops = read_top_logprobs(self.top) if self.top is not None else None
         return _ReadScores(_floats(self.chosen), tops)
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import mlx.core as mx
 
 from models.cache import on_gpu
 from schemas.request import SamplingParams
+from specpipe.output import TopLogprobs
 
 # Whether a GPU draws through `compiled_draw` (benchmarks turn it off to compare).
 COMPILE_ON_GPU = True
@@ -161,6 +163,14 @@ def blockwise_top_k(scores: mx.array, k: int, block: int = _TOP_K_BLOCK) -> mx.a
     values = mx.take_along_axis(padded, ids, axis=-1)  # [N, blocks * width]
     best = mx.argpartition(-values, k - 1, axis=-1)[:, :k]
     return mx.take_along_axis(ids, best, axis=-1)
+
+
+def read_top_logprobs(top: tuple[mx.array, mx.array]) -> list[TopLogprobs]:
+    """`top_logprobs`'s arrays read to the host (a synchronisation point):
+    a row's alternatives each, as (id, logprob) pairs."""
+    ids = cast(list[list[int]], top[0].tolist())
+    values = cast(list[list[float]], top[1].tolist())
+    return [tuple(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
 
 
 def inverse_cdf(probs: mx.array, uniforms: mx.array) -> mx.array:

@@ -47,7 +47,9 @@ from schemas.request import (
     SamplingParams,
     logit_bias_entries,
 )
-from specpipe.api import Arrival, GenerationResult, Pipeline
+from specpipe.api import Arrival, GenerationResult, GenerationStats, Pipeline
+from specpipe.output import TopLogprobs
+from specpipe.score import TokenScores
 
 Endpoint = Literal["completions", "chat"]
 
@@ -82,6 +84,11 @@ class ParsedRequest:
     limits: GenerationLimits
     stream: bool = False
     include_usage: bool = False
+    # a completion's `echo`: the prompt's text (and, with logprobs, its
+    # tokens' scores) before the generated ones
+    echo: bool = False
+    # false for an echo with max_tokens 0: the prompt scored, nothing generated
+    generates: bool = True
 
 
 @frozen
@@ -243,10 +250,17 @@ def parse_request(
         return _refuse(f"the request body must be a JSON object, got {body!r}")
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return _refuse("one completion a request: 'n' and 'best_of' must be 1")
-    if body.get("echo") or body.get("suffix") or body.get("tools"):
+    if body.get("suffix") or body.get("tools"):
         return _refuse(
-            "'echo', 'suffix' and 'tools' are not supported (put tools in "
+            "'suffix' and 'tools' are not supported (put tools in "
             "'chat_template_kwargs' for a template that reads them)"
+        )
+    echo = body.get("echo", False)
+    if echo not in (None, False, True):
+        return _refuse(f"'echo' must be true or false, got {echo!r}")
+    if echo and endpoint == "chat":
+        return _refuse(
+            "'echo' is a completion's field; chat completions do not take it"
         )
     sampled: dict[str, Any] = {}
     for name, (param, kind) in _SAMPLING_FIELDS.items():
@@ -279,8 +293,10 @@ def parse_request(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _refuse(f"'stream' must be true or false, got {stream!r}")
-    if stream and wants_logprobs:
-        return _refuse("'logprobs' are given without 'stream'; leave one out")
+    if stream and (wants_logprobs or echo):
+        return _refuse(
+            "'logprobs' and 'echo' are answered without 'stream'; leave one out"
+        )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         return _refuse(f"'stream_options' must be an object, got {options!r}")
@@ -288,9 +304,13 @@ def parse_request(
     if not succeeded(drafts):
         return Failure(drafts.failure())
     cap, stops = drafts.unwrap(), stop.unwrap()
+    # an echo may generate nothing (an evaluation harness scoring a text)
+    generates = not (echo and tokens == 0)
     limits = GenerationLimits.create(
         num_draft_tokens=defaults.limits.num_draft_tokens if cap is None else cap,
-        max_tokens=defaults.limits.max_tokens if tokens is None else tokens,
+        max_tokens=defaults.limits.max_tokens
+        if tokens is None
+        else (tokens if generates else 1),
         stop=defaults.limits.stop if stops is None else stops,
         logprobs=wants_logprobs,
         top_logprobs=top,
@@ -312,6 +332,8 @@ def parse_request(
             limits.unwrap(),
             stream,
             bool(options.get("include_usage", False)),
+            bool(echo),
+            generates,
         )
     )
 
@@ -327,28 +349,39 @@ def usage(results: Sequence[GenerationResult]) -> dict[str, int]:
 
 
 def _logprobs(
-    endpoint: Endpoint, result: GenerationResult, decode: Callable[[int], str]
+    request: ParsedRequest,
+    result: GenerationResult,
+    decode: Callable[[Sequence[int]], str],
+    echoed: TokenScores | None = None,
 ) -> dict[str, Any] | None:
-    if result.logprobs is None:
+    """A choice's `logprobs`: the generated tokens', after the prompt's where
+    it is echoed (its first token has none)."""
+    endpoint, asked_top = request.endpoint, request.limits.top_logprobs > 0
+    if not (request.limits.logprobs or asked_top):
         return None
-    pieces = [decode(t) for t in result.tokens]
-    tops = [
-        [(decode(token), lp) for token, lp in top] for top in result.top_logprobs or ()
+    tokens: list[int] = list(result.tokens)
+    chosen: list[float | None] = list(result.logprobs or ())
+    tops: list[TopLogprobs | None] = list(result.top_logprobs or [()] * len(tokens))
+    if echoed is not None:
+        tokens = [*echoed.tokens, *tokens]
+        chosen = [*echoed.logprobs, *chosen]
+        tops = [None, *echoed.top[1:], *tops]
+    pieces = [decode([t]) for t in tokens]
+    alternatives = [
+        None if top is None else [(decode([t]), lp) for t, lp in top] for top in tops
     ]
     if endpoint == "chat":
 
-        def entry(piece: str, lp: float) -> dict[str, Any]:
+        def entry(piece: str, lp: float | None) -> dict[str, Any]:
             return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
 
         return {
             "content": [
                 {
                     **entry(piece, lp),
-                    "top_logprobs": [entry(*alt) for alt in top],
+                    "top_logprobs": [entry(*alt) for alt in top or ()],
                 }
-                for piece, lp, top in zip(
-                    pieces, result.logprobs, tops or [[]] * len(pieces), strict=False
-                )
+                for piece, lp, top in zip(pieces, chosen, alternatives, strict=False)
             ]
         }
     offsets, at = [], 0
@@ -357,10 +390,21 @@ def _logprobs(
         at += len(piece)
     return {
         "tokens": pieces,
-        "token_logprobs": list(result.logprobs),
-        "top_logprobs": [dict(top) for top in tops] if tops else None,
+        "token_logprobs": chosen,
+        "top_logprobs": [None if top is None else _by_text(top) for top in alternatives]
+        if asked_top
+        else None,
         "text_offset": offsets,
     }
+
+
+def _by_text(top: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """A completion's alternatives, text -> logprob, likeliest first; tokens
+    of one text (pieces of a character) keep the likeliest's value."""
+    out: dict[str, float] = {}
+    for text, lp in top:
+        out.setdefault(text, lp)
+    return out
 
 
 def completion_body(
@@ -369,21 +413,25 @@ def completion_body(
     ident: str,
     model: str,
     created: int,
-    decode: Callable[[int], str],
+    decode: Callable[[Sequence[int]], str],
+    echoed: Sequence[TokenScores] = (),
 ) -> dict[str, Any]:
     """The whole response of a request that did not stream: a choice per
-    prompt, in order."""
+    prompt, in order; with `echo`, each prompt's text (`echoed`: its scored
+    tokens) before its completion."""
     choices = []
     for index, result in enumerate(results):
+        prompt = echoed[index] if request.echo else None
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": result.finish_reason,
-            "logprobs": _logprobs(request.endpoint, result, decode),
+            "logprobs": _logprobs(request, result, decode, prompt),
         }
         if request.endpoint == "chat":
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
-            choice["text"] = result.text
+            before = decode(prompt.tokens) if prompt is not None else ""
+            choice["text"] = before + result.text
         choices.append(choice)
     return {
         "id": ident,
@@ -430,8 +478,9 @@ def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, A
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
-# A job's events, from the computing thread to its handler:
-# ("text", str), ("done", GenerationResult), ("error", (status, message))
+# A job's events, from the computing thread to its handler: ("scored",
+# TokenScores) first for an echo, ("text", str), ("done", GenerationResult),
+# ("error", (status, message))
 Event = tuple[str, Any]
 
 
@@ -538,9 +587,14 @@ class Server:
             room = self.max_batch - len(running)
             joining, waiting[:] = waiting[:room], waiting[room:]
             running.update((id(job), job) for job in joining)
+            arriving = []
             for job in joining:
                 job.batch = len(running)
-            return [self._arrival(job, running) for job in joining]
+                if job.request.echo and not self._echo(job):
+                    running.pop(id(job))  # answered: scored alone, or failed
+                    continue
+                arriving.append(self._arrival(job, running))
+            return arriving
 
         try:
             self.pipeline.generate_arriving(arrivals)
@@ -551,6 +605,25 @@ class Server:
                 job.events.put(("error", (HTTPStatus.INTERNAL_SERVER_ERROR, message)))
         for job in waiting:  # left behind by a stop
             self._jobs.put(job)
+
+    def _echo(self, job: _Job) -> bool:
+        """Score an echoed prompt (in the computing thread, between rounds)
+        and tell its handler; whether the job goes on to generate."""
+        request = job.request
+        ids = request.prompts[job.index]
+        scored = self.pipeline.score(list(ids), request.limits.top_logprobs)
+        if not succeeded(scored):
+            job.events.put(
+                ("error", (HTTPStatus.BAD_REQUEST, scored.failure().message))
+            )
+            return False
+        job.events.put(("scored", scored.unwrap()))
+        if request.generates:
+            return True
+        stats = GenerationStats(0.0, 0.0, 0.0, 0, 0, 0, 0.0, self.pipeline.draft_kind)
+        nothing = GenerationResult("", (), len(ids), 0, "length", stats, logprobs=())
+        job.events.put(("done", nothing))
+        return False
 
     def _arrival(self, job: _Job, running: dict[int, _Job]) -> Arrival:
         def on_text(text: str) -> None:
@@ -660,9 +733,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._stream(jobs[0], ident, created)
             return
         results: list[GenerationResult] = []
+        echoed: list[TokenScores] = []
         for job in jobs:
-            while (event := job.events.get())[0] == "text":
-                pass
+            while (event := job.events.get())[0] in ("text", "scored"):
+                if event[0] == "scored":
+                    echoed.append(event[1])
             kind, value = event
             if kind == "error":
                 self._error(*value)
@@ -681,7 +756,8 @@ class _Handler(BaseHTTPRequestHandler):
                 ident,
                 self.app.model,
                 created,
-                lambda t: tok.decode([t]),
+                tok.decode,
+                echoed,
             ),
         )
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -170,6 +170,17 @@ def test_completions_equal_the_library_s_output(pipeline: Pipeline) -> None:
     assert {e["id"] for e in chat_streamed[:-1]} == {chat_streamed[0]["id"]}
 
 
+def by_text(
+    top: Sequence[tuple[int, float]], decode: Callable[[list[int]], str]
+) -> dict[str, Any]:
+    """A position's alternatives in a completion's form, text -> logprob:
+    tokens of one text (pieces of a character) keep the likeliest's value."""
+    out: dict[str, Any] = {}
+    for token, lp in top:
+        out.setdefault(decode([token]), pytest.approx(lp))
+    return out
+
+
 def test_logprobs_stop_strings_and_defaults(pipeline: Pipeline) -> None:
     """`logprobs` gives each token's log-probability (the library's) and,
     where asked, each position's likeliest tokens (a completion's
@@ -209,8 +220,7 @@ def test_logprobs_stop_strings_and_defaults(pipeline: Pipeline) -> None:
     assert "".join(logprobs["tokens"]) == expected.text
     assert logprobs["text_offset"][0] == 0
     assert logprobs["top_logprobs"] == [
-        {decode([token]): pytest.approx(lp) for token, lp in top}
-        for top in expected.top_logprobs
+        by_text(top, decode) for top in expected.top_logprobs
     ]
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"]
@@ -311,9 +321,27 @@ def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
         ),
         (
             "/v1/completions",
-            {"prompt": "x", "echo": True},
+            {"prompt": "x", "suffix": "y"},
             400,
-            "'echo', 'suffix' and 'tools' are not supported",
+            "'suffix' and 'tools' are not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": chat, "echo": True},
+            400,
+            "'echo' is a completion's field",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "echo": True, "stream": True},
+            400,
+            "answered without 'stream'",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 0},
+            400,
+            "max-tokens must be a positive number, got 0",
         ),
         (
             "/v1/completions",
@@ -358,7 +386,7 @@ def test_bad_requests_are_named(pipeline: Pipeline, tiny_model: Path) -> None:
             "/v1/completions",
             {"prompt": "x", "stream": True, "logprobs": 1},
             400,
-            "without 'stream'",
+            "answered without 'stream'",
         ),
         (
             "/v1/chat/completions",
@@ -533,6 +561,62 @@ def test_a_request_s_values_go_over_the_server_s(pipeline: Pipeline) -> None:
         pipeline, "completions", {"prompt": "hi", "num_draft_tokens": -2}, defaults
     )
     assert "num-draft-tokens must be >= 0" in negative.failure().message
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(
+    pipeline: Pipeline,
+) -> None:
+    """A completion's `echo` (what lm-eval-harness's `local-completions`
+    sends for log-likelihoods): the prompt's text before the completion and,
+    with `logprobs`, each prompt token's log-probability given the tokens
+    before it (the first has none) and the likeliest tokens there, then the
+    generated tokens' as `generate` gives them; `max_tokens: 0` scores
+    alone. The scores are `Pipeline.score`'s, which agree with generation's."""
+    ids = list(pipeline.encode("def fibonacci(n):").unwrap())
+    scored = pipeline.score(ids, top_logprobs=2).unwrap()
+    assert scored.logprobs[0] is None and len(scored.logprobs) == len(ids)
+    limits = GenerationLimits(max_tokens=4, top_logprobs=2)
+    generated = pipeline.generate(ids, limits=limits).unwrap()
+    assert generated.logprobs is not None
+    # scoring the prompt and the completion gives generation's own scores
+    whole = pipeline.score(ids + list(generated.tokens)).unwrap()
+    assert whole.logprobs[len(ids) :] == pytest.approx(
+        list(generated.logprobs), abs=1e-4
+    )
+    decode = pipeline.target.tokenizer.decode
+
+    def client(base: str) -> list[Any]:
+        alone = {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 2}
+        more = {"prompt": ids, "echo": True, "max_tokens": 4, "logprobs": 2}
+        return [
+            post(f"{base}/v1/completions", alone),
+            post(f"{base}/v1/completions", more),
+            post(
+                f"{base}/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 2}
+            ),
+        ]
+
+    (code, alone), (_, more), (_, plain) = served(pipeline, client)
+    assert code == 200
+    choice = alone["choices"][0]
+    assert choice["text"] == decode(ids)
+    assert alone["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(list(scored.logprobs[1:]))
+    for got, want in zip(lp["top_logprobs"][1:], scored.top[1:], strict=True):
+        assert got == by_text(want, decode) and list(got) == list(by_text(want, decode))
+    assert "".join(lp["tokens"]) == choice["text"]
+    choice = more["choices"][0]
+    assert choice["text"] == decode(ids) + generated.text
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][len(ids) :] == pytest.approx(list(generated.logprobs))
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(
+        list(scored.logprobs[1:])
+    )
+    assert len(lp["top_logprobs"]) == len(ids) + 4
+    assert plain["choices"][0]["logprobs"] is None
+    assert plain["choices"][0]["text"].startswith(decode(ids))
 
 
 def test_a_logit_bias_request_equals_the_library_s_output(pipeline: Pipeline) -> None:

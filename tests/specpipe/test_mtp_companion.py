@@ -189,6 +189,30 @@ def test_drafts_ahead_through_the_api_and_the_command_line(
     ]
 
 
+def test_scoring_a_text_on_a_hybrid_target(hybrid: Path) -> None:
+    """`Pipeline.score` on a target with recurrent layers: chunked or whole,
+    the scores are the same, and a completion's are the log-probabilities
+    its generation reported (the recurrent state carried across chunks)."""
+    from specpipe.score import score_tokens
+
+    pipeline = load(str(hybrid)).unwrap()
+    limits = GenerationLimits(max_tokens=8, logprobs=True)
+    result = pipeline.generate(PROMPTS[0], limits=limits).unwrap()
+    assert result.logprobs is not None
+    ids = [*pipeline.encode(PROMPTS[0]).unwrap(), *result.tokens]
+    whole = pipeline.score(ids, top_logprobs=3).unwrap()
+    chunked = score_tokens(pipeline.target.model, ids, top=3, chunk=3)
+    assert whole.tokens == chunked.tokens == tuple(ids)
+    assert whole.logprobs[0] is None and chunked.logprobs[0] is None
+    assert chunked.logprobs[1:] == pytest.approx(whole.logprobs[1:], abs=1e-4)
+    assert [[t for t, _ in top] for top in chunked.top] == [
+        [t for t, _ in top] for top in whole.top
+    ]
+    prompt = len(ids) - len(result.tokens)
+    assert whole.logprobs[prompt:] == pytest.approx(list(result.logprobs), abs=1e-4)
+    assert "top-logprobs must be in" in str(pipeline.score(ids, 21).failure())
+
+
 def test_mtp_rows_arriving_mid_run_equal_their_runs_alone(hybrid: Path) -> None:
     """Continuous batching on a hybrid target drafting with its MTP head
     (`Pipeline.generate_arriving`, what `specpipe serve` runs on): rows that
