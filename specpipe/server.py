@@ -132,7 +132,7 @@ def _asked_logprobs(
     if not succeeded(top):
         return Failure(top.failure())
     if endpoint == "completions":
-        if logprobs in (None, False, True):
+        if logprobs is None or isinstance(logprobs, bool):
             return Success((bool(logprobs), 0))
         if isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS:
             return Success((logprobs > 0, logprobs))
@@ -140,7 +140,7 @@ def _asked_logprobs(
             f"'logprobs' must be a count of alternatives in [0, "
             f"{MAX_TOP_LOGPROBS}], got {logprobs!r}"
         )
-    if logprobs not in (None, False, True):
+    if not (logprobs is None or isinstance(logprobs, bool)):
         return _refuse(f"'logprobs' must be true or false, got {logprobs!r}")
     count = top.unwrap() or 0
     if not 0 <= count <= MAX_TOP_LOGPROBS:

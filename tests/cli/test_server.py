@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 
@@ -617,6 +617,47 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(
     assert len(lp["top_logprobs"]) == len(ids) + 4
     assert plain["choices"][0]["logprobs"] is None
     assert plain["choices"][0]["text"].startswith(decode(ids))
+
+
+def test_an_evaluation_harness_s_log_likelihood_request(pipeline: Pipeline) -> None:
+    """lm-eval-harness's `local-completions` log-likelihood request as it
+    sends it (a batch of token-id prompts, `echo`, `max_tokens: 1`,
+    `logprobs: 1`, temperature 0), read as it reads the answer: the sum of
+    the continuation's `token_logprobs[ctxlen:-1]`, and greedy where each is
+    its position's best `top_logprobs` value. Both agree with
+    `Pipeline.score`: the continuation that greedy decoding produces is
+    greedy, another is not."""
+    context = list(pipeline.encode("def fibonacci(n):").unwrap())
+    greedy = pipeline.generate(context, limits=GenerationLimits(max_tokens=3)).unwrap()
+    other = [(greedy.tokens[0] + 1) % 50, *greedy.tokens[1:]]
+    requests = [context + list(greedy.tokens), context + other]
+
+    def client(base: str) -> list[Any]:
+        body = {
+            "model": "tiny",
+            "prompt": requests,
+            "temperature": 0,
+            "max_tokens": 1,
+            "logprobs": 1,
+            "seed": 1234,
+            "echo": True,
+        }
+        return [post(f"{base}/v1/completions", body)]
+
+    [(code, answer)] = served(pipeline, client)
+    assert code == 200
+    read = []
+    for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+        lps = choice["logprobs"]["token_logprobs"][len(context) : -1]
+        tops = choice["logprobs"]["top_logprobs"][len(context) : -1]
+        is_greedy = all(
+            lp == max(top.values()) for lp, top in zip(lps, tops, strict=True)
+        )
+        read.append((sum(lps), is_greedy))
+    for (total, _), tokens in zip(read, requests, strict=True):
+        scored = pipeline.score(tokens).unwrap().logprobs[len(context) :]
+        assert total == pytest.approx(sum(cast(list[float], scored)), abs=1e-4)
+    assert [g for _, g in read] == [True, False]
 
 
 def test_a_logit_bias_request_equals_the_library_s_output(pipeline: Pipeline) -> None:
