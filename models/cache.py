@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+from attrs import frozen
 
 # Windows up to this long attend over the whole capacity on a GPU: verify
 # windows, and a two-model draft's catch-up after up to 64 plain steps of a
@@ -199,3 +200,195 @@ def position_mask(
     query = mx.arange(length, dtype=mx.int32)[None, None, :, None]
     key = mx.arange(span, dtype=mx.int32)[None, None, None, :]
     return key <= starts[:, None, None, None] + query
+
+
+@frozen
+class KVQuantization:
+    """Keys and values stored quantized (`--kv-bits`): `bits` per value in
+    groups of `group_size` along the head dimension, each group with its own
+    scale and bias (MLX's affine quantization)."""
+
+    bits: int = 8
+    group_size: int = 64
+
+
+class QuantizedKVCache(KVCache):
+    """`KVCache` whose buffers hold each position's keys and values quantized
+    (`KVQuantization`): about 8.5 or 4.5 bits a value instead of 16. A window
+    is quantized as it is written; the span its queries attend over is
+    dequantized for the attention, so every attention layer reads it as it
+    reads a `KVCache`.
+
+    A position's quantized values depend on that position alone (its groups
+    lie along the head dimension), so a verify window stores what plain
+    decoding stores one position at a time: speculation stays lossless with
+    it (against plain decoding with the same cache)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        quantization: KVQuantization,
+    ) -> None:
+        if head_dim % quantization.group_size:
+            raise ValueError(
+                f"a head of {head_dim} values cannot be quantized in groups of "
+                f"{quantization.group_size}; give a group size that divides it"
+            )
+        super().__init__(num_layers, batch, kv_heads, head_dim, dtype)
+        self.quantization = quantization
+        # per layer: (packed uint32, scales, biases), each [B, Hkv, C, ...]
+        self.key_parts: list[tuple[mx.array, mx.array, mx.array]] = []
+        self.value_parts: list[tuple[mx.array, mx.array, mx.array]] = []
+
+    def _empty(self, positions: int) -> tuple[mx.array, mx.array, mx.array]:
+        q = self.quantization
+        lead = (self.batch, self.kv_heads, positions)
+        return (
+            mx.zeros((*lead, self.head_dim * q.bits // 32), mx.uint32),
+            mx.zeros((*lead, self.head_dim // q.group_size), self.dtype),
+            mx.zeros((*lead, self.head_dim // q.group_size), self.dtype),
+        )
+
+    def reserve(self, end: int) -> None:
+        if end <= self.capacity:
+            return
+        new_capacity = ((end + _STEP - 1) // _STEP) * _STEP
+        grow = new_capacity - self.capacity
+
+        def grown(
+            parts: tuple[mx.array, mx.array, mx.array],
+        ) -> tuple[mx.array, mx.array, mx.array]:
+            more = self._empty(grow)
+            a, b, c = (
+                mx.concatenate([p, m], axis=2) for p, m in zip(parts, more, strict=True)
+            )
+            return a, b, c
+
+        if not self.key_parts:
+            self.key_parts = [self._empty(grow) for _ in range(self.num_layers)]
+            self.value_parts = [self._empty(grow) for _ in range(self.num_layers)]
+        else:
+            self.key_parts = [grown(p) for p in self.key_parts]
+            self.value_parts = [grown(p) for p in self.value_parts]
+        self.capacity = new_capacity
+
+    def read(self, layer: int, end: int) -> tuple[mx.array, mx.array]:
+        """Layer `layer`'s keys and values of positions `< end`, dequantized
+        `[B, Hkv, end, D]`."""
+        return (
+            self._dequantized(self.key_parts[layer], end),
+            self._dequantized(self.value_parts[layer], end),
+        )
+
+    def _dequantized(
+        self, parts: tuple[mx.array, mx.array, mx.array], end: int
+    ) -> mx.array:
+        q = self.quantization
+        packed, scales, biases = (p[:, :, :end, :] for p in parts)
+        return mx.dequantize(
+            packed, scales, biases, group_size=q.group_size, bits=q.bits
+        ).astype(self.dtype)
+
+    def write(
+        self,
+        layer: int,
+        keys: mx.array,  # [B, Hkv, L, D]
+        values: mx.array,  # [B, Hkv, L, D]
+        offsets: Sequence[int],
+    ) -> tuple[mx.array, mx.array]:
+        length = keys.shape[2]
+        assert max(offsets) + length <= self.capacity, "reserve() before write()"
+        end = self.key_span(offsets, length)
+        q = self.quantization
+        for parts, window in ((self.key_parts, keys), (self.value_parts, values)):
+            quantized = mx.quantize(window, group_size=q.group_size, bits=q.bits)
+            stored = parts[layer]
+            if all(o == offsets[0] for o in offsets):
+                start = offsets[0]
+                for buffer, piece in zip(stored, quantized, strict=True):
+                    buffer[:, :, start : start + length, :] = piece
+            else:
+                for row, start in enumerate(offsets):
+                    for buffer, piece in zip(stored, quantized, strict=True):
+                        buffer[row, :, start : start + length, :] = piece[row]
+        return self.read(layer, end)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for parts in (*self.key_parts, *self.value_parts) for a in parts]
+
+    def _like(self, batch: int) -> QuantizedKVCache:
+        return QuantizedKVCache(
+            self.num_layers,
+            batch,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.quantization,
+        )
+
+    def take_rows(self, rows: Sequence[int], end: int | None = None) -> KVCache:
+        out = self._like(len(rows))
+        capacity = self.capacity
+        if end is not None:
+            capacity = min(capacity, max(_STEP, -(-end // _STEP) * _STEP))
+        out.capacity = capacity
+        if self.key_parts:
+            index = mx.array(list(rows), dtype=mx.int32)
+
+            def taken(
+                parts: tuple[mx.array, mx.array, mx.array],
+            ) -> tuple[mx.array, mx.array, mx.array]:
+                a, b, c = (mx.take(p[:, :, :capacity], index, axis=0) for p in parts)
+                return a, b, c
+
+            out.key_parts = [taken(p) for p in self.key_parts]
+            out.value_parts = [taken(p) for p in self.value_parts]
+        return out
+
+    @staticmethod
+    def concat_rows(caches: Sequence[KVCache]) -> KVCache:
+        quantized = [c for c in caches if isinstance(c, QuantizedKVCache)]
+        assert len(quantized) == len(caches), "rows of one model's caches"
+        first = quantized[0]
+        capacity = max(c.capacity for c in quantized)
+        for c in quantized:
+            c.reserve(capacity)
+        out = first._like(sum(c.batch for c in quantized))
+        out.capacity = capacity
+        if capacity:
+
+            def joined(layer: int, side: str) -> tuple[mx.array, mx.array, mx.array]:
+                parts = [getattr(c, side)[layer] for c in quantized]
+                a, b, c = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+                return a, b, c
+
+            out.key_parts = [joined(i, "key_parts") for i in range(first.num_layers)]
+            out.value_parts = [
+                joined(i, "value_parts") for i in range(first.num_layers)
+            ]
+        return out
+
+
+def kv_quantization(model: object) -> KVQuantization | None:
+    """How `model` stores its keys and values (`--kv-bits`, set by the
+    loader as its `kv_quantization` attribute); None: at its own dtype."""
+    value = getattr(model, "kv_quantization", None)
+    return value if isinstance(value, KVQuantization) else None
+
+
+def kv_cache(
+    num_layers: int,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    quantization: KVQuantization | None,
+) -> KVCache:
+    """A `KVCache`, or a `QuantizedKVCache` where `quantization` is given."""
+    if quantization is None:
+        return KVCache(num_layers, batch, kv_heads, head_dim, dtype)
+    return QuantizedKVCache(num_layers, batch, kv_heads, head_dim, dtype, quantization)

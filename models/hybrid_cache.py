@@ -78,7 +78,7 @@ class HybridCache:
         """Stack the rows of several caches of one model into one (a copy)."""
         first = caches[0]
         return HybridCache(
-            KVCache.concat_rows([c.kv for c in caches]),
+            type(first.kv).concat_rows([c.kv for c in caches]),
             [
                 mx.concatenate([c.conv[i] for c in caches])
                 for i in range(len(first.conv))

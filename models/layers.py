@@ -20,7 +20,7 @@ from attrs import evolve, frozen
 from mlx.utils import tree_flatten
 
 from models.base import Mask, RoPE
-from models.cache import KVCache, KVWrite
+from models.cache import KVCache, KVWrite, kv_cache, kv_quantization
 from models.fuse import FusedProjection, fuse, fused_or_none
 from models.parallel import Linear
 from models.vocab_head import HeadWeights, softcapped
@@ -294,9 +294,15 @@ def decoder_cache(
     module: nn.Module, args: DecoderArgs, layers: int, batch: int
 ) -> KVCache:
     """An empty KV cache of `layers` slots for `batch` rows: `args`' KV heads
-    and head width, in the dtype `module` computes in."""
-    return KVCache(
-        layers, batch, args.num_key_value_heads, args.dim_per_head, model_dtype(module)
+    and head width, in the dtype `module` computes in; quantized where the
+    module was given a `kv_quantization` (`--kv-bits`)."""
+    return kv_cache(
+        layers,
+        batch,
+        args.num_key_value_heads,
+        args.dim_per_head,
+        model_dtype(module),
+        kv_quantization(module),
     )
 
 

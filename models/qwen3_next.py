@@ -39,7 +39,7 @@ from models.base import (
     attention_mask,
     rope_offset,
 )
-from models.cache import KVCache, KVWrite
+from models.cache import KVWrite, kv_cache, kv_quantization
 from models.fuse import FusedProjection, fuse, fused_or_none, split_last
 from models.gated_delta import GatedDeltaMixer, GatedDeltaNet
 from models.hybrid_cache import HybridCache, HybridDelta, WindowStates
@@ -486,12 +486,13 @@ class Model(HeadedLM, Tapping):
     def make_cache(self, batch: int) -> HybridCache:
         args = self.hybrid
         dtype = model_dtype(self)
-        kv = KVCache(
+        kv = kv_cache(
             len(args.attention_layers),
             batch,
             args.num_key_value_heads,
             args.dim_per_head,
             dtype,
+            kv_quantization(self),
         )
         channels = (
             2 * args.linear_num_key_heads * args.linear_key_head_dim

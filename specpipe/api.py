@@ -20,8 +20,9 @@ from bindings.capabilities import GraphCapabilities, NativeDraft
 from bindings.kinds import default_registry
 from bindings.registry import DraftLoadRequest, DraftRegistry, LoadedDraft
 from models.build import quantized_forms
-from models.cache import on_gpu
+from models.cache import KVQuantization, QuantizedKVCache, on_gpu
 from models.dflash import bits_problem
+from models.hybrid_cache import HybridCache
 from schemas.errors import LoadError, RequestError, SpecpipeError, succeeded
 from schemas.request import (
     MAX_TOP_LOGPROBS,
@@ -763,6 +764,34 @@ def _row_text(
     return forward
 
 
+# mlx_lm's --kv-bits values and the group sizes MLX quantizes in
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def _quantize_kv(
+    target: LoadedModel, quantization: KVQuantization
+) -> Result[None, RequestError]:
+    """Make the target store its keys and values quantized, or say why its
+    caches cannot be."""
+    model: Any = target.model
+    model.kv_quantization = quantization
+    try:
+        cache = model.make_cache(1)
+    except ValueError as exc:
+        return Failure(RequestError(f"--kv-bits: {exc}"))
+    kv = cache.kv if isinstance(cache, HybridCache) else cache
+    if not isinstance(kv, QuantizedKVCache):
+        model.kv_quantization = None
+        return Failure(
+            RequestError(
+                f"--kv-bits is not supported for {target.args.model_type} targets yet "
+                "(their attention caches are not quantized); leave it out"
+            )
+        )
+    return Success(None)
+
+
 def load(
     ref: str | None = None,
     *,
@@ -782,6 +811,8 @@ def load(
     prompt_cache: bool | int = False,
     draft_bits: int | None = None,
     gguf_quantized: bool | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> Result[Pipeline, SpecpipeError]:
     """Load a target (default: the embedded default model) and, optionally, a
     draft: "none", "ngram", "auto" (a companion the target bundles, else
@@ -806,9 +837,23 @@ def load(
     as it is). `gguf_quantized`: a .gguf (or fixture) target keeps its
     Q4_*, Q5_*, Q8_0 and K-type matrices quantized (`specpipe.load.load`), and so
     does a two-model draft that is one (None, the default: they do; True:
-    the target must be one; False: both dequantized to float)."""
+    the target must be one; False: both dequantized to float). `kv_bits`:
+    the target's attention keys and values are stored quantized to that many
+    bits in groups of `kv_group_size` (`models.cache.QuantizedKVCache`;
+    mlx_lm's --kv-bits), a fraction of their memory; None: at the model's
+    dtype."""
     if draft_bits is not None and (problem := bits_problem(draft_bits)):
         return Failure(RequestError(problem))
+    if kv_bits is not None and (
+        kv_bits not in KV_BITS or kv_group_size not in KV_GROUP_SIZES
+    ):
+        return Failure(
+            RequestError(
+                f"kv-bits must be one of {', '.join(map(str, KV_BITS))} and the "
+                f"kv group size one of {', '.join(map(str, KV_GROUP_SIZES))}, got "
+                f"{kv_bits} and {kv_group_size}"
+            )
+        )
     if prompt_cache is not True and prompt_cache is not False and prompt_cache <= 0:
         return Failure(
             RequestError(
@@ -846,6 +891,10 @@ def load(
         return Failure(loaded.failure())
     target = loaded.unwrap()
     notice_tf32(target.model)
+    if kv_bits is not None:
+        stored = _quantize_kv(target, KVQuantization(kv_bits, kv_group_size))
+        if not succeeded(stored):
+            return Failure(stored.failure())
     if draft is None or draft == "none":
         if draft_vocab not in (None, "off"):
             return Failure(

@@ -22,7 +22,14 @@ from schemas.request import (
     SamplingParams,
     logit_bias_entries,
 )
-from specpipe.api import Conversation, Pipeline, Prompt, load
+from specpipe.api import (
+    KV_BITS,
+    KV_GROUP_SIZES,
+    Conversation,
+    Pipeline,
+    Prompt,
+    load,
+)
 from specpipe.load import DEFAULT_MODEL, checkpoint, save_folder
 from specpipe.load import load as load_model
 from specpipe.precision import prefer_exact_float32
@@ -126,6 +133,8 @@ def _pipeline(args: argparse.Namespace, prompt_cache: bool | int = False) -> Pip
             prompt_cache=prompt_cache,
             draft_bits=args.draft_bits,
             gguf_quantized=args.gguf_quantized,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
         )
     )
     if args.extra_eos_token:
@@ -483,6 +492,21 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=None,
+        help="store the target's attention keys and values quantized to this "
+        "many bits (mlx_lm's --kv-bits; default: at the model's dtype)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=64,
+        help="the groups --kv-bits quantizes in (default 64)",
     )
     parser.add_argument(
         "--draft",

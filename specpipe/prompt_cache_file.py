@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 from returns.result import Failure, Result, Success
 
-from models.cache import KVCache
+from models.cache import KVCache, KVQuantization, QuantizedKVCache, kv_quantization
 from models.gemma4 import Gemma4Cache
 from models.hybrid_cache import HybridCache
 from schemas.errors import LoadError, succeeded
@@ -55,17 +55,21 @@ _DTYPES = {str(d): d for d in (mx.float32, mx.float16, mx.bfloat16)}
 
 
 def model_fingerprint(model: Any) -> str:
-    """The model's shape and a digest of its first embeddings: what a file's
-    states are only valid for."""
+    """The model's shape, a digest of its first embeddings and how it stores
+    keys and values (`--kv-bits`): what a file's states are only valid for."""
     a = model.args
     digest = "none"
     embed = getattr(model, "embed", None)
     if embed is not None:
         rows = embed(mx.arange(8, dtype=mx.int32)[None]).astype(mx.float32)
         digest = hashlib.sha256(np.array(rows).tobytes()).hexdigest()[:16]
+    quantized = kv_quantization(model)
+    stored = (
+        f"/kv{quantized.bits}g{quantized.group_size}" if quantized is not None else ""
+    )
     return (
         f"{a.model_type}/h{a.hidden_size}/l{a.num_hidden_layers}/v{a.vocab_size}/"
-        f"{digest}"
+        f"{digest}{stored}"
     )
 
 
@@ -250,6 +254,25 @@ def _cache_out(cache: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str
             "kv": _cache_out(cache.kv, prefix + "kv.", arrays),
             "linear": len(cache.conv),
         }
+    if isinstance(cache, QuantizedKVCache):
+        for i, (key_parts, value_parts) in enumerate(
+            zip(cache.key_parts, cache.value_parts, strict=True)
+        ):
+            for j, (kp, vp) in enumerate(zip(key_parts, value_parts, strict=True)):
+                arrays[f"{prefix}k.{i}.{j}"] = kp
+                arrays[f"{prefix}v.{i}.{j}"] = vp
+        return {
+            "kind": "qkv",
+            "prefix": prefix,
+            "layers": cache.num_layers,
+            "batch": cache.batch,
+            "kv_heads": cache.kv_heads,
+            "head_dim": cache.head_dim,
+            "dtype": str(cache.dtype),
+            "capacity": cache.capacity,
+            "bits": cache.quantization.bits,
+            "group_size": cache.quantization.group_size,
+        }
     if isinstance(cache, KVCache):
         for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
             arrays[f"{prefix}k.{i}"] = k
@@ -284,25 +307,52 @@ def _cache_in(layout: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
             [arrays[f"{prefix}conv.{i}"] for i in range(count)],
             [arrays[f"{prefix}rec.{i}"] for i in range(count)],
         )
-    if layout["kind"] != "kv":
+    if layout["kind"] not in ("kv", "qkv"):
         raise ValueError(f"unknown cache kind {layout['kind']!r}")
     dtype = _DTYPES.get(str(layout["dtype"]))
     if dtype is None:
         raise ValueError(f"unknown cache dtype {layout['dtype']!r}")
     layers, capacity = int(layout["layers"]), int(layout["capacity"])
-    cache = KVCache(
+    shape = (
         layers,
         int(layout["batch"]),
         int(layout["kv_heads"]),
         int(layout["head_dim"]),
         dtype,
     )
+    if layout["kind"] == "qkv":
+        quantization = KVQuantization(int(layout["bits"]), int(layout["group_size"]))
+        quantized = QuantizedKVCache(*shape, quantization)
+        if capacity:
+            # one shape check: reserve the buffers, then compare each array's
+            quantized.reserve(capacity)
+
+            def parts(side: str, i: int) -> tuple[mx.array, mx.array, mx.array]:
+                a, b, c = (arrays[f"{prefix}{side}.{i}.{j}"] for j in range(3))
+                return a, b, c
+
+            for side, stored in (
+                ("k", quantized.key_parts),
+                ("v", quantized.value_parts),
+            ):
+                for i in range(layers):
+                    read = parts(side, i)
+                    if any(
+                        r.shape != e.shape for r, e in zip(read, stored[i], strict=True)
+                    ):
+                        raise ValueError(
+                            f"quantized cache arrays under {prefix!r} do not fit "
+                            f"its layout"
+                        )
+                    stored[i] = read
+        return quantized
+    cache = KVCache(*shape)
     if capacity:
-        shape = (cache.batch, cache.kv_heads, capacity, cache.head_dim)
+        buffer = (cache.batch, cache.kv_heads, capacity, cache.head_dim)
         cache.keys = [arrays[f"{prefix}k.{i}"] for i in range(layers)]
         cache.values = [arrays[f"{prefix}v.{i}"] for i in range(layers)]
-        if any(tuple(a.shape) != shape for a in (*cache.keys, *cache.values)):
-            raise ValueError(f"cache arrays under {prefix!r} are not of shape {shape}")
+        if any(tuple(a.shape) != buffer for a in (*cache.keys, *cache.values)):
+            raise ValueError(f"cache arrays under {prefix!r} are not of shape {buffer}")
         cache.capacity = capacity
     return cache
 

@@ -57,6 +57,7 @@ def write_tiny_model(
     model_type: str = "qwen2",
     context: int = 256,
     tokenizer_vocab: int = 300,
+    hidden_size: int = 64,
 ) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -74,9 +75,9 @@ def write_tiny_model(
     )
     config = {
         "model_type": model_type,
-        "hidden_size": 64,
+        "hidden_size": hidden_size,
         "num_hidden_layers": 2,
-        "intermediate_size": 128,
+        "intermediate_size": 2 * hidden_size,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "vocab_size": vocab,

@@ -28,10 +28,13 @@ PROMPTS = ["def fibonacci(n):", "Hello world! The quick"]
 
 
 def write_hybrid(
-    folder: Path, with_mtp: bool = True, block_size: int | None = 3
+    folder: Path,
+    with_mtp: bool = True,
+    block_size: int | None = 3,
+    **overrides: Any,
 ) -> Path:
     write_tiny_model(folder)  # tokenizer files (the weights are replaced)
-    config = {**CONFIG, "vocab_size": VOCAB}
+    config = {**CONFIG, "vocab_size": VOCAB, **overrides}
     if block_size is not None:
         config["block_size"] = block_size
     (folder / "config.json").write_text(json.dumps(config))
