@@ -128,6 +128,12 @@ class KVCache:
     # positions past a row's length are never attended (see module doc).
     truncatable = True
 
+    def kept_capacity(self, end: int | None) -> int:
+        """The capacity a copy of positions `< end` keeps (None: all of it)."""
+        if end is None:
+            return self.capacity
+        return min(self.capacity, max(_STEP, -(-end // _STEP) * _STEP))
+
     def take_rows(self, rows: Sequence[int], end: int | None = None) -> KVCache:
         """A new cache holding the given rows, in that order (a copy); `end`:
         only positions `< end` are wanted (a checkpoint of rows that hold
@@ -136,9 +142,7 @@ class KVCache:
         out = KVCache(
             self.num_layers, len(rows), self.kv_heads, self.head_dim, self.dtype
         )
-        capacity = self.capacity
-        if end is not None:
-            capacity = min(capacity, max(_STEP, -(-end // _STEP) * _STEP))
+        capacity = self.kept_capacity(end)
         out.capacity = capacity
         if self.keys:
             index = mx.array(list(rows), dtype=mx.int32)
@@ -332,9 +336,7 @@ class QuantizedKVCache(KVCache):
 
     def take_rows(self, rows: Sequence[int], end: int | None = None) -> KVCache:
         out = self._like(len(rows))
-        capacity = self.capacity
-        if end is not None:
-            capacity = min(capacity, max(_STEP, -(-end // _STEP) * _STEP))
+        capacity = self.kept_capacity(end)
         out.capacity = capacity
         if self.key_parts:
             index = mx.array(list(rows), dtype=mx.int32)

@@ -254,30 +254,8 @@ def _cache_out(cache: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str
             "kv": _cache_out(cache.kv, prefix + "kv.", arrays),
             "linear": len(cache.conv),
         }
-    if isinstance(cache, QuantizedKVCache):
-        for i, (key_parts, value_parts) in enumerate(
-            zip(cache.key_parts, cache.value_parts, strict=True)
-        ):
-            for j, (kp, vp) in enumerate(zip(key_parts, value_parts, strict=True)):
-                arrays[f"{prefix}k.{i}.{j}"] = kp
-                arrays[f"{prefix}v.{i}.{j}"] = vp
-        return {
-            "kind": "qkv",
-            "prefix": prefix,
-            "layers": cache.num_layers,
-            "batch": cache.batch,
-            "kv_heads": cache.kv_heads,
-            "head_dim": cache.head_dim,
-            "dtype": str(cache.dtype),
-            "capacity": cache.capacity,
-            "bits": cache.quantization.bits,
-            "group_size": cache.quantization.group_size,
-        }
     if isinstance(cache, KVCache):
-        for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            arrays[f"{prefix}k.{i}"] = k
-            arrays[f"{prefix}v.{i}"] = v
-        return {
+        layout: dict[str, Any] = {
             "kind": "kv",
             "prefix": prefix,
             "layers": cache.num_layers,
@@ -286,6 +264,24 @@ def _cache_out(cache: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str
             "head_dim": cache.head_dim,
             "dtype": str(cache.dtype),
             "capacity": cache.capacity,
+        }
+        if not isinstance(cache, QuantizedKVCache):
+            for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
+                arrays[f"{prefix}k.{i}"] = k
+                arrays[f"{prefix}v.{i}"] = v
+            return layout
+        for i, (key_parts, value_parts) in enumerate(
+            zip(cache.key_parts, cache.value_parts, strict=True)
+        ):
+            for j, (kp, vp) in enumerate(zip(key_parts, value_parts, strict=True)):
+                arrays[f"{prefix}k.{i}.{j}"] = kp
+                arrays[f"{prefix}v.{i}.{j}"] = vp
+        quantization = cache.quantization
+        return {
+            **layout,
+            "kind": "qkv",
+            "bits": quantization.bits,
+            "group_size": quantization.group_size,
         }
     raise TypeError(f"a {type(cache).__name__} cannot be kept in a prompt-cache file")
 
