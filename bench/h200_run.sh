@@ -221,6 +221,10 @@
 #  once), ten started no machine (90-180 s each), three fell in cooldowns; 1,399 s of device time spent, 401 s
 #  left. A new checkout lacks .whlA/.whlB: the recipe above rebuilt them in under a minute. The next call
 #  stays the one above)
+# (fiftieth session, 2026-12-08: eleven requests for an H200 between 00:33 and 01:43 UTC, none started a
+#  machine (five "could not be started", 90-180 s each; six in cooldowns, 15 s each); 961 s of device time
+#  spent; then the device said no machine is lent at present and not to call again. The next call stays
+#  the one above)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 S=$HOME/stash
