@@ -969,3 +969,42 @@ def test_a_prompt_cache_file_that_cannot_be_saved_is_named_before_the_run(
         str(missing),
     )
     assert not missing.parent.exists()
+
+
+def test_the_readme_s_usage_block_names_only_real_options() -> None:
+    """Every option the README's command-line block shows is one its command
+    takes (brace groups expanded), and every command it shows exists."""
+    import argparse
+    import re
+
+    from specpipe.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("## Command line", 1)[1].split("```text", 1)[1]
+    block = block.split("```", 1)[0]
+    parser = build_parser()
+    commands = next(
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    taken = {
+        name: {o for a in sub._actions for o in a.option_strings}
+        for name, sub in commands.items()
+    }
+    shared = {o for a in parser._actions for o in a.option_strings}
+    checked = 0
+    for entry in re.split(r"\n(?=specpipe )", block.strip()):
+        words = entry.split()
+        command = words[1] if words[1] in commands else None
+        assert command is not None or words[1].startswith("["), entry
+        for option in re.findall(
+            r"--(?:\[no-\])?(?:\{[a-z,]+\})?[a-z][a-z0-9-]*", entry
+        ):
+            forms = [option]
+            if match := re.match(r"--\{([a-z,]+)\}(.*)", option):
+                forms = [f"--{word}{match[2]}" for word in match[1].split(",")]
+            forms = [f.replace("--[no-]", "--") for f in forms]
+            for form in forms:
+                known = taken[command] if command is not None else shared
+                assert form in known or form in shared, (command, form)
+                checked += 1
+    assert checked > 40
