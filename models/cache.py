@@ -39,6 +39,24 @@ def cuda_backend() -> bool:
 
 _STEP = 256
 
+
+def _rounded(end: int) -> int:
+    """The capacity that holds positions `< end`: a multiple of `_STEP`."""
+    return -(-end // _STEP) * _STEP
+
+
+def _store(buffer: mx.array, window: mx.array, offsets: Sequence[int]) -> None:
+    """Write `window` `[B, ..., L, X]` into `buffer` `[B, ..., C, X]` at each
+    row's offset along the position axis (in place)."""
+    length = window.shape[2]
+    if all(o == offsets[0] for o in offsets):
+        start = offsets[0]
+        buffer[:, :, start : start + length, :] = window
+        return
+    for row, start in enumerate(offsets):
+        buffer[row, :, start : start + length, :] = window[row]
+
+
 # How an attention layer stores its window: the window's keys/values
 # `[B, Hkv, L, D]` in, the keys/values its queries attend over `[B, Hkv, S, D]` out.
 KVWrite = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
@@ -74,7 +92,7 @@ class KVCache:
         """Make room for positions `< end` in every layer (copies on growth)."""
         if end <= self.capacity:
             return
-        new_capacity = ((end + _STEP - 1) // _STEP) * _STEP
+        new_capacity = _rounded(end)
         shape = (self.batch, self.kv_heads, new_capacity - self.capacity, self.head_dim)
         if not self.keys:
             self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
@@ -106,14 +124,8 @@ class KVCache:
         assert max(offsets) + length <= self.capacity, "reserve() before write()"
         end = self.key_span(offsets, length)
         k_buf, v_buf = self.keys[layer], self.values[layer]
-        if all(o == offsets[0] for o in offsets):
-            start = offsets[0]
-            k_buf[:, :, start : start + length, :] = keys
-            v_buf[:, :, start : start + length, :] = values
-        else:
-            for row, start in enumerate(offsets):
-                k_buf[row, :, start : start + length, :] = keys[row]
-                v_buf[row, :, start : start + length, :] = values[row]
+        _store(k_buf, keys, offsets)
+        _store(v_buf, values, offsets)
         return k_buf[:, :, :end, :], v_buf[:, :, :end, :]
 
     def writer(self, layer: int, offsets: Sequence[int]) -> KVWrite:
@@ -132,7 +144,7 @@ class KVCache:
         """The capacity a copy of positions `< end` keeps (None: all of it)."""
         if end is None:
             return self.capacity
-        return min(self.capacity, max(_STEP, -(-end // _STEP) * _STEP))
+        return min(self.capacity, max(_STEP, _rounded(end)))
 
     def take_rows(self, rows: Sequence[int], end: int | None = None) -> KVCache:
         """A new cache holding the given rows, in that order (a copy); `end`:
@@ -260,7 +272,7 @@ class QuantizedKVCache(KVCache):
     def reserve(self, end: int) -> None:
         if end <= self.capacity:
             return
-        new_capacity = ((end + _STEP - 1) // _STEP) * _STEP
+        new_capacity = _rounded(end)
         grow = new_capacity - self.capacity
 
         def grown(
@@ -310,15 +322,8 @@ class QuantizedKVCache(KVCache):
         q = self.quantization
         for parts, window in ((self.key_parts, keys), (self.value_parts, values)):
             quantized = mx.quantize(window, group_size=q.group_size, bits=q.bits)
-            stored = parts[layer]
-            if all(o == offsets[0] for o in offsets):
-                start = offsets[0]
-                for buffer, piece in zip(stored, quantized, strict=True):
-                    buffer[:, :, start : start + length, :] = piece
-            else:
-                for row, start in enumerate(offsets):
-                    for buffer, piece in zip(stored, quantized, strict=True):
-                        buffer[row, :, start : start + length, :] = piece[row]
+            for buffer, piece in zip(parts[layer], quantized, strict=True):
+                _store(buffer, piece, offsets)
         return self.read(layer, end)
 
     def arrays(self) -> list[mx.array]:
