@@ -193,6 +193,13 @@ def logit_bias_entries(
 MAX_TOP_LOGPROBS = 20
 
 
+def top_logprobs_problem(count: int) -> str | None:
+    """What is wrong with a count of alternatives a position, or None."""
+    if 0 <= count <= MAX_TOP_LOGPROBS:
+        return None
+    return f"top-logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0 = off), got {count}"
+
+
 @frozen(kw_only=True)
 class GenerationLimits:
     """How long a row runs, where it stops, and what it reports besides its
@@ -228,13 +235,8 @@ class GenerationLimits:
             )
         if any(s == "" for s in stop):
             return Failure(RequestError("stop strings must not be empty"))
-        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            return Failure(
-                RequestError(
-                    f"top-logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0 = off), "
-                    f"got {top_logprobs}"
-                )
-            )
+        if problem := top_logprobs_problem(top_logprobs):
+            return Failure(RequestError(problem))
         if num_draft_tokens is not None and num_draft_tokens < 0:
             return Failure(
                 RequestError(

@@ -25,10 +25,10 @@ from models.dflash import bits_problem
 from models.hybrid_cache import HybridCache
 from schemas.errors import LoadError, RequestError, SpecpipeError, succeeded
 from schemas.request import (
-    MAX_TOP_LOGPROBS,
     DraftPolicy,
     GenerationLimits,
     SamplingParams,
+    top_logprobs_problem,
 )
 from specpipe.adaptive import AdaptivePolicy, CostModel
 from specpipe.calibrate import calibrated
@@ -384,13 +384,8 @@ class Pipeline:
         `top_logprobs` likeliest tokens at each position (at most 20): the
         log-likelihoods an evaluation harness reads through a completion's
         `echo`."""
-        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            return Failure(
-                RequestError(
-                    f"top-logprobs must be in [0, {MAX_TOP_LOGPROBS}] (0 = off), "
-                    f"got {top_logprobs}"
-                )
-            )
+        if problem := top_logprobs_problem(top_logprobs):
+            return Failure(RequestError(problem))
         ids = self.encode(prompt, chat)
         if not succeeded(ids):
             return Failure(ids.failure())

@@ -38,7 +38,7 @@ from specpipe.output import Delivered, FinishReason, TokenSink, TopLogprobs, del
 from specpipe.prefill import prefill_rows
 from specpipe.prompt_cache import Checkpoint, Match, PromptCache
 from specpipe.sample_window import sample_window
-from specpipe.sampling import read_top_logprobs, token_logprobs, top_logprobs
+from specpipe.sampling import read_top_logprobs, token_scores
 from specpipe.state import RowState
 from specpipe.transaction import Prepared, apply_all, ready
 from specpipe.verify import build_window, verify
@@ -92,9 +92,8 @@ class _Scores:
         """What `requests` (the batch's rows) asked for, or None."""
         if not any(r.logprobs or r.top_logprobs for r in requests):
             return None
-        k = max(r.top_logprobs for r in requests)
         return _Scores(
-            token_logprobs(logits, tokens), top_logprobs(logits, k) if k else None
+            *token_scores(logits, tokens, max(r.top_logprobs for r in requests))
         )
 
     def arrays(self) -> list[mx.array]:

@@ -253,9 +253,7 @@ def token_logprobs(
     tokens: mx.array,  # [N] int32
 ) -> mx.array:
     """The model's own log-probability of each chosen token, `[N]` f32."""
-    scores = logits.astype(mx.float32)
-    norm = mx.logsumexp(scores, axis=-1)
-    return mx.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0] - norm
+    return token_scores(logits, tokens, 0)[0]
 
 
 def top_logprobs(
@@ -266,9 +264,26 @@ def top_logprobs(
     ids `[N, k]` int32 and their log-probabilities `[N, k]` f32, most likely
     first (equal values in any order, as `top_k_ids` takes them)."""
     scores = logits.astype(mx.float32)
-    norm = mx.logsumexp(scores, axis=-1, keepdims=True)
-    ids = top_k_ids(scores, k) if k < scores.shape[-1] else None
-    if ids is None:
+    return _top(scores, mx.logsumexp(scores, axis=-1, keepdims=True), k)
+
+
+def token_scores(
+    logits: mx.array,  # [N, V]
+    tokens: mx.array,  # [N] int32
+    k: int,
+) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+    """`token_logprobs` and, with k > 0, `top_logprobs`, from one
+    normalisation of the row (the same values each gives alone)."""
+    scores = logits.astype(mx.float32)
+    norm = mx.logsumexp(scores, axis=-1, keepdims=True)  # [N, 1]
+    chosen = mx.take_along_axis(scores, tokens[:, None], axis=-1) - norm
+    return chosen[:, 0], _top(scores, norm, k) if k else None
+
+
+def _top(scores: mx.array, norm: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    if k < scores.shape[-1]:
+        ids = top_k_ids(scores, k)
+    else:
         ids = mx.broadcast_to(mx.arange(scores.shape[-1], dtype=mx.int32), scores.shape)
     values = mx.take_along_axis(scores, ids, axis=-1)
     order = mx.argsort(-values, axis=-1)

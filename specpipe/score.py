@@ -16,7 +16,7 @@ from attrs import frozen
 
 from models.base import CausalLM
 from specpipe.output import TopLogprobs
-from specpipe.sampling import read_top_logprobs, token_logprobs, top_logprobs
+from specpipe.sampling import read_top_logprobs, token_scores
 
 # Positions a forward scores at once: its logits are [chunk, V] float32
 # (about 155 MB for a 151,936-id vocabulary).
@@ -51,8 +51,7 @@ def score_tokens(
         if out.delta is not None:
             out.delta.commit([len(window)])
         logits = out.logits[0, : len(following)]
-        chosen = token_logprobs(logits, mx.array(following, dtype=mx.int32))
-        best = top_logprobs(logits, top) if top else None
+        chosen, best = token_scores(logits, mx.array(following, dtype=mx.int32), top)
         mx.eval(cache.arrays(), chosen, *(best or ()))
         logprobs.extend(cast(list[float], chosen.tolist()))
         tops.extend(read_top_logprobs(best) if best else [() for _ in following])
